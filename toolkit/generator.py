@@ -1,0 +1,189 @@
+"""The Python API: ``toolkit.build(recipe)`` -> :class:`Generator`, whose ``generate`` returns text, ids and stats.
+
+    >>> import toolkit
+    >>> gen = toolkit.build(toolkit.Recipe.load("recipes/short.yaml"))
+    >>> out = gen.generate([{"role": "user", "content": "Name three prime numbers."}], max_new_tokens=32)
+    >>> out.text, out.stats.acceptance_rate, out.stats.tokens_per_round
+
+Chat templates are applied when a list of messages is given; a plain string is tokenized as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+
+import torch
+
+from toolkit.errors import ConfigError
+from toolkit.kv import make_policy
+from toolkit.models import check_same_vocab, load_model, weight_bytes
+from toolkit.recipe import GenerationSpec, ModelSpec, Recipe
+from toolkit.spec.adaptive import make_controller
+from toolkit.spec.decoder import SpeculativeDecoder
+from toolkit.spec.drafters import DraftModel, NGramDrafter
+from toolkit.spec.stats import GenerationResult, GenerationStats
+
+log = logging.getLogger(__name__)
+logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)  # per-call int8 cast notice
+
+
+class Generator:
+    """A built recipe: loaded target (and draft), a drafter, KV policies, generation defaults.
+
+    Attributes:
+        target, tokenizer: the target model and its tokenizer.
+        draft_model: the draft LM (``None`` for the n-gram drafter and autoregressive decoding).
+        weight_bytes: ``{"target": bytes, "draft": bytes}``.
+    """
+
+    def __init__(self, recipe: Recipe, target, tokenizer, draft_model=None):
+        self.recipe = recipe
+        self.target, self.tokenizer, self.draft_model = target, tokenizer, draft_model
+        self.target_policy = make_policy(recipe.kv, "kv")
+        self.draft_policy = make_policy(recipe.draft_kv, "draft_kv")
+        self.weight_bytes = {"target": weight_bytes(target),
+                             "draft": weight_bytes(draft_model) if draft_model is not None else 0}
+
+    # -------------------------------------------------------------------------------------------- preparation
+    def encode(self, prompt: str | list[dict]) -> torch.Tensor:
+        """Token ids ``(1, prompt_len)`` of a string, or of chat messages rendered with the chat template."""
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt, return_tensors="pt").input_ids
+        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt")
+            return ids if torch.is_tensor(ids) else ids["input_ids"]
+        raise ConfigError("prompt", "must be a string or a list of {'role': ..., 'content': ...} messages")
+
+    def eos_token_ids(self, gen: GenerationSpec) -> list[int]:
+        """EOS ids: the generation spec's, else the model's generation config's, else the tokenizer's."""
+        if gen.eos_token_id is not None:
+            return list(gen.eos_token_id)
+        eos = getattr(self.target.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return []
+        return [eos] if isinstance(eos, int) else list(eos)
+
+    def _generation_spec(self, overrides: dict) -> GenerationSpec:
+        known = {f.name for f in dataclasses.fields(GenerationSpec)}
+        for key in overrides:
+            if key not in known:
+                raise ConfigError(f"generation.{key}", "unknown generation argument", sorted(known))
+        gen = dataclasses.replace(self.recipe.generation, **overrides)
+        gen.validate("generation")
+        return gen
+
+    def _drafter(self, gen: GenerationSpec):
+        spec = self.recipe.spec
+        if spec.drafter == "ngram":
+            return NGramDrafter(spec.max_ngram, spec.min_ngram)
+        if spec.drafter in ("draft_model", "self"):
+            device = next(self.draft_model.parameters()).device
+            generator = torch.Generator(device=device).manual_seed(gen.seed + 1) if gen.do_sample else None
+            return DraftModel(self.draft_model, self.draft_policy, do_sample=gen.do_sample,
+                              temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p,
+                              confidence_threshold=spec.confidence_threshold, generator=generator)
+        return None
+
+    def decoder(self, gen: GenerationSpec) -> SpeculativeDecoder:
+        """A fresh decode loop for one call (drafter and controller state are per call)."""
+        return SpeculativeDecoder(self.target, self._drafter(gen), make_controller(self.recipe.spec),
+                                  self.target_policy)
+
+    # -------------------------------------------------------------------------------------------- generation
+    def _stop_check(self, gen: GenerationSpec):
+        if not gen.stop_strings:
+            return None
+        tokenizer, stops = self.tokenizer, gen.stop_strings
+
+        def should_stop(new_ids: list[int]) -> int | None:
+            text = tokenizer.decode(new_ids, skip_special_tokens=True)
+            if not any(s in text for s in stops):
+                return None
+            for cut in range(1, len(new_ids) + 1):  # shortest prefix whose text holds a stop string
+                if any(s in tokenizer.decode(new_ids[:cut], skip_special_tokens=True) for s in stops):
+                    return cut
+            return None
+
+        return should_stop
+
+    def _run(self, prompt, overrides) -> tuple[Iterator[list[int]], GenerationStats, list[int], GenerationSpec]:
+        gen = self._generation_spec(overrides)
+        input_ids = self.encode(prompt)
+        stats = GenerationStats()
+        chunks = self.decoder(gen).decode(input_ids, gen, stats, self.eos_token_ids(gen), self._stop_check(gen))
+        return chunks, stats, input_ids[0].tolist(), gen
+
+    def _text(self, ids: list[int], gen: GenerationSpec) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        for stop in gen.stop_strings:  # end right after the first stop string
+            at = text.find(stop)
+            if at >= 0:
+                text = text[: at + len(stop)]
+        return text
+
+    def generate(self, prompt: str | list[dict], **overrides) -> GenerationResult:
+        """Generate a completion of ``prompt`` (a string or chat messages).
+
+        ``overrides`` replace fields of the recipe's generation section for this call (``max_new_tokens``,
+        ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``ignore_eos``, ``eos_token_id``, ``stop_strings``,
+        ``seed``). Raises :class:`ConfigError` for an unknown or invalid argument.
+        """
+        chunks, stats, prompt_ids, gen = self._run(prompt, overrides)
+        new_ids = [tok for chunk in chunks for tok in chunk]
+        return GenerationResult(self._text(new_ids, gen), new_ids, prompt_ids, stats)
+
+    def generate_stream(self, prompt: str | list[dict], **overrides) -> Iterator[str]:
+        """Yield the completion's text incrementally, as tokens commit (same arguments as :meth:`generate`)."""
+        chunks, _, _, gen = self._run(prompt, overrides)
+        ids: list[int] = []
+        emitted = ""
+        for chunk in chunks:
+            ids.extend(chunk)
+            text = self._text(ids, gen)
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next tokens
+                continue
+            if len(text) > len(emitted):
+                yield text[len(emitted):]
+                emitted = text
+        text = self._text(ids, gen)
+        if len(text) > len(emitted):
+            yield text[len(emitted):]
+
+
+def build(recipe: Recipe, target=None, tokenizer=None, draft_model=None) -> Generator:
+    """Load the recipe's models and return a :class:`Generator`.
+
+    Already-loaded ``target``/``tokenizer``/``draft_model`` may be passed to share them between recipes (the
+    baselines of a comparison run reuse the same model objects).
+
+    Raises:
+        ConfigError: invalid recipe field.
+        ModelLoadError: a model source cannot be read.
+        TokenizerMismatchError: target and draft vocabularies differ.
+    """
+    recipe.validate()
+    if target is None:
+        target, tokenizer = load_model(recipe.target, "target")
+    drafter = recipe.spec.drafter
+    if drafter in ("draft_model", "self") and draft_model is None:
+        draft_spec = recipe.draft
+        if drafter == "self":
+            draft_spec = dataclasses.replace(recipe.draft, source=recipe.target.source)
+        draft_model, draft_tokenizer = load_model(draft_spec, "draft")
+        check_same_vocab(tokenizer, draft_tokenizer, recipe.target.source, draft_spec.source)
+    if drafter not in ("draft_model", "self"):
+        draft_model = None
+    return Generator(recipe, target, tokenizer, draft_model)
+
+
+def load_pair(recipe: Recipe):
+    """``(target, tokenizer, draft_model | None)`` for a recipe, for callers that build several generators."""
+    gen = build(recipe)
+    return gen.target, gen.tokenizer, gen.draft_model
+
+
+__all__ = ["Generator", "build", "load_pair", "ModelSpec"]

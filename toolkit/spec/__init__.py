@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters, verification rules and the decode loop."""

@@ -1,0 +1,177 @@
+"""The speculative decode loop (Leviathan et al., 2023; Chen et al., 2023), in the shape of gpt-fast's loop.
+
+One round::
+
+    draft K tokens            drafter.propose(committed, K)            -> d_1..d_k          (k <= K)
+    verify in ONE forward     target([x_last, d_1..d_k])               -> logits for k+1 positions
+    accept                    greedy_accept / speculative_sample        -> a accepted + 1 target token
+    roll back                 target_cache.crop(-(k - a)); drafter.commit(a)
+    commit point              kv_ops.commit(target_cache)              (the only place compression may run)
+
+Invariant between rounds: the committed sequence has n tokens and the target cache represents the first n - 1 of
+them; the last committed token is the first input of the next verify forward. Positions are absolute
+(``position_ids`` = n - 1 ... n - 1 + k), so a compressed cache that is physically shorter still sees the right
+rotary phases. With ``drafter=None`` the same loop is plain autoregressive decoding (k = 0 every round).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from toolkit.kv import ops as kv_ops
+from toolkit.recipe import GenerationSpec
+from toolkit.spec.adaptive import ConstantK
+from toolkit.spec.drafters import Drafter
+from toolkit.spec.stats import GenerationStats
+from toolkit.spec.verify import greedy_accept, process_logits, sample_token, speculative_sample
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class SpeculativeDecoder:
+    """Draft-then-verify decoding of one sequence (batch size 1).
+
+    Args:
+        target: HF causal LM whose distribution the output follows exactly (greedy: token-identical output).
+        drafter: a :class:`~toolkit.spec.drafters.Drafter`, or ``None`` for autoregressive decoding.
+        controller: draft-length controller with ``next_k()`` / ``update(drafted, accepted)``.
+        target_policy: KV compression policy of the target cache (``None`` = uncompressed).
+    """
+
+    def __init__(self, target, drafter: Drafter | None = None, controller=None, target_policy=None):
+        self.target = target
+        self.drafter = drafter
+        self.controller = controller or ConstantK(4)
+        self.target_policy = target_policy
+        self.device = next(target.parameters()).device
+        self.cache = None
+
+    # ------------------------------------------------------------------------------------------------ internals
+    def _target_forward(self, tokens: torch.Tensor, start: int, logits_to_keep: int) -> torch.Tensor:
+        """Target forward over ``tokens`` ``(1, q)`` at absolute positions ``start..start+q-1``.
+
+        Returns logits ``(logits_to_keep, vocab)`` for the last positions.
+        """
+        positions = torch.arange(start, start + tokens.shape[1], device=self.device).unsqueeze(0)
+        out = self.target(input_ids=tokens, past_key_values=self.cache, use_cache=True,
+                          logits_to_keep=logits_to_keep, **kv_ops.model_inputs(self.cache, positions))
+        return out.logits[0]
+
+    def _track_memory(self, stats: GenerationStats) -> None:
+        stats.kv_bytes_target = kv_ops.kv_bytes(self.cache)
+        stats.peak_kv_bytes_target = max(stats.peak_kv_bytes_target, stats.kv_bytes_target)
+        draft_cache = getattr(self.drafter, "cache", None)
+        if draft_cache is not None:
+            stats.kv_bytes_draft = kv_ops.kv_bytes(draft_cache)
+            stats.peak_kv_bytes_draft = max(stats.peak_kv_bytes_draft, stats.kv_bytes_draft)
+
+    # ------------------------------------------------------------------------------------------------ the loop
+    @torch.no_grad()
+    def decode(self, input_ids: torch.Tensor, gen: GenerationSpec, stats: GenerationStats,
+               eos_token_ids: list[int] = (), should_stop: Callable[[list[int]], int | None] | None = None,
+               ) -> Iterator[list[int]]:
+        """Generate after ``input_ids`` ``(1, prompt_len)``; yields the newly committed token ids of every round.
+
+        Stops after ``gen.max_new_tokens`` tokens (never more, even when a round accepts past the limit), after an
+        EOS id (kept in the output; ignored when ``gen.ignore_eos``), or where ``should_stop(new_ids)`` returns a
+        cut length (stop strings). ``stats`` is filled in place; ``stats.finish_reason`` is ``length``, ``eos`` or
+        ``stop_string``.
+        """
+        _sync(self.device)
+        start_time = time.perf_counter()
+        generator = None
+        if gen.do_sample:
+            generator = torch.Generator(device=self.device).manual_seed(gen.seed)
+        eos = set() if gen.ignore_eos else set(eos_token_ids)
+        limit = gen.max_new_tokens
+
+        def choose(logits: torch.Tensor) -> torch.Tensor:
+            if gen.do_sample:
+                return sample_token(process_logits(logits, gen.temperature, gen.top_k, gen.top_p), generator)
+            return logits.argmax(-1)
+
+        # Prefill: the whole prompt in one forward, the first token from the target alone.
+        self.cache = kv_ops.new_cache(self.target_policy, self.target)
+        if self.drafter is not None:
+            self.drafter.reset()
+        prompt_len = input_ids.shape[1]
+        stats.prompt_tokens = prompt_len
+        input_ids = input_ids.to(self.device)
+        first = choose(self._target_forward(input_ids, 0, 1))
+        stats.target_forwards += 1
+        kv_ops.commit(self.cache)
+        sequence = torch.cat([input_ids, first.view(1, 1)], dim=1)
+        new_ids: list[int] = [int(first)]
+        _sync(self.device)
+        stats.ttft_ms = (time.perf_counter() - start_time) * 1000
+        self._track_memory(stats)
+
+        finished = self._finish(new_ids, 0, limit, eos, should_stop, stats)
+        yield new_ids[:]
+        while not finished:
+            committed = sequence.shape[1]
+            num_draft = min(self.controller.next_k(), limit - len(new_ids) - 1) if self.drafter else 0
+            draft_tokens, draft_logits = (sequence.new_empty((1, 0)), None)
+            if num_draft > 0:
+                draft_tokens, draft_logits = self.drafter.propose(sequence, num_draft)
+                draft_tokens = draft_tokens.to(self.device)
+            k = draft_tokens.shape[1]
+            verify_input = torch.cat([sequence[:, -1:], draft_tokens], dim=1)
+            target_logits = self._target_forward(verify_input, committed - 1, k + 1)
+            stats.target_forwards += 1
+            if gen.do_sample:
+                p = process_logits(target_logits, gen.temperature, gen.top_k, gen.top_p)
+                q = None if draft_logits is None else process_logits(
+                    draft_logits.to(self.device), gen.temperature, gen.top_k, gen.top_p)
+                num_accepted, next_token = speculative_sample(draft_tokens[0], q, p, generator)
+            else:
+                num_accepted, next_token = greedy_accept(draft_tokens[0], target_logits)
+            accepted, next_id = torch.stack([num_accepted, next_token]).tolist()  # the round's one host sync
+            # Roll back: drop the rejected draft tokens from the target cache; the drafter rolls back its own.
+            if k - accepted > 0:
+                self.cache.crop(accepted - k)
+            kv_ops.commit(self.cache)
+            if self.drafter is not None and num_draft > 0:
+                self.drafter.commit(accepted)
+            self.controller.update(k, accepted)
+            stats.record_round(k, accepted)
+            round_ids = draft_tokens[0, :accepted].tolist() + [next_id]
+            sequence = torch.cat([sequence, verify_input.new_tensor([round_ids])], dim=1)
+            before = len(new_ids)
+            new_ids.extend(round_ids)
+            finished = self._finish(new_ids, before, limit, eos, should_stop, stats)
+            self._track_memory(stats)
+            yield new_ids[before:]
+        if self.drafter is not None:
+            stats.draft_forwards = self.drafter.forwards
+            stats.compressions_draft = kv_ops.compressions(getattr(self.drafter, "cache", None))
+        stats.compressions_target = kv_ops.compressions(self.cache)
+        stats.new_tokens = len(new_ids)
+        _sync(self.device)
+        stats.total_ms = (time.perf_counter() - start_time) * 1000
+
+    @staticmethod
+    def _finish(new_ids: list[int], before: int, limit: int, eos: set[int],
+                should_stop: Callable[[list[int]], int | None] | None, stats: GenerationStats) -> bool:
+        """Truncate ``new_ids`` in place at the first stop condition among the tokens added since ``before``."""
+        for i in range(before, len(new_ids)):
+            if new_ids[i] in eos:
+                del new_ids[i + 1:]
+                stats.finish_reason = "eos"
+                break
+        if should_stop is not None:
+            cut = should_stop(new_ids)
+            if cut is not None:
+                del new_ids[cut:]
+                stats.finish_reason = "stop_string"
+        if len(new_ids) >= limit:
+            del new_ids[limit:]
+            stats.finish_reason = stats.finish_reason or "length"
+            return True
+        return bool(stats.finish_reason)

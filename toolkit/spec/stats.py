@@ -1,0 +1,91 @@
+"""Per-call statistics of a speculative generation and the result object returned by ``generate``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """Counters and timings of one ``generate`` call.
+
+    Units: times in milliseconds, memory in bytes, throughput in generated tokens per second.
+    ``accepted_at[i]`` counts rounds whose draft token at position i (0-based) was accepted; ``drafted_at[i]``
+    counts rounds that drafted a token at position i, so ``accepted_at[i] / drafted_at[i]`` is the acceptance
+    curve by draft position. ``committed = accepted + rounds`` (one target token per round, bonus or correction),
+    before truncation at ``max_new_tokens`` / EOS / stop strings.
+    """
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    committed: int = 0
+    accepted_at: list[int] = field(default_factory=list)
+    drafted_at: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    kv_bytes_target: int = 0
+    kv_bytes_draft: int = 0
+    peak_kv_bytes_target: int = 0
+    peak_kv_bytes_draft: int = 0
+    compressions_target: int = 0
+    compressions_draft: int = 0
+    finish_reason: str = ""
+
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha = accepted / drafted (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        """tau = tokens committed per round (1.0 for autoregressive decoding)."""
+        return self.committed / self.rounds if self.rounds else 0.0
+
+    @property
+    def tpot_ms(self) -> float:
+        """Time per output token after the first, in ms."""
+        return (self.total_ms - self.ttft_ms) / (self.new_tokens - 1) if self.new_tokens > 1 else 0.0
+
+    @property
+    def throughput(self) -> float:
+        """Generated tokens per second over the whole call (prefill included)."""
+        return self.new_tokens / (self.total_ms / 1000.0) if self.total_ms > 0 else 0.0
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        """Count one draft + verify round that proposed ``drafted`` tokens and accepted ``accepted`` of them."""
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.committed += accepted + 1
+        self.draft_lengths.append(drafted)
+        while len(self.drafted_at) < drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            if i < accepted:
+                self.accepted_at[i] += 1
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data.pop("draft_lengths")
+        data.update(acceptance_rate=self.acceptance_rate, tokens_per_round=self.tokens_per_round,
+                    tpot_ms=self.tpot_ms, throughput=self.throughput)
+        return data
+
+
+@dataclass
+class GenerationResult:
+    """What ``Generator.generate`` returns: the new text, its token ids (prompt excluded) and the statistics."""
+
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    stats: GenerationStats
