@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny random-weight models built from configs, and the embedded SmolLM2 model (slow)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, torch.get_num_threads()))
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = 128, max_positions: int = 512, **overrides):
+    """A random-weight Llama (GQA: 4 query / 2 KV heads, head_dim 16), fp32, eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         tie_word_embeddings=False, **overrides)
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_neox(seed: int = 0, layers: int = 2, vocab: int = 128, max_positions: int = 512, **overrides):
+    """A random-weight GPT-NeoX (Pythia layout: partial rotary, rotary_pct 0.25), fp32, eval mode."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(seed)
+    config = GPTNeoXConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                           num_attention_heads=4, max_position_embeddings=max_positions, rotary_pct=0.25,
+                           **overrides)
+    return GPTNeoXForCausalLM(config).eval()
+
+
+def perturbed_copy(model, scale: float = 0.02, seed: int = 1):
+    """A copy of ``model`` with Gaussian noise added to every weight: a draft that agrees often but not always."""
+    import copy
+
+    torch.manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn_like(param) * scale * param.std().clamp_min(1e-3))
+    return draft
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """(model, tokenizer) of the embedded SmolLM2-135M-Instruct at fp32 on CPU (converted once, then cached)."""
+    from toolkit.models import load_model
+    from toolkit.recipe import ModelSpec
+
+    return load_model(ModelSpec(source="embedded", precision="fp32", device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def embedded_int4():
+    """(model, tokenizer) of the embedded model at int4 (bitsandbytes NF4) on CPU: the ``self`` drafter's weights."""
+    import logging
+
+    from toolkit.models import load_model
+    from toolkit.recipe import ModelSpec
+
+    logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+    return load_model(ModelSpec(source="embedded", precision="int4", device="cpu"))

@@ -1,0 +1,102 @@
+"""Reference decoders from HF transformers, run on the same model objects, prompts and settings as ours.
+
+* ``ar`` — plain autoregressive ``model.generate``.
+* ``assisted`` — HF assisted generation (``assistant_model``), constant ``num_assistant_tokens`` = K and no
+  confidence-based early stop, so it drafts exactly like our constant-K loop.
+* ``prompt_lookup`` — HF prompt lookup decoding (``prompt_lookup_num_tokens`` = K, ``max_matching_ngram_size``).
+
+Each returns the new token ids and a :class:`~toolkit.spec.stats.GenerationStats` with timings (TTFT from a
+streamer callback), target forward counts and tokens per round (new tokens after the first per target forward after
+prefill), so the comparison table reads the same for every row.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from toolkit.recipe import GenerationSpec
+from toolkit.spec.stats import GenerationStats
+from toolkit.timing import synchronize
+
+BASELINES = ("ar", "assisted", "prompt_lookup")
+
+
+class _FirstTokenTimer(BaseStreamer):
+    """Records when ``generate`` emits its first new token (the first ``put`` after the prompt)."""
+
+    def __init__(self, device):
+        self.device, self.calls, self.first = device, 0, None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2 and self.first is None:  # call 1 is the prompt
+            synchronize(self.device)
+            self.first = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def hf_generate(model, input_ids: torch.Tensor, gen: GenerationSpec, eos_token_ids: list[int], *,
+                method: str = "ar", assistant_model=None, num_draft_tokens: int = 4, max_ngram: int = 3,
+                ) -> tuple[list[int], GenerationStats]:
+    """Run one HF ``generate`` baseline (``method`` in :data:`BASELINES`) and time it.
+
+    ``input_ids`` has shape ``(1, prompt_len)``. EOS handling mirrors ours: ``gen.ignore_eos`` removes the EOS ids
+    from the generation config instead of faking one. Raises ``ValueError`` for an unknown method.
+    """
+    if method not in BASELINES:
+        raise ValueError(f"method: unknown baseline {method!r} (allowed: {', '.join(BASELINES)})")
+    device = next(model.parameters()).device
+    config = copy.deepcopy(model.generation_config)
+    config.max_new_tokens = gen.max_new_tokens
+    config.min_new_tokens = None
+    config.do_sample = gen.do_sample
+    config.temperature, config.top_k, config.top_p = gen.temperature, gen.top_k or None, gen.top_p
+    # [] (not None): transformers replaces a None eos_token_id with the model generation config's own EOS
+    config.eos_token_id = [] if gen.ignore_eos or not eos_token_ids else list(eos_token_ids)
+    if config.pad_token_id is None:
+        config.pad_token_id = eos_token_ids[0] if eos_token_ids else 0
+    kwargs = {}
+    if method == "assisted":
+        if assistant_model is None:
+            raise ValueError("assistant_model: required for the 'assisted' baseline")
+        kwargs["assistant_model"] = assistant_model
+        config.num_assistant_tokens = num_draft_tokens
+        config.num_assistant_tokens_schedule = "constant"
+        config.assistant_confidence_threshold = 0.0
+        assistant_model.generation_config.num_assistant_tokens = num_draft_tokens
+        assistant_model.generation_config.num_assistant_tokens_schedule = "constant"
+        assistant_model.generation_config.assistant_confidence_threshold = 0.0
+    elif method == "prompt_lookup":
+        config.prompt_lookup_num_tokens = num_draft_tokens
+        config.max_matching_ngram_size = max_ngram
+    forwards = [0]
+    hook = model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    timer = _FirstTokenTimer(device)
+    input_ids = input_ids.to(device)
+    if gen.do_sample:
+        torch.manual_seed(gen.seed)
+    try:
+        synchronize(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
+                                 streamer=timer, **kwargs)
+        synchronize(device)
+        end = time.perf_counter()
+    finally:
+        hook.remove()
+    new_ids = out[0, input_ids.shape[1]:].tolist()
+    stats = GenerationStats(prompt_tokens=input_ids.shape[1], new_tokens=len(new_ids))
+    stats.target_forwards = forwards[0]
+    stats.rounds = max(forwards[0] - 1, 0)
+    stats.committed = max(len(new_ids) - 1, 0)
+    stats.ttft_ms = ((timer.first or end) - start) * 1000
+    stats.total_ms = (end - start) * 1000
+    stats.finish_reason = "length" if len(new_ids) >= gen.max_new_tokens else "eos"
+    return new_ids, stats

@@ -1,0 +1,139 @@
+"""Command line: ``toolkit run | generate | eval | search | draft distill``.
+
+Every command takes recipes as YAML files (see README "Recipe format"). Errors in a recipe or an argument print one
+line naming the field and exit with status 2; nothing half-written is left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from toolkit.errors import ToolkitError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Speculative decoding with quantized weights and compressed KV caches.")
+draft_app = typer.Typer(no_args_is_help=True, help="Build draft models for a target.")
+app.add_typer(draft_app, name="draft")
+
+
+def _fail(exc: Exception) -> None:
+    typer.secho(f"error: {exc}", fg="red", err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def run(recipe: Path = typer.Argument(..., exists=True, dir_okay=False, help="recipe YAML"),
+        compare: bool = typer.Option(False, "--compare", help="also run HF AR / assisted / prompt-lookup baselines"),
+        repeats: int = typer.Option(3, min=1, help="timed repetitions per prompt and method (with --compare)"),
+        max_new_tokens: Optional[int] = typer.Option(None, min=1, help="override generation.max_new_tokens"),
+        out: Path = typer.Option(Path("results/run"), help="directory for the results JSON and Markdown")):
+    """Run RECIPE over its prompt suite; print a Markdown table and write results JSON."""
+    from toolkit.recipe import Recipe
+    from toolkit.runner import markdown_table, run_recipe, write_results
+
+    try:
+        loaded = Recipe.load(recipe)
+        if max_new_tokens is not None:
+            import dataclasses
+
+            loaded = loaded.replace(generation=dataclasses.replace(loaded.generation, max_new_tokens=max_new_tokens))
+        results = run_recipe(loaded, compare=compare, repeats=repeats)
+    except ToolkitError as exc:
+        _fail(exc)
+    path = write_results(results, out)
+    typer.echo(markdown_table(results))
+    typer.echo(f"results: {path}")
+
+
+@app.command()
+def generate(prompt: str = typer.Argument(..., help="prompt text ('-' reads stdin)"),
+             recipe: Optional[Path] = typer.Option(None, exists=True, dir_okay=False, help="recipe YAML"),
+             chat: bool = typer.Option(True, help="wrap the prompt as a user message with the chat template"),
+             max_new_tokens: Optional[int] = typer.Option(None, min=1),
+             do_sample: Optional[bool] = typer.Option(None, "--do-sample/--greedy"),
+             temperature: Optional[float] = typer.Option(None),
+             stream: bool = typer.Option(True, help="print text as tokens commit")):
+    """Generate one completion and print it, followed by the round statistics."""
+    import toolkit
+    from toolkit.recipe import Recipe
+
+    text = sys.stdin.read() if prompt == "-" else prompt
+    overrides = {k: v for k, v in {"max_new_tokens": max_new_tokens, "do_sample": do_sample,
+                                   "temperature": temperature}.items() if v is not None}
+    try:
+        loaded = Recipe.load(recipe) if recipe else Recipe.load(Path(__file__).parent.parent / "recipes/short.yaml")
+        generator = toolkit.build(loaded)
+        message = [{"role": "user", "content": text}] if chat else text
+        if stream:
+            for piece in generator.generate_stream(message, **overrides):
+                typer.echo(piece, nl=False)
+            typer.echo()
+        else:
+            result = generator.generate(message, **overrides)
+            typer.echo(result.text)
+            s = result.stats
+            typer.secho(f"{s.new_tokens} tokens, {s.throughput:.1f} tok/s, α {s.acceptance_rate:.2f}, "
+                        f"τ {s.tokens_per_round:.2f}, TTFT {s.ttft_ms:.0f} ms", err=True, fg="cyan")
+    except ToolkitError as exc:
+        _fail(exc)
+
+
+@app.command("eval")
+def eval_(recipe: Path = typer.Argument(..., exists=True, dir_okay=False, help="recipe YAML"),
+          force: bool = typer.Option(False, "--force", help="recompute even if results exist"),
+          fast: bool = typer.Option(False, "--fast", help="fewer prompts, tokens and repetitions")):
+    """Evaluate RECIPE: perplexity, acceptance, memory, latency, fidelity, baselines (results/<name>-<hash>/)."""
+    from eval.cli import eval_command
+
+    try:
+        eval_command(recipe, force=force, fast=fast)
+    except ToolkitError as exc:
+        _fail(exc)
+
+
+@app.command()
+def search(scenario: str = typer.Option(..., help="short, long or memory"),
+           budget_mb: Optional[float] = typer.Option(None, help="memory budget in MiB (memory scenario)"),
+           trials: Optional[int] = typer.Option(None, min=1, help="number of Optuna trials"),
+           storage: Optional[str] = typer.Option(None, help="Optuna storage URL (default: a local SQLite file)")):
+    """Search the configuration space of SCENARIO; writes recipes/found/<scenario>.yaml and a Pareto plot."""
+    from eval.cli import search_command
+
+    try:
+        search_command(scenario, budget_mb=budget_mb, trials=trials, storage=storage)
+    except ToolkitError as exc:
+        _fail(exc)
+
+
+@draft_app.command("distill")
+def distill(target: str = typer.Option("embedded", help="target source (embedded, directory, .gguf, hub id)"),
+            layers: int = typer.Option(2, help="decoder layers of the draft"),
+            tokens: int = typer.Option(2_000_000, help="training tokens"),
+            out: Path = typer.Option(..., help="output model directory"),
+            data: Optional[list[str]] = typer.Option(None, help="text files or globs (default: local real text)"),
+            temperature: float = typer.Option(1.0, help="distillation temperature τ"),
+            resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in OUT"),
+            force: bool = typer.Option(False, "--force", help="overwrite OUT"),
+            max_minutes: Optional[float] = typer.Option(None, help="stop training after this many minutes")):
+    """Train a small draft for TARGET by knowledge distillation (KL at temperature τ)."""
+    from toolkit.distill.cli import distill_command
+
+    try:
+        distill_command(target=target, layers=layers, tokens=tokens, out=out, data=data, temperature=temperature,
+                        resume=resume, force=force, max_minutes=max_minutes)
+    except ToolkitError as exc:
+        _fail(exc)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    app()
+
+
+if __name__ == "__main__":
+    main()
