@@ -39,9 +39,21 @@ def make_policy(spec, prefix: str = "kv"):
         if key not in fields:
             raise ConfigError(f"{prefix}.{key}", f"unknown parameter of policy {spec.policy!r}", fields)
     try:
-        return cls(**spec.params)
+        policy = cls(**spec.params)
     except ConfigError as exc:
         raise ConfigError(f"{prefix}.{exc.field}", str(exc).split(": ", 1)[1]) from None
+    policy._prefix = prefix  # so errors raised later (make_cache) name the recipe field
+    return policy
+
+
+def check_compatible(kv_spec, spec, prefix: str = "kv") -> None:
+    """Raise :class:`ConfigError` if the policy of ``kv_spec`` cannot serve speculation settings ``spec``.
+
+    E.g. a StreamingLLM ``window`` smaller than a verify forward (K + 1). Called by ``Recipe.validate``.
+    """
+    policy = make_policy(kv_spec, prefix)
+    if policy is not None:
+        policy.check_compatible(spec, prefix)
 
 
 def _load_builtin_policies() -> None:

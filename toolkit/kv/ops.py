@@ -10,6 +10,9 @@ The decoder never asks which policy it runs. It calls, for the target and for th
 * :func:`commit` at every commit point (after verification): the only place a policy may compress;
 * :func:`kv_bytes` for memory reports.
 
+Caches made by :func:`new_cache` compress only at explicit commit points (their ``auto_commit``, used when a cache
+is handed to ``model.generate``, is switched off).
+
 A plain ``transformers.DynamicCache`` satisfies the protocol with no compression.
 """
 
@@ -23,7 +26,9 @@ def new_cache(policy, model) -> DynamicCache:
     """A fresh cache for ``model``: a ``DynamicCache`` when ``policy`` is None, else ``policy.make_cache(model)``."""
     if policy is None:
         return DynamicCache(config=model.config)
-    return policy.make_cache(model)
+    cache = policy.make_cache(model)
+    cache.auto_commit = False  # this loop calls commit() itself, after verification
+    return cache
 
 
 def model_inputs(cache, position_ids: torch.Tensor) -> dict:

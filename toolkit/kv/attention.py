@@ -1,0 +1,66 @@
+"""Attention for caches whose layers or heads hold different numbers of entries.
+
+HF models build *one* causal mask per forward, sized for one reference layer. A compressed cache whose layers have
+different physical lengths (L2-norm ``skip_layers``) or whose KV heads are split into budget tiers of different
+lengths (head-aware, DuoAttention-style layout) needs a mask per layer and per tier. :func:`install` registers
+:func:`compressed_attention` under the name ``toolkit_kv`` in transformers' ``AttentionInterface`` and switches the
+model to it (``model.set_attn_implementation``). With a non-standard implementation name transformers builds no
+mask at all, and this function derives the causal mask from the shapes: every cached entry is in the past, the
+last ``q`` keys are the current queries, so key ``j`` is visible to query ``i`` iff ``j <= i + kv_len - q``.
+
+Supported: batch inputs without padding (the decoder's batch size 1, ``model.generate`` on one prompt); a 4D
+additive mask passed explicitly is honoured. The math is ``torch.nn.functional.scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NAME = "toolkit_kv"
+_registered = False
+
+
+def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor | None:
+    """Boolean ``(q_len, kv_len)`` mask (True = attend), right-aligned; None when ``q_len == 1`` (sees all)."""
+    if q_len == 1:
+        return None
+    rows = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+    return torch.arange(kv_len, device=device)[None, :] <= rows
+
+
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, scaling) -> torch.Tensor:
+    """Attention of ``query`` ``(b, q_heads, q, d)`` over ``key``/``value`` ``(b, kv_heads, kv, d)`` (GQA aware)."""
+    if mask is None:
+        mask = causal_mask(query.shape[-2], key.shape[-2], query.device)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                          enable_gqa=query.shape[1] != key.shape[1])
+
+
+def compressed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention-interface function: returns ``(output (b, q, q_heads, d), None)``.
+
+    ``key`` is a tensor ``(b, kv_heads, kv, d)`` or a tiered layer (anything with ``attend(query, scaling)``, see
+    :class:`toolkit.kv.head_aware.TieredLayer`), which computes attention per budget tier.
+    """
+    if hasattr(key, "attend"):
+        out = key.attend(query, scaling)
+    else:
+        mask = attention_mask
+        if mask is not None and mask.shape[-1] != key.shape[-2]:
+            raise ValueError(f"attention mask covers {mask.shape[-1]} keys but layer {module.layer_idx} holds "
+                             f"{key.shape[-2]}; pass no mask (causal) to a cache with per-layer lengths")
+        out = sdpa(query, key, value, mask, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def install(model) -> None:
+    """Register :func:`compressed_attention` (once) and switch ``model`` to it. Idempotent."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(NAME, compressed_attention)
+        _registered = True
+    if model.config._attn_implementation != NAME:
+        model.set_attn_implementation(NAME)

@@ -1,0 +1,182 @@
+"""Head-aware KV budgets: per-KV-head budgets from a calibrated head importance, realized in dense tiers.
+
+Budgets (Ada-KV, Feng et al. 2024, redistributes one layer budget across heads; HeadKV, Fu et al. 2024, does it
+from offline head scores): every KV head of a compressed layer gets a weight ``w = min_keep + (1 - min_keep) *
+importance`` (importance from :mod:`toolkit.kv.calibration`, in [0, 1]; with ``min_keep = 0.5`` this is the
+mapping ``0.5 + 0.5 * importance``). Heads are ranked by ``w`` model-wide and split into ``tiers`` equal-size
+groups; tier ``t`` keeps ``factor_t * B`` tokens per head, ``factor_t = mean(w in t) / mean(w)``, where ``B`` is the
+average budget (``budget`` tokens or ``keep_ratio`` x length). The mean over heads is therefore ``B``: the same
+bytes as :class:`~toolkit.kv.l2norm.L2Norm` at the same budget, moved from unimportant to important heads.
+
+Layout (DuoAttention, Xiao et al. 2024, keeps retrieval and streaming heads in separate caches): in each layer the
+heads of one tier share one dense ``(batch, heads_in_tier, tier_len, head_dim)`` tensor, so a smaller budget frees
+memory (nothing is masked); attention runs once per tier (:mod:`toolkit.kv.attention`). Within a head the kept
+tokens are chosen by the L2-norm rule (Devoto et al. 2024), with sinks and recent tokens protected.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from toolkit.errors import ConfigError
+from toolkit.kv import register
+from toolkit.kv.attention import causal_mask
+from toolkit.kv.base import check_int_field, gather_seq
+from toolkit.kv.l2norm import L2Norm
+
+
+class TieredLayer(DynamicLayer):
+    """One layer's cache as budget tiers: tier ``t`` holds KV heads ``groups[t]`` in its own dense tensors.
+
+    ``update`` returns ``(self, self)``; the model hands that to :func:`toolkit.kv.attention.compressed_attention`,
+    which calls :meth:`attend`.
+    """
+
+    def __init__(self, groups: list[torch.Tensor], factors: list[float], num_kv_heads: int):
+        super().__init__()
+        self.groups, self.factors, self.num_kv_heads = groups, factors, num_kv_heads
+        self.tier_keys: list[torch.Tensor] = []
+        self.tier_values: list[torch.Tensor] = []
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append ``(batch, kv_heads, q, head_dim)`` states to every tier."""
+        if not self.is_initialized:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.groups = [g.to(self.device) for g in self.groups]
+            self.tier_keys = [key_states.index_select(1, g) for g in self.groups]
+            self.tier_values = [value_states.index_select(1, g) for g in self.groups]
+            self.is_initialized = True
+            return self, self
+        for t, g in enumerate(self.groups):
+            self.tier_keys[t] = torch.cat((self.tier_keys[t], key_states.index_select(1, g)), dim=2)
+            self.tier_values[t] = torch.cat((self.tier_values[t], value_states.index_select(1, g)), dim=2)
+        return self, self
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention ``(batch, q_heads, q, head_dim)`` of ``query`` ``(batch, q_heads, q, head_dim)``, per tier."""
+        groups = query.shape[1] // self.num_kv_heads
+        out = query.new_empty(query.shape[:-1] + (self.tier_values[0].shape[-1],))
+        offsets = torch.arange(groups, device=query.device)
+        for g, keys, values in zip(self.groups, self.tier_keys, self.tier_values):
+            heads = (g[:, None] * groups + offsets).flatten()
+            mask = causal_mask(query.shape[-2], keys.shape[-2], query.device)
+            out[:, heads] = torch.nn.functional.scaled_dot_product_attention(
+                query[:, heads], keys, values, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+        return out
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        n = abs(tokens_to_remove)
+        self.tier_keys = [k[:, :, :-n] for k in self.tier_keys]
+        self.tier_values = [v[:, :, :-n] for v in self.tier_values]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.tier_keys + self.tier_values
+
+    def max_length_held(self) -> int:
+        return max(k.shape[-2] for k in self.tier_keys)
+
+    def get_seq_length(self) -> int:
+        return self.max_length_held() if self.is_initialized else 0
+
+
+@register("head_aware")
+@dataclass
+class HeadAware(L2Norm):
+    """Per-KV-head budgets from calibrated head importance, stored as dense tiers.
+
+    Attributes (besides :class:`~toolkit.kv.l2norm.L2Norm`'s budget, keep_ratio, sink_tokens, protect_recent,
+    skip_layers, compress_interval — here ``budget``/``keep_ratio`` are the *average* over heads):
+        tiers: number of budget tiers (>= 1; 1 = uniform budgets).
+        min_keep: weight of an importance-0 head relative to an importance-1 head (0 < min_keep <= 1).
+        importance: explicit ``(num_layers, num_kv_heads)`` importance (list of lists); None = calibrate.
+        calibration_files: text files for calibration (None = :func:`toolkit.kv.calibration.default_files`).
+        calibration_tokens: tokens of calibration text.
+        calibration_window: local window (tokens) of the long-range attention measure.
+
+    Raises:
+        ConfigError: invalid field (named); ``importance`` of the wrong shape for the model (at ``make_cache``).
+    """
+
+    tiers: int = 3
+    min_keep: float = 0.5
+    importance: list[list[float]] | None = None
+    calibration_files: list[str] | None = None
+    calibration_tokens: int = 1024
+    calibration_window: int = 64
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._plans = weakref.WeakKeyDictionary()  # model -> tier plan (not a field: not configurable)
+        check_int_field("tiers", self.tiers, 1)
+        check_int_field("calibration_tokens", self.calibration_tokens, 16)
+        check_int_field("calibration_window", self.calibration_window, 1)
+        if isinstance(self.min_keep, bool) or not isinstance(self.min_keep, (int, float)) or not 0 < self.min_keep <= 1:
+            raise ConfigError("min_keep", f"must be a number in (0, 1], got {self.min_keep!r}")
+
+    def head_importance(self, model) -> torch.Tensor:
+        """``(num_layers, num_kv_heads)`` importance in [0, 1]: the ``importance`` field, or calibrated."""
+        if self.importance is not None:
+            return torch.tensor(self.importance, dtype=torch.float32)
+        from toolkit.kv.calibration import load_or_calibrate
+
+        return load_or_calibrate(model, self.calibration_files, self.calibration_tokens, self.sink_tokens,
+                                 self.calibration_window)
+
+    def plan(self, model) -> list[tuple[list[torch.Tensor], list[float]] | None]:
+        """Per layer: ``(kv-head groups, budget factors)`` of its tiers, or None for a skipped layer."""
+        key = model
+        if key not in self._plans:
+            config = model.config.get_text_config(decoder=True)
+            n_layers = config.num_hidden_layers
+            n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            importance = self.head_importance(model)
+            if tuple(importance.shape) != (n_layers, n_kv):
+                raise ConfigError(f"{getattr(self, '_prefix', 'kv')}.importance", f"must have shape (num_layers, "
+                                  f"num_kv_heads) = ({n_layers}, {n_kv}), got {tuple(importance.shape)}")
+            layers = [i for i in range(n_layers) if self.compresses_layer(i)]
+            weight = self.min_keep + (1 - self.min_keep) * importance.clamp(0, 1)
+            tier_of = torch.zeros(n_layers, n_kv, dtype=torch.long)
+            factor = []
+            if layers:
+                flat = weight[layers].flatten()
+                order = flat.argsort()
+                chunks = [c for c in torch.tensor_split(order, min(self.tiers, flat.numel())) if c.numel()]
+                ranks = torch.empty_like(order)
+                for t, chunk in enumerate(chunks):
+                    ranks[chunk] = t
+                    factor.append(float(flat[chunk].mean() / flat.mean()))
+                tier_of[layers] = ranks.view(len(layers), n_kv)
+            plan = []
+            for i in range(n_layers):
+                if i not in layers:
+                    plan.append(None)
+                    continue
+                tiers = [t for t in range(len(factor)) if (tier_of[i] == t).any()]
+                plan.append(([(tier_of[i] == t).nonzero().flatten() for t in tiers], [factor[t] for t in tiers]))
+            self._plans[key] = plan
+        return self._plans[key]
+
+    def new_layers(self, model) -> list[DynamicLayer]:
+        config = model.config.get_text_config(decoder=True)
+        n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return [DynamicLayer() if p is None else TieredLayer(p[0], p[1], n_kv) for p in self.plan(model)]
+
+    def compress_layer(self, cache, layer_idx: int, layer: TieredLayer) -> bool:
+        base = self.budget_for(cache.get_seq_length())
+        floor = self.sink_tokens + self.protect_recent
+        done = False
+        for t, factor in enumerate(layer.factors):
+            keys, values = layer.tier_keys[t], layer.tier_values[t]
+            budget = max(floor, round(factor * base))
+            if keys.shape[-2] <= budget + self.compress_interval:
+                continue
+            index = self.select(keys, values, layer_idx, budget)
+            layer.tier_keys[t], layer.tier_values[t] = gather_seq(keys, index), gather_seq(values, index)
+            done = True
+        return done

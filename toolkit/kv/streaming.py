@@ -1,0 +1,150 @@
+"""StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024).
+
+The cache keeps the first ``sink_tokens`` tokens (attention sinks) and the most recent ``window`` tokens: budget
+``sink_tokens + window`` tokens per layer, identical for every layer and head, so eviction is two slices (no
+gather) and positions stay contiguous: cache entry ``c`` holds absolute position ``c`` if ``c < sink_tokens``, else
+``c + evicted``.
+
+Position modes (``position_mode``):
+
+* ``absolute`` (default) — cached keys keep the rotary phase of their original position; queries use absolute
+  ``position_ids``. Exact w.r.t. a full forward under the same attention pattern; positions grow without bound.
+* ``reindex`` — the paper's mode: positions are *slots in the cache*. On eviction the kept recent keys are re-rotated
+  by ``-evicted`` (:func:`toolkit.kv.rope.shift_positions`; Llama full rotary and GPT-NeoX partial rotary alike) and
+  queries get slot positions, so generation can run far past ``max_position_embeddings``: the largest position ever
+  fed is ``sink_tokens + window + compress_interval + K``. Needs a RoPE model. The toolkit decoder passes absolute
+  positions and :meth:`StreamingCache.forward_kwargs` maps them to slots; ``model.generate`` computes its own
+  absolute positions, so use ``absolute`` there.
+
+Window semantics (``exact_window``, default true): every query at absolute position ``p`` attends to exactly the
+sinks plus positions ``p - window + 1 .. p`` (its own last ``window`` positions), through a banded additive 4D mask
+over ``[cache entries, new tokens]`` — so the amortization slack (``compress_interval``) and the K+1 queries of a
+verify forward see the same context as one-token autoregressive decoding, and greedy speculative output equals AR
+greedy output under this policy. With ``exact_window: false`` a query attends to everything held (the paper's
+rolling cache; the effective window then varies between ``window`` and ``window + compress_interval + K``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from toolkit.errors import ConfigError
+from toolkit.kv import register
+from toolkit.kv.base import CompressedCache, KVPolicy, check_int_field
+from toolkit.kv.rope import find_inv_freq, shift_positions
+
+POSITION_MODES = ("absolute", "reindex")
+
+
+@register("streaming")
+@dataclass
+class StreamingLLM(KVPolicy):
+    """Attention sinks + sliding window.
+
+    Attributes:
+        sink_tokens: first tokens always kept (>= 0; the paper uses 4).
+        window: most recent tokens kept (>= 1; must be >= K + 1 for speculation with draft length K).
+        position_mode: ``absolute`` or ``reindex`` (see the module docstring).
+        exact_window: banded mask so every query sees exactly sinks + its own last ``window`` positions.
+        compress_interval: tokens the cache may grow past ``sink_tokens + window`` before eviction.
+
+    Raises:
+        ConfigError: a field is invalid (named), ``reindex`` on a model without rotary embeddings, or ``window``
+            smaller than K + 1 (:meth:`check_compatible`).
+    """
+
+    sink_tokens: int = 4
+    window: int = 252
+    position_mode: str = "absolute"
+    exact_window: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int_field("sink_tokens", self.sink_tokens, 0)
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ConfigError("window", f"must be an integer >= 1 so that the budget sink_tokens + window exceeds "
+                              f"sink_tokens, got {self.window!r}")
+        if self.position_mode not in POSITION_MODES:
+            raise ConfigError("position_mode", f"unknown value {self.position_mode!r}", POSITION_MODES)
+        if not isinstance(self.exact_window, bool):
+            raise ConfigError("exact_window", "must be true or false")
+
+    def budget_for(self, length: int = 0) -> int:
+        return self.sink_tokens + self.window
+
+    def check_compatible(self, spec, prefix: str = "kv") -> None:
+        """``window`` must hold a whole verify forward: ``window >= K + 1`` (K = the largest draft length)."""
+        if spec.drafter == "none":
+            return
+        k = spec.k_max if spec.adaptive != "constant" else spec.num_draft_tokens
+        if self.window < k + 1:
+            raise ConfigError(f"{prefix}.window", f"must be >= num_draft_tokens + 1 = {k + 1} (a verify forward "
+                              f"covers K + 1 = {k + 1} positions), got {self.window}")
+
+    def check_model(self, model, prefix: str = "kv") -> None:
+        if self.position_mode != "reindex":
+            return
+        if find_inv_freq(model) is None:
+            raise ConfigError(f"{prefix}.position_mode", "'reindex' re-rotates cached keys and needs rotary "
+                              f"position embeddings; model type {model.config.model_type!r} has none", ["absolute"])
+        limit = getattr(model.config, "max_position_embeddings", None)
+        needed = self.budget_for() + self.compress_interval + 1
+        if limit is not None and needed > limit:
+            raise ConfigError(f"{prefix}.window", f"sink_tokens + window + compress_interval + 1 = {needed} exceeds "
+                              f"max_position_embeddings={limit}")
+
+    def make_cache(self, model) -> StreamingCache:
+        self.check_model(model, getattr(self, "_prefix", "kv"))
+        return StreamingCache(self, model)
+
+    def compress_layer(self, cache: StreamingCache, layer_idx: int, layer) -> bool:
+        held, budget = layer.keys.shape[-2], self.budget_for()
+        if held <= budget + self.compress_interval:
+            return False
+        sinks, evict = self.sink_tokens, held - budget
+        recent_keys = layer.keys[:, :, held - self.window:]
+        if cache.inv_freq is not None:  # reindex: the kept window moves down by `evict` slots
+            recent_keys = shift_positions(recent_keys, cache.inv_freq, -evict)
+        layer.keys = torch.cat((layer.keys[:, :, :sinks], recent_keys), dim=2)
+        layer.values = torch.cat((layer.values[:, :, :sinks], layer.values[:, :, held - self.window:]), dim=2)
+        return True
+
+
+class StreamingCache(CompressedCache):
+    """The StreamingLLM cache: sinks + recent window, with the band mask and slot positions of its policy."""
+
+    def __init__(self, policy: StreamingLLM, model):
+        super().__init__(policy, model)
+        self.inv_freq = find_inv_freq(model) if policy.position_mode == "reindex" else None
+
+    def forward_kwargs(self, position_ids: torch.Tensor) -> dict:
+        """``position_ids`` ``(1, q)`` absolute -> slot positions (reindex) and the band mask (exact_window).
+
+        Returns ``{"position_ids": (1, q), "attention_mask": (1, 1, q, held + q) additive or None}``.
+
+        Raises:
+            ValueError: a reindexed position would reach ``max_position_embeddings`` (a prompt longer than it).
+        """
+        self._maybe_auto_commit()
+        policy: StreamingLLM = self.policy
+        held = self.physical_length(0)
+        evicted = self._length - held
+        positions = position_ids
+        if policy.position_mode == "reindex":
+            positions = position_ids - evicted
+            if self.max_positions is not None and int(positions.max()) >= self.max_positions:
+                raise ValueError(f"reindexed position {int(positions.max())} >= max_position_embeddings="
+                                 f"{self.max_positions}: the prompt is longer than the model's context")
+        mask = None
+        if policy.exact_window:
+            device = position_ids.device
+            slots = torch.arange(held, device=device)
+            cached_pos = torch.where(slots < policy.sink_tokens, slots, slots + evicted)
+            key_pos = torch.cat((cached_pos, position_ids[0].to(device)))[None, :]
+            query_pos = position_ids[0][:, None]
+            visible = (key_pos <= query_pos) & ((key_pos < policy.sink_tokens) | (key_pos > query_pos - policy.window))
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
+            mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[None, None]
+        return {"position_ids": positions, "attention_mask": mask}
