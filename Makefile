@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 ## The main job: the short-generation recipe on the embedded model, with HF baselines measured in the same run.
 short: $(STAMP)
 	$(BIN)/toolkit run recipes/short.yaml --compare
+	$(BIN)/toolkit run recipes/short-ngram.yaml --compare
 
 ## Long generation (StreamingLLM) and memory-constrained recipes, with KV bytes in the table.
 long: $(STAMP)

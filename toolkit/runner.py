@@ -73,8 +73,8 @@ def run_recipe(recipe: Recipe, compare: bool = False, repeats: int = 3, prompts:
     """Run ``recipe`` (and, with ``compare``, its HF baselines) over its prompt suite; returns the results dict."""
     from tqdm.auto import tqdm
 
+    prompts = prompts if prompts is not None else load_suite(recipe.prompts)  # fail fast, before loading models
     generator = generator or build(recipe)
-    prompts = prompts if prompts is not None else load_suite(recipe.prompts)
     methods = [OURS] + (baseline_methods(recipe) if compare else [])
     for method in methods:  # one warm-up per method (allocator, kernels, lazy init), not timed
         _run_method(generator, method, prompts[0], 1)
@@ -174,6 +174,9 @@ def markdown_table(results: dict) -> str:
                           for k, v in s.items() if k not in ("new_tokens", "throughput"))
         lines.append(f"| {method} | {s['new_tokens']} | {s['throughput']:.1f} | {notes} |")
     wb = results["weight_bytes"]
+    if results["recipe"]["kv"]["policy"] != "none":
+        lines += ["", "(= AR compares with uncompressed HF AR greedy; under a KV policy the text may legitimately "
+                  "differ — window-exactness against AR under the same policy is a test, not this column.)"]
     lines += ["", f"weights: target {fmt_bytes(wb['target'])}, draft {fmt_bytes(wb['draft'])}; "
               f"device: {results['environment']['cuda'] or 'cpu'} ({results['environment']['cpu_threads']} threads)"]
     return "\n".join(lines) + "\n"

@@ -1,0 +1,73 @@
+"""`toolkit run`: the runner's results on a tiny model that shares the embedded tokenizer, and CLI bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.conftest import perturbed_copy, tiny_llama
+from toolkit.cli import app
+from toolkit.generator import Generator
+from toolkit.prompts import load_suite
+from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec
+from toolkit.runner import markdown_table, run_recipe, write_results
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The embedded model's tokenizer, read straight from the shipped GGUF (no model conversion)."""
+    from transformers import AutoTokenizer
+
+    from toolkit.models import embedded_gguf_path
+
+    path = embedded_gguf_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def _generator(tokenizer, drafter: str) -> Generator:
+    target = tiny_llama(vocab=len(tokenizer), layers=2)
+    draft = perturbed_copy(target, scale=0.05) if drafter == "draft_model" else None
+    recipe = Recipe(name=f"tiny-{drafter}", target=ModelSpec(device="cpu"), draft=ModelSpec(device="cpu"),
+                    spec=SpecSpec(drafter=drafter, num_draft_tokens=3),
+                    generation=GenerationSpec(max_new_tokens=12, ignore_eos=True))
+    return Generator(recipe, target, tokenizer, draft)
+
+
+@pytest.mark.parametrize("drafter,baselines", [("draft_model", {"ar", "assisted"}), ("ngram", {"ar", "prompt_lookup"})])
+def test_compare_run_matches_ar_and_writes_results(tokenizer, tmp_path, drafter, baselines):
+    generator = _generator(tokenizer, drafter)
+    prompts = load_suite("short")[:2]
+    results = run_recipe(generator.recipe, compare=True, repeats=2, prompts=prompts, generator=generator,
+                         progress=False)
+    methods = {row["method"] for row in results["rows"]}
+    assert methods == {"ours"} | baselines
+    assert len(results["rows"]) == len(prompts) * len(methods)
+    for row in results["rows"]:
+        assert row["new_tokens"] == 12
+        assert len(row["throughput"]["values"]) == 2 and row["throughput"]["min"] <= row["throughput"]["median"]
+        if not generator.recipe.generation.do_sample:
+            assert row["identical_to_ar"] is True, row  # greedy: every method reproduces AR exactly
+    ours = results["summary"]["ours"]
+    assert ours["identical_to_ar"] is True
+    assert set(ours) >= {f"speedup_vs_{m}" for m in baselines}
+    path = write_results(results, tmp_path)
+    assert json.loads(path.read_text())["config_hash"] == generator.recipe.config_hash()
+    table = path.with_suffix(".md").read_text()
+    assert table == markdown_table(results) and table.count("| ours |") == len(prompts) + 1
+
+
+def test_cli_reports_bad_recipe_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\ntarget: {precision: int3}\n")
+    result = CliRunner().invoke(app, ["run", str(bad)])
+    assert result.exit_code == 2
+    assert "target.precision" in result.output and "int4" in result.output
+
+
+def test_cli_reports_unknown_suite(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nspec: {drafter: ngram}\ndraft: null\nprompts: nonexistent\n")
+    result = CliRunner().invoke(app, ["run", str(bad)])
+    assert result.exit_code == 2 and "prompts" in result.output and "short" in result.output
