@@ -1,0 +1,500 @@
+"""Evaluate one recipe: perplexity, acceptance, memory, latency and fidelity, with baselines in the same process.
+
+    >>> from eval.evaluate import evaluate, EvalSettings
+    >>> metrics = evaluate(Recipe.load("recipes/short.yaml"), settings=EvalSettings.fast())
+
+Results go to ``results/<recipe-name>-<config-hash>/`` (``config.yaml``, ``metrics.json`` — schema in
+``eval/metrics.schema.json`` —, ``report.md``, PNG plots), written atomically. A run whose ``metrics.json`` already
+exists is skipped (its metrics are returned) unless ``force=True``. Settings other than the defaults (e.g. fast
+mode) get their own directory ``<name>-<config-hash>-<mode>-<settings-hash>`` so they never mix.
+
+Benchmark protocol: every method (ours and each baseline) runs on the same prompts with the same
+``max_new_tokens`` and EOS disabled (fixed length); ``warmup`` untimed calls per method first; then ``repeats``
+repetitions, methods interleaved within each repetition; the device is synchronized around every timed call.
+Per repetition, throughput = all new tokens / all wall time over the prompts, TTFT and TPOT are means over the
+prompts; reported as median with min-max over repetitions.
+
+Injection points for tests and for the search (which keeps models loaded between trials): ``target``,
+``tokenizer``, ``draft_model``, ``reference_model`` (already-loaded models), ``prompts`` (token-id lists or
+:class:`toolkit.prompts.Prompt`), ``ppl_ids`` (token ids of the perplexity text).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import logging
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eval import metrics as M
+from eval.baselines import baseline_methods, run_baseline
+from toolkit.io import atomic_write_json, atomic_write_text
+from toolkit.recipe import ModelSpec, Recipe
+from toolkit.spec.stats import GenerationStats
+from toolkit.timing import Summary, synchronize
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+SCHEMA_PATH = Path(__file__).with_name("metrics.schema.json")
+DEFAULT_RESULTS = Path("results")
+
+
+@dataclass
+class EvalSettings:
+    """How much to measure. ``EvalSettings()`` is the full protocol; :meth:`fast` the cheap one (search, tests).
+
+    Attributes:
+        num_prompts: use N prompts of the suite, taken round-robin over its kinds (``None`` = all).
+        max_new_tokens: cap on the recipe's ``generation.max_new_tokens`` (``None`` = the recipe's value).
+        repeats: timed repetitions per method (>= 1; the protocol asks >= 3).
+        warmup: untimed calls per method before timing.
+        ppl_source: text source of :mod:`eval.data` (prose, code, wikitext, pg19), test split.
+        ppl_tokens: tokens of held-out text for perplexity.
+        ppl_window / ppl_stride: sliding-window protocol for the uncompressed model.
+        baselines: run the HF baselines (``True``: AR, assisted / prompt lookup, AR fp32 reference; or a list of
+            those names; ``False``: none).
+        reuse_baselines: reuse an identical baseline measurement made earlier in this process (same model objects,
+            prompts and generation settings) instead of timing it again — the search sets this, since its trials
+            share baselines; a single ``toolkit eval`` never does.
+        reference: load the fp32 uncompressed target as the quality reference when the target is not fp32.
+        ignore_eos: fixed-length runs (EOS disabled) for every method.
+        mode: label used in the results directory name (``full`` / ``fast`` / anything).
+    """
+
+    num_prompts: int | None = None
+    max_new_tokens: int | None = None
+    repeats: int = 3
+    warmup: int = 1
+    ppl_source: str = "prose"
+    ppl_tokens: int = 2048
+    ppl_window: int = 1024
+    ppl_stride: int = 512
+    baselines: bool | list[str] = True
+    reuse_baselines: bool = False
+    reference: bool = True
+    ignore_eos: bool = True
+    mode: str = "full"
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"repeats: must be >= 1, got {self.repeats}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup: must be >= 0, got {self.warmup}")
+        if self.ppl_tokens < 2:
+            raise ValueError(f"ppl_tokens: must be >= 2, got {self.ppl_tokens}")
+
+    @classmethod
+    def fast(cls, **overrides) -> EvalSettings:
+        """Fast mode: 2 prompts, <= 48 new tokens, 3 repetitions, 512 perplexity tokens (window 256/128)."""
+        base = dict(num_prompts=2, max_new_tokens=48, repeats=3, warmup=1, ppl_tokens=512, ppl_window=256,
+                    ppl_stride=128, mode="fast")
+        base.update(overrides)
+        return cls(**base)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:6]
+
+
+def results_dir(recipe: Recipe, settings: EvalSettings, root: str | Path = DEFAULT_RESULTS) -> Path:
+    """``root/<name>-<config-hash>`` for the default settings, else ``...-<mode>-<settings-hash>``."""
+    name = f"{recipe.name}-{recipe.config_hash()}"
+    if settings != EvalSettings():
+        name += f"-{settings.mode}-{settings.key()}"
+    return Path(root) / name
+
+
+# ------------------------------------------------------------------------------------------------- model cache
+_MODELS: dict[str, tuple] = {}
+_REF_PPL: dict[tuple, dict] = {}
+_BASELINES: dict[tuple, dict] = {}
+
+
+def get_model(spec: ModelSpec, field: str = "model"):
+    """``load_model(spec)`` memoized per process (the search evaluates many recipes over the same models)."""
+    from toolkit.models import load_model
+
+    key = json.dumps(dataclasses.asdict(spec), sort_keys=True)
+    if key not in _MODELS:
+        _MODELS[key] = load_model(spec, field)
+    return _MODELS[key]
+
+
+def clear_model_cache() -> None:
+    _MODELS.clear()
+    _REF_PPL.clear()
+    _BASELINES.clear()
+
+
+def load_recipe_models(recipe: Recipe, reference: bool = True):
+    """``(target, tokenizer, draft_model | None, reference_model | None)`` for a recipe, memoized."""
+    target, tokenizer = get_model(recipe.target, "target")
+    draft_model = None
+    if recipe.spec.drafter in ("draft_model", "self"):
+        spec = recipe.draft
+        if recipe.spec.drafter == "self":
+            spec = dataclasses.replace(recipe.draft, source=recipe.target.source)
+        draft_model, draft_tokenizer = get_model(spec, "draft")
+        from toolkit.models import check_same_vocab
+
+        check_same_vocab(tokenizer, draft_tokenizer, recipe.target.source, spec.source)
+    ref = None
+    if reference and recipe.target.precision != "fp32":
+        ref_spec = dataclasses.replace(recipe.target, precision="fp32")
+        ref, _ = get_model(ref_spec, "reference")
+    return target, tokenizer, draft_model, ref
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+def environment() -> dict:
+    """Hardware and library versions for provenance."""
+    import transformers
+
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+            "platform": platform.platform(), "machine": platform.machine(), "cpu_count": _cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        import bitsandbytes
+
+        info["bitsandbytes"] = bitsandbytes.__version__
+    except Exception:  # noqa: BLE001 - optional
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    info["hardware"] = info.get("gpu") or f"{platform.processor() or platform.machine()} CPU x{info['cpu_count']}"
+    return info
+
+
+def _cpu_count() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _prompts(recipe: Recipe, prompts, generator, settings: EvalSettings) -> list[dict]:
+    """``[{id, kind, input_ids (1, n)}]`` from injected prompts or the recipe's suite."""
+    if prompts is None:
+        from toolkit.prompts import load_suite
+
+        prompts = load_suite(recipe.prompts)
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
+            out.append({"id": f"ids-{i}", "kind": "ids", "input_ids": torch.tensor([list(p)])})
+        elif torch.is_tensor(p):
+            out.append({"id": f"ids-{i}", "kind": "ids", "input_ids": p.view(1, -1).long()})
+        else:
+            out.append({"id": p.id, "kind": p.kind, "input_ids": generator.encode(p.prompt)})
+    if settings.num_prompts is not None and settings.num_prompts < len(out):
+        # a subset spread over the kinds (chat, summarize, code, ...) in suite order, not just the first N
+        by_kind: dict[str, list] = {}
+        for item in out:
+            by_kind.setdefault(item["kind"], []).append(item)
+        picked = []
+        while len(picked) < settings.num_prompts:
+            for items in by_kind.values():
+                if items and len(picked) < settings.num_prompts:
+                    picked.append(items.pop(0))
+        out = picked
+    if not out:
+        raise ValueError("prompts: no prompts to evaluate")
+    return out
+
+
+def _baseline_key(method, recipe, target, draft_model, reference_model, items, gen, settings) -> tuple:
+    """Identity of a baseline measurement: models (by object), prompts, generation settings, protocol."""
+    k = recipe.spec.num_draft_tokens if method in ("assisted", "prompt_lookup") else None
+    ngram = recipe.spec.max_ngram if method == "prompt_lookup" else None
+    models = {"ar": (id(target),), "ar_fp32": (id(reference_model),), "assisted": (id(target), id(draft_model)),
+              "prompt_lookup": (id(target),)}[method]
+    prompts = tuple(tuple(it["input_ids"][0].tolist()) for it in items)
+    return (method, models, k, ngram, prompts, json.dumps(dataclasses.asdict(gen), sort_keys=True),
+            settings.repeats, settings.warmup)
+
+
+def _run_ours(generator, input_ids, gen, eos_ids) -> tuple[list[int], GenerationStats, list[list]]:
+    """Our decode loop on one prompt; returns new ids, stats and the trajectory
+    ``[[new_tokens, elapsed_ms, kv_bytes_target, kv_bytes_draft], ...]`` after every round."""
+    stats = GenerationStats()
+    decoder = generator.decoder(gen)
+    new_ids: list[int] = []
+    trajectory = []
+    device = generator.target.device if hasattr(generator.target, "device") else torch.device("cpu")
+    synchronize(device)
+    start = time.perf_counter()
+    for chunk in decoder.decode(input_ids, gen, stats, eos_ids, None):
+        new_ids.extend(chunk)
+        trajectory.append([len(new_ids), (time.perf_counter() - start) * 1000, stats.kv_bytes_target,
+                           stats.kv_bytes_draft])
+    synchronize(device)
+    return new_ids, stats, trajectory
+
+
+def _downsample(rows: list, limit: int = 200) -> list:
+    if len(rows) <= limit:
+        return rows
+    step = len(rows) / limit
+    picked = [rows[int(i * step)] for i in range(limit)]
+    if picked[-1] is not rows[-1]:
+        picked.append(rows[-1])
+    return picked
+
+
+def _speed(runs_by_rep: list[list[tuple[list[int], GenerationStats]]]) -> dict:
+    """Speed summaries over repetitions; ``runs_by_rep[r]`` holds one (ids, stats) per prompt."""
+    throughput, ttft, tpot, tokens = [], [], [], []
+    for runs in runs_by_rep:
+        n = sum(s.new_tokens for _, s in runs)
+        ms = sum(s.total_ms for _, s in runs)
+        throughput.append(n / (ms / 1000) if ms > 0 else 0.0)
+        ttft.append(sum(s.ttft_ms for _, s in runs) / len(runs))
+        tpot.append(sum(s.tpot_ms for _, s in runs) / len(runs))
+        tokens.append(n)
+    return {"throughput": Summary.of(throughput).to_dict(), "ttft_ms": Summary.of(ttft).to_dict(),
+            "tpot_ms": Summary.of(tpot).to_dict(), "new_tokens": int(max(tokens) if tokens else 0),
+            "repeats": len(runs_by_rep)}
+
+
+# ------------------------------------------------------------------------------------------------- main entry
+def evaluate(recipe: Recipe, *, settings: EvalSettings | None = None, out_dir: str | Path | None = None,
+             results_root: str | Path = DEFAULT_RESULTS, force: bool = False, target=None, tokenizer=None,
+             draft_model=None, reference_model=None, prompts=None, ppl_ids: list[int] | None = None,
+             progress: bool = True, write: bool = True, plots: bool = True) -> dict:
+    """Measure ``recipe`` and write its results; returns the metrics dict (see ``eval/metrics.schema.json``).
+
+    Raises:
+        ConfigError / ModelLoadError: from recipe validation and model loading.
+        ValueError: invalid settings, no prompts, or metrics that do not match the schema.
+    """
+    from tqdm.auto import tqdm
+
+    from toolkit.generator import build
+
+    settings = settings or EvalSettings()
+    recipe.validate()
+    out = Path(out_dir) if out_dir is not None else results_dir(recipe, settings, results_root)
+    metrics_path = out / "metrics.json"
+    if metrics_path.is_file() and not force:
+        try:
+            cached = json.loads(metrics_path.read_text())
+            if cached.get("settings") == settings.to_dict():
+                log.info("results exist, skipped (use --force to recompute): %s", out)
+                cached["skipped"] = True
+                return cached
+        except json.JSONDecodeError:
+            log.warning("unreadable %s: recomputing", metrics_path)
+
+    started = time.perf_counter()
+    if target is None:
+        target, tokenizer, draft_model, loaded_ref = load_recipe_models(recipe, settings.reference)
+        reference_model = reference_model or loaded_ref
+    generator = build(recipe, target=target, tokenizer=tokenizer, draft_model=draft_model)
+    draft_model = generator.draft_model
+    if reference_model is None and recipe.target.precision == "fp32":
+        reference_model = target
+    has_separate_ref = reference_model is not None and reference_model is not target
+    device = next(target.parameters()).device
+    K = recipe.spec.num_draft_tokens
+
+    # ---------------------------------------------------------------------------------------- perplexity
+    if ppl_ids is None:
+        from eval.data import describe, heldout_ids
+
+        ppl_ids = heldout_ids(tokenizer, settings.ppl_source, settings.ppl_tokens)
+        text_desc = describe(settings.ppl_source)
+    else:
+        text_desc = "injected token ids"
+    ppl_ids = list(ppl_ids)
+    ppl_conf = M.perplexity_through_cache(target, ppl_ids, generator.target_policy, chunk=K + 1, progress=progress)
+    window = min(settings.ppl_window, len(ppl_ids))
+    ids_key = hashlib.sha256(str(ppl_ids).encode()).hexdigest()
+    slide_key = ("slide", id(target), ids_key, window, settings.ppl_stride)
+    if slide_key not in _REF_PPL:  # a pure function of the model and the text: computed once per process
+        _REF_PPL[slide_key] = M.perplexity_sliding_window(target, ppl_ids, window, min(settings.ppl_stride, window),
+                                                          progress=progress)
+    ppl_slide = _REF_PPL[slide_key]
+    ppl_ref = None
+    if reference_model is not None:
+        key = ("ref", id(reference_model), ids_key)
+        if key not in _REF_PPL:
+            _REF_PPL[key] = M.perplexity_sliding_window(reference_model, ppl_ids, len(ppl_ids), len(ppl_ids))
+            _REF_PPL[key]["protocol"]["method"] = ("fp32 target, no KV compression, full context over the same "
+                                                    "tokens (= through-cache with policy none)")
+        ppl_ref = _REF_PPL[key]
+    perplexity = {"text": text_desc, "configured": ppl_conf, "sliding_window": ppl_slide,
+                  "reference_fp32": ppl_ref,
+                  "ratio_to_fp32": ppl_conf["value"] / ppl_ref["value"] if ppl_ref else None}
+
+    # ---------------------------------------------------------------------------------------- generation runs
+    items = _prompts(recipe, prompts, generator, settings)
+    max_new = recipe.generation.max_new_tokens
+    if settings.max_new_tokens is not None:
+        max_new = min(max_new, settings.max_new_tokens)
+    gen = dataclasses.replace(recipe.generation, max_new_tokens=max_new,
+                              ignore_eos=settings.ignore_eos or recipe.generation.ignore_eos)
+    gen.validate("generation")
+    eos_ids = generator.eos_token_ids(gen)
+    applicable = baseline_methods(recipe, has_separate_ref) if settings.baselines else []
+    if isinstance(settings.baselines, (list, tuple)):
+        applicable = [m for m in applicable if m in settings.baselines]
+    methods = ["ours"] + applicable
+    reused: dict[str, dict] = {}
+    if settings.reuse_baselines:
+        for m in applicable:
+            key = _baseline_key(m, recipe, target, draft_model, reference_model, items, gen, settings)
+            if key in _BASELINES:
+                reused[m] = _BASELINES[key]
+    timed = [m for m in methods if m not in reused]
+    warm_gen = dataclasses.replace(gen, max_new_tokens=min(16, max_new))
+
+    def call(method, input_ids, g):
+        if method == "ours":
+            return _run_ours(generator, input_ids, g, eos_ids)
+        ids, stats = run_baseline(method, recipe, input_ids, g, eos_ids, target=target, draft_model=draft_model,
+                                  reference=reference_model)
+        return ids, stats, None
+
+    total_calls = len(timed) * (settings.warmup + settings.repeats * len(items))
+    bar = tqdm(total=total_calls, desc=f"eval {recipe.name}", unit="run", disable=not progress)
+    for method in timed:
+        for _ in range(settings.warmup):
+            call(method, items[0]["input_ids"], warm_gen)
+            bar.update()
+    runs: dict[str, list[list]] = {m: [] for m in timed}
+    peaks: dict[str, list[dict]] = {m: [] for m in timed}
+    trajectories: list[list] = [None] * len(items)
+    for rep in range(settings.repeats):
+        for m in timed:
+            runs[m].append([])
+        for pi, item in enumerate(items):
+            for method in timed:
+                with M.PeakMemory(str(device)) as meter:
+                    ids, stats, traj = call(method, item["input_ids"], gen)
+                peaks[method].append(meter.result)
+                runs[method][rep].append((ids, stats))
+                if method == "ours" and rep == 0:
+                    trajectories[pi] = traj
+                bar.set_postfix(method=method, tok_s=f"{stats.throughput:.1f}")
+                bar.update()
+    bar.close()
+    for m in timed:
+        if m != "ours" and settings.reuse_baselines:
+            key = _baseline_key(m, recipe, target, draft_model, reference_model, items, gen, settings)
+            _BASELINES[key] = {"runs": runs[m], "peaks": peaks[m]}
+    for m, saved in reused.items():
+        runs[m], peaks[m] = saved["runs"], saved["peaks"]
+
+    first = {m: runs[m][0] for m in methods}  # greedy outputs are identical across repetitions
+    ours_stats = [s for _, s in first["ours"]]
+    acc = M.acceptance(ours_stats)
+    per_token = M.kv_bytes_per_token(target)
+    lengths = [s.prompt_tokens + s.new_tokens - 1 for s in ours_stats]
+    method_metrics = {}
+    for m in methods:
+        entry = _speed(runs[m])
+        entry["peak_memory"] = M.merge_peaks(peaks[m])
+        if m != "ours":
+            entry["target_forwards"] = sum(s.target_forwards for _, s in first[m])
+            entry["tokens_per_round"] = (sum(s.committed for _, s in first[m]) /
+                                         max(1, sum(s.rounds for _, s in first[m])))
+        if m in reused:
+            entry["reused"] = True
+        method_metrics[m] = entry
+
+    def ratio(a, b):
+        if a in method_metrics and b in method_metrics:
+            den = method_metrics[b]["throughput"]["median"]
+            return method_metrics[a]["throughput"]["median"] / den if den > 0 else None
+        return None
+
+    ratios = {"ours_vs_ar": ratio("ours", "ar"), "ours_vs_assisted": ratio("ours", "assisted"),
+              "ours_vs_prompt_lookup": ratio("ours", "prompt_lookup"), "assisted_vs_ar": ratio("assisted", "ar"),
+              "ours_vs_ar_fp32": ratio("ours", "ar_fp32")}
+    ratios = {k: v for k, v in ratios.items() if v is not None}
+
+    fid = {}
+    if "ar" in first:
+        fid["vs_ar"] = M.fidelity_summary([(a, b) for (a, _), (b, _) in zip(first["ours"], first["ar"])])
+    ref_runs = first.get("ar_fp32") or (first.get("ar") if reference_model is target else None)
+    if ref_runs is not None:
+        fid["vs_fp32"] = M.fidelity_summary([(a, b) for (a, _), (b, _) in zip(first["ours"], ref_runs)])
+    fid["greedy"] = not gen.do_sample
+
+    memory = {
+        "weight_bytes": {"target": generator.weight_bytes["target"], "draft": generator.weight_bytes["draft"],
+                         "total": generator.weight_bytes["target"] + generator.weight_bytes["draft"]},
+        "kv_bytes": {
+            "target_final": max(s.kv_bytes_target for s in ours_stats),
+            "draft_final": max(s.kv_bytes_draft for s in ours_stats),
+            "target_peak": max(s.peak_kv_bytes_target for s in ours_stats),
+            "draft_peak": max(s.peak_kv_bytes_draft for s in ours_stats),
+            "uncompressed_target_peak": per_token * max(lengths),
+            "per_token_uncompressed": per_token,
+            "ppl_run_target_peak": ppl_conf["peak_kv_bytes"],
+        },
+        "compressions": {"target": sum(s.compressions_target for s in ours_stats),
+                         "draft": sum(s.compressions_draft for s in ours_stats)},
+        "peak": method_metrics["ours"]["peak_memory"],
+    }
+    memory["total_peak_bytes"] = (memory["weight_bytes"]["total"] + memory["kv_bytes"]["target_peak"]
+                                  + memory["kv_bytes"]["draft_peak"])
+
+    result = {
+        "schema_version": SCHEMA_VERSION,
+        "recipe": {"name": recipe.name, "config_hash": recipe.config_hash(), "config": recipe.to_dict()},
+        "settings": settings.to_dict(),
+        "environment": environment(),
+        "protocol": {
+            "max_new_tokens": max_new, "ignore_eos": gen.ignore_eos, "do_sample": gen.do_sample,
+            "warmup": settings.warmup, "repeats": settings.repeats, "num_prompts": len(items),
+            "timing": "wall clock with device synchronization; per repetition: throughput = new tokens / time over "
+                      "all prompts, TTFT/TPOT = mean over prompts; median [min-max] over repetitions",
+        },
+        "prompts": [{"id": it["id"], "kind": it["kind"], "prompt_tokens": int(it["input_ids"].shape[1])}
+                    for it in items],
+        "perplexity": perplexity,
+        "acceptance": acc,
+        "memory": memory,
+        "methods": method_metrics,
+        "ratios": ratios,
+        "fidelity": fid,
+        "trajectories": [{"prompt": it["id"], "rows": _downsample(t)} for it, t in zip(items, trajectories)],
+        "elapsed_s": time.perf_counter() - started,
+        "skipped": False,
+    }
+    validate_metrics(result)
+    if write:
+        from eval.report import write_report
+
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "config.yaml", recipe.to_yaml())
+        result["files"] = write_report(result, out, plots=plots)
+        atomic_write_json(metrics_path, result)  # last: its presence marks a finished run
+    return result
+
+
+def validate_metrics(data: dict) -> None:
+    """Raise ``ValueError`` unless ``data`` matches ``eval/metrics.schema.json``."""
+    import jsonschema
+
+    schema = json.loads(SCHEMA_PATH.read_text())
+    try:
+        jsonschema.validate(json.loads(json.dumps(data, default=str)), schema)
+    except jsonschema.ValidationError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        raise ValueError(f"metrics do not match {SCHEMA_PATH.name} at '{where}': {exc.message}") from exc

@@ -1,0 +1,295 @@
+"""Metrics of a recipe: perplexity (through the configured cache, and sliding-window), acceptance, memory, fidelity.
+
+Every function here is pure measurement on already-loaded models; orchestration lives in :mod:`eval.evaluate`.
+Units: bytes, milliseconds, tokens; perplexities use natural logs, normalized per predicted token.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from toolkit.kv import ops as kv_ops
+
+
+# ------------------------------------------------------------------------------------------------------ perplexity
+def _nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """Sum of -log p(target) over rows of ``logits`` ``(n, vocab)`` (computed in float64)."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    return float(-logp.gather(1, targets.view(-1, 1)).sum())
+
+
+@torch.no_grad()
+def perplexity_through_cache(model, ids: list[int], policy=None, chunk: int = 5, progress: bool = False) -> dict:
+    """Teacher-forced perplexity of ``ids`` fed through ``model``'s cache in chunks of ``chunk`` tokens (K + 1).
+
+    This is the perplexity the recipe's target actually has during generation: the cache is built by
+    :func:`toolkit.kv.ops.new_cache` with the recipe's KV ``policy``, every chunk is one forward at absolute
+    ``position_ids`` with :func:`toolkit.kv.ops.model_inputs`, and :func:`toolkit.kv.ops.commit` runs after every chunk
+    (the commit point, where a policy compresses), exactly as after a verify forward of K + 1 tokens.
+
+    Protocol: token 0 is context only; tokens 1..n-1 are predicted (``n - 1`` predictions), each from everything the
+    cache holds at that point; PPL = exp(sum NLL / (n - 1)), natural log.
+
+    Returns a dict with ``value``, ``nll_sum``, ``tokens`` (predicted), ``peak_kv_bytes``, ``protocol``.
+    """
+    if len(ids) < 2:
+        raise ValueError("ids: perplexity needs at least 2 tokens")
+    if chunk < 1:
+        raise ValueError(f"chunk: must be >= 1, got {chunk}")
+    device = next(model.parameters()).device
+    seq = torch.tensor([ids], device=device)
+    n = seq.shape[1]
+    cache = kv_ops.new_cache(policy, model)
+    nll, count, peak_kv = 0.0, 0, 0
+    starts = range(0, n - 1, chunk)
+    if progress:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc=f"ppl through cache (chunk {chunk})", unit="fwd", leave=False)
+    for start in starts:
+        tokens = seq[:, start:start + chunk]
+        q = tokens.shape[1]
+        positions = torch.arange(start, start + q, device=device).unsqueeze(0)
+        out = model(input_ids=tokens, past_key_values=cache, use_cache=True, **kv_ops.model_inputs(cache, positions))
+        targets = seq[0, start + 1:start + q + 1]
+        nll += _nll_sum(out.logits[0, : targets.shape[0]], targets)
+        count += targets.shape[0]
+        kv_ops.commit(cache)
+        peak_kv = max(peak_kv, kv_ops.kv_bytes(cache))
+    return {
+        "value": math.exp(nll / count), "nll_sum": nll, "tokens": count, "peak_kv_bytes": peak_kv,
+        "protocol": {"method": "teacher-forced through the recipe's KV cache", "chunk_tokens": chunk,
+                     "text_tokens": n, "predicted_tokens": count, "normalization": "token-level, natural log",
+                     "kv_policy": getattr(policy, "name", "none") if policy is not None else "none"},
+    }
+
+
+@torch.no_grad()
+def perplexity_sliding_window(model, ids: list[int], window: int = 1024, stride: int = 512,
+                              progress: bool = False) -> dict:
+    """Standard sliding-window perplexity (HF "Perplexity of fixed-length models") of an uncompressed model.
+
+    Windows of ``window`` tokens start every ``stride`` tokens; each window scores only the tokens not scored by an
+    earlier window (so every token 1..n-1 is scored once, with at least ``window - stride`` tokens of context
+    after the first window). Exact token-level normalization: PPL = exp(sum NLL / (n - 1)).
+    """
+    if len(ids) < 2:
+        raise ValueError("ids: perplexity needs at least 2 tokens")
+    if not 1 <= stride <= window:
+        raise ValueError(f"stride: must be in [1, window={window}], got {stride}")
+    device = next(model.parameters()).device
+    seq = torch.tensor([ids], device=device)
+    n = seq.shape[1]
+    nll, count, scored_until = 0.0, 0, 1  # next absolute index to score (token 0 is never predicted)
+    begins = list(range(0, n, stride))
+    if progress:
+        from tqdm.auto import tqdm
+
+        begins = tqdm(begins, desc=f"ppl sliding window {window}/{stride}", unit="win", leave=False)
+    for begin in begins:
+        end = min(begin + window, n)
+        logits = model(input_ids=seq[:, begin:end], use_cache=False).logits[0]
+        first = max(scored_until, begin + 1)
+        if first < end:
+            targets = seq[0, first:end]
+            nll += _nll_sum(logits[first - begin - 1:end - begin - 1], targets)
+            count += targets.shape[0]
+            scored_until = end
+        if end == n:
+            break
+    return {
+        "value": math.exp(nll / count), "nll_sum": nll, "tokens": count,
+        "protocol": {"method": "sliding window, uncompressed model", "window": window, "stride": stride,
+                     "text_tokens": n, "predicted_tokens": count, "normalization": "token-level, natural log"},
+    }
+
+
+# ------------------------------------------------------------------------------------------------------ acceptance
+def acceptance(stats_list) -> dict:
+    """Aggregate :class:`~toolkit.spec.stats.GenerationStats` of several calls into acceptance metrics.
+
+    Returns alpha (accepted / drafted), tau (committed / rounds), the per-position curve
+    ``accepted_at[i] / drafted_at[i]``, and forward counts. ``consistent`` is the result of
+    :func:`check_acceptance` on every call.
+    """
+    width = max([len(s.drafted_at) for s in stats_list] + [0])
+    acc_at, dr_at = [0] * width, [0] * width
+    totals = dict(rounds=0, drafted=0, accepted=0, committed=0, new_tokens=0, target_forwards=0, draft_forwards=0)
+    problems = []
+    for s in stats_list:
+        for key in totals:
+            totals[key] += getattr(s, key)
+        for i, (a, d) in enumerate(zip(s.accepted_at, s.drafted_at)):
+            acc_at[i] += a
+            dr_at[i] += d
+        problems += check_acceptance(s)
+    return {
+        "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
+        "tokens_per_round": totals["committed"] / totals["rounds"] if totals["rounds"] else 0.0,
+        **totals,
+        "accepted_at": acc_at, "drafted_at": dr_at,
+        "curve": [a / d if d else 0.0 for a, d in zip(acc_at, dr_at)],
+        "consistent": not problems, "problems": problems[:5],
+    }
+
+
+def check_acceptance(stats) -> list[str]:
+    """Invariants of one call's counters; returns the violated ones (empty list = consistent).
+
+    accepted <= drafted; committed = accepted + rounds (one target token per round: the bonus token when all K
+    were accepted, else the correction, counted once); per-position counts sum to the totals and never exceed
+    each other; one target forward per round plus the prefill; new tokens <= committed + 1 (the prefill token).
+    """
+    out = []
+    if stats.accepted > stats.drafted:
+        out.append(f"accepted {stats.accepted} > drafted {stats.drafted}")
+    if stats.committed != stats.accepted + stats.rounds:
+        out.append(f"committed {stats.committed} != accepted {stats.accepted} + rounds {stats.rounds}")
+    if sum(stats.accepted_at) != stats.accepted or sum(stats.drafted_at) != stats.drafted:
+        out.append("per-position counts do not sum to accepted/drafted")
+    if any(a > d for a, d in zip(stats.accepted_at, stats.drafted_at)):
+        out.append("accepted_at[i] > drafted_at[i]")
+    if any(later > earlier for earlier, later in zip(stats.accepted_at, stats.accepted_at[1:])):
+        out.append("accepted_at not non-increasing (position i+1 accepted without position i)")
+    if stats.target_forwards != stats.rounds + 1:
+        out.append(f"target_forwards {stats.target_forwards} != rounds {stats.rounds} + 1 (prefill)")
+    if stats.new_tokens > stats.committed + 1:
+        out.append(f"new_tokens {stats.new_tokens} > committed {stats.committed} + 1")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ fidelity
+def fidelity(ids: list[int], reference: list[int]) -> dict:
+    """Token agreement of ``ids`` with a ``reference`` greedy output of the same prompt.
+
+    ``match_rate``: positions i < len(reference) with ids[i] == reference[i], over len(reference);
+    ``first_divergence``: first differing position (``None`` when identical); ``prefix_match``: the matching prefix
+    length over len(reference).
+    """
+    n = len(reference)
+    if n == 0:
+        return {"match_rate": 1.0, "first_divergence": None, "prefix_match": 1.0, "compared_tokens": 0}
+    matches = sum(1 for a, b in zip(ids, reference) if a == b)
+    first = next((i for i, (a, b) in enumerate(zip(ids, reference)) if a != b), None)
+    if first is None and len(ids) != n:
+        first = min(len(ids), n)
+    prefix = n if first is None else first
+    return {"match_rate": matches / n, "first_divergence": first, "prefix_match": prefix / n, "compared_tokens": n}
+
+
+def fidelity_summary(pairs: list[tuple[list[int], list[int]]]) -> dict:
+    """:func:`fidelity` over several prompts: token-weighted match rate, per-prompt first divergences."""
+    each = [fidelity(a, b) for a, b in pairs]
+    total = sum(e["compared_tokens"] for e in each)
+    return {
+        "match_rate": sum(e["match_rate"] * e["compared_tokens"] for e in each) / total if total else 1.0,
+        "prefix_match": sum(e["prefix_match"] * e["compared_tokens"] for e in each) / total if total else 1.0,
+        "first_divergence": [e["first_divergence"] for e in each],
+        "identical": all(e["first_divergence"] is None for e in each),
+        "compared_tokens": total,
+    }
+
+
+# ------------------------------------------------------------------------------------------------------ memory
+def _read_status(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter (VmHWM) of this process; False where not supported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class PeakMemory:
+    """Context manager measuring the peak device memory of a block.
+
+    CUDA: ``torch.cuda.reset_peak_memory_stats`` on entry, ``max_memory_allocated`` / ``max_memory_reserved`` on
+    exit (growth = peak allocated minus allocated at entry). CPU: the process's peak RSS during the block, from
+    the kernel's VmHWM after resetting it (Linux ``/proc/self/clear_refs``), else sampled every 2 ms with psutil;
+    growth = peak RSS minus RSS at entry (>= 0; the allocator may reuse memory freed by earlier runs).
+    """
+
+    device: str = "cpu"
+
+    def __enter__(self) -> PeakMemory:
+        self.result: dict = {}
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._base = torch.cuda.memory_allocated()
+            return self
+        import psutil
+
+        self._proc = psutil.Process(os.getpid())
+        self._base = self._proc.memory_info().rss
+        self._hwm = _reset_peak_rss() and _read_status("VmHWM") is not None
+        self._peak = self._base
+        if not self._hwm:
+            self._stop = threading.Event()
+
+            def sample():
+                while not self._stop.is_set():
+                    self._peak = max(self._peak, self._proc.memory_info().rss)
+                    time.sleep(0.002)
+
+            self._thread = threading.Thread(target=sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+            self.result = {"device": "cuda", "peak_allocated_bytes": int(peak),
+                           "peak_reserved_bytes": int(torch.cuda.max_memory_reserved()),
+                           "peak_growth_bytes": int(max(0, peak - self._base))}
+            return
+        if self._hwm:
+            self._peak = max(self._peak, _read_status("VmHWM") or 0)
+        else:
+            self._stop.set()
+            self._thread.join()
+        self._peak = max(self._peak, self._proc.memory_info().rss)
+        self.result = {"device": "cpu", "peak_rss_bytes": int(self._peak),
+                       "peak_rss_growth_bytes": int(max(0, self._peak - self._base)),
+                       "method": "VmHWM (reset via /proc/self/clear_refs)" if self._hwm else "psutil sampling 2 ms"}
+
+
+def merge_peaks(results: list[dict]) -> dict:
+    """Max over several :class:`PeakMemory` results of the same device."""
+    if not results:
+        return {}
+    out = dict(results[0])
+    for r in results[1:]:
+        for key, value in r.items():
+            if key.endswith("_bytes"):
+                out[key] = max(out[key], value)
+    return out
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes one token adds to an uncompressed ``DynamicCache`` of ``model`` (all layers, keys + values)."""
+    device = next(model.parameters()).device
+    cache = kv_ops.new_cache(None, model)
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), past_key_values=cache, use_cache=True)
+    return kv_ops.kv_bytes(cache)

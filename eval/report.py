@@ -1,0 +1,178 @@
+"""Markdown report and PNG plots of one evaluation (matplotlib, Agg backend).
+
+Plots: ``throughput_vs_length.png`` (cumulative tokens/s of our loop along the generation, baselines as points at
+their final length), ``kv_bytes_vs_length.png`` (exact target/draft KV bytes after every round vs the uncompressed
+cache), ``acceptance_by_position.png`` (accepted_at[i] / drafted_at[i]).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from toolkit.io import atomic_write_text
+
+MB = 1024 * 1024
+
+
+def _fmt_summary(s: dict, digits: int = 2) -> str:
+    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
+
+
+def _mb(n: int | None) -> str:
+    return "–" if n is None else f"{n / MB:.2f} MiB"
+
+
+def markdown(m: dict) -> str:
+    """The report.md text of a metrics dict."""
+    r, p, a, mem, env = m["recipe"], m["perplexity"], m["acceptance"], m["memory"], m["environment"]
+    proto = m["protocol"]
+    lines = [f"# Evaluation: {r['name']} ({r['config_hash']})", ""]
+    cfg = r["config"]
+    lines += [f"target {cfg['target']['source']} @ {cfg['target']['precision']}, drafter {cfg['spec']['drafter']}"
+              + (f" ({cfg['draft']['precision']})" if cfg.get("draft") and cfg['spec']['drafter'] in
+                 ("draft_model", "self") else "")
+              + f", K={cfg['spec']['num_draft_tokens']} ({cfg['spec']['adaptive']}), KV {cfg['kv']}", "",
+              f"Hardware: {env['hardware']} · torch {env['torch']} · transformers {env['transformers']} · "
+              f"{env['date']} · settings: {m['settings']['mode']}", ""]
+    lines += ["## Perplexity", "", f"Text: {p['text']}", "",
+              "| measure | PPL | protocol |", "|---|---|---|"]
+    c = p["configured"]
+    lines.append(f"| recipe's target as configured (precision + KV policy) | {c['value']:.3f} | teacher-forced "
+                 f"through the cache in chunks of K+1 = {c['protocol']['chunk_tokens']} tokens, commit after each "
+                 f"chunk; {c['tokens']} predicted tokens, token-level mean NLL (natural log) |")
+    s = p["sliding_window"]
+    lines.append(f"| recipe's target, uncompressed, sliding window | {s['value']:.3f} | window "
+                 f"{s['protocol']['window']}, stride {s['protocol']['stride']}, {s['tokens']} predicted tokens, "
+                 f"token-level |")
+    if p["reference_fp32"]:
+        ref = p["reference_fp32"]
+        lines.append(f"| fp32 uncompressed reference | {ref['value']:.3f} | full context over the same "
+                     f"{ref['tokens']} predicted tokens, token-level |")
+        lines += ["", f"PPL ratio (configured / fp32 reference): **{p['ratio_to_fp32']:.4f}**"]
+    lines += ["", "## Speed", "",
+              f"{proto['num_prompts']} prompts, {proto['max_new_tokens']} new tokens each (EOS "
+              f"{'disabled' if proto['ignore_eos'] else 'enabled'}), {proto['warmup']} warm-up call(s) per method, "
+              f"{proto['repeats']} repetitions, median [min–max]. {proto.get('timing', '')}", "",
+              "| method | throughput (tok/s) | TTFT (ms) | TPOT (ms) | peak memory |", "|---|---|---|---|---|"]
+    for name, e in m["methods"].items():
+        peak = e["peak_memory"]
+        pm = (f"RSS {_mb(peak.get('peak_rss_bytes'))} (+{_mb(peak.get('peak_rss_growth_bytes'))})"
+              if peak.get("device") == "cpu" else
+              f"alloc {_mb(peak.get('peak_allocated_bytes'))}, reserved {_mb(peak.get('peak_reserved_bytes'))}")
+        lines.append(f"| {name} | {_fmt_summary(e['throughput'])} | {_fmt_summary(e['ttft_ms'], 1)} | "
+                     f"{_fmt_summary(e['tpot_ms'], 1)} | {pm} |")
+    if m["ratios"]:
+        lines += ["", "Throughput ratios (medians, same process): "
+                  + ", ".join(f"{k.replace('_vs_', ' / ')} = **{v:.2f}×**" for k, v in m["ratios"].items())]
+    lines += ["", "## Acceptance", "",
+              f"α = {a['acceptance_rate']:.3f} (accepted {a['accepted']} / drafted {a['drafted']}), "
+              f"τ = {a['tokens_per_round']:.3f} tokens per round ({a['committed']} committed / {a['rounds']} "
+              f"rounds), target forwards {a['target_forwards']}, draft forwards {a['draft_forwards']}; counters "
+              f"{'consistent' if a['consistent'] else 'INCONSISTENT: ' + '; '.join(a['problems'])}.", "",
+              "Per-position acceptance: " + ", ".join(f"{i}: {v:.2f}" for i, v in enumerate(a["curve"])), ""]
+    kv = mem["kv_bytes"]
+    lines += ["## Memory", "", "| quantity | bytes |", "|---|---|",
+              f"| weights target / draft | {_mb(mem['weight_bytes']['target'])} / {_mb(mem['weight_bytes']['draft'])} |",
+              f"| KV target peak / final (exact) | {_mb(kv['target_peak'])} / {_mb(kv['target_final'])} |",
+              f"| KV draft peak / final (exact) | {_mb(kv['draft_peak'])} / {_mb(kv['draft_final'])} |",
+              f"| KV target uncompressed at the same length (computed) | {_mb(kv['uncompressed_target_peak'])} |",
+              f"| weights + peak KV | {_mb(mem['total_peak_bytes'])} |",
+              f"| compressions target / draft | {mem['compressions']['target']} / {mem['compressions']['draft']} |"]
+    lines += ["", "## Fidelity (greedy token agreement)", ""]
+    for key, label in (("vs_ar", "vs the recipe's target, uncompressed, HF greedy"),
+                       ("vs_fp32", "vs the fp32 uncompressed target, HF greedy")):
+        f = m["fidelity"].get(key)
+        if f:
+            lines.append(f"- {label}: match rate {f['match_rate']:.3f}, matching prefix {f['prefix_match']:.3f}, "
+                         f"first divergence per prompt {f['first_divergence']} "
+                         f"({'identical' if f['identical'] else 'differs'}; {f['compared_tokens']} tokens)")
+    if not m["fidelity"].get("greedy", True):
+        lines.append("- (sampling recipe: agreement with a greedy reference is not expected)")
+    if m.get("files"):
+        lines += ["", "## Plots", ""] + [f"![{k}]({v})" for k, v in m["files"].items() if v.endswith(".png")]
+    lines += ["", f"Elapsed: {m['elapsed_s']:.1f} s", ""]
+    return "\n".join(lines)
+
+
+def _save(fig, path: Path) -> None:
+    """Save a figure atomically (temp file in the same directory, then rename)."""
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=100, format="png")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def plots(m: dict, out: Path) -> dict:
+    """Write the three PNGs into ``out``; returns ``{name: filename}``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = {}
+    # throughput vs generated length
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for t in m["trajectories"]:
+        rows = [r for r in t["rows"] if r[1] > 0]
+        ax.plot([r[0] for r in rows], [r[0] / (r[1] / 1000) for r in rows], label=f"ours: {t['prompt']}")
+    for name, e in m["methods"].items():
+        if name != "ours":
+            ax.scatter([e["new_tokens"] / max(1, m["protocol"]["num_prompts"])], [e["throughput"]["median"]],
+                       marker="o", label=f"{name} (median)")
+    ax.set_xlabel("generated tokens")
+    ax.set_ylabel("throughput (tokens/s, cumulative)")
+    ax.set_title("Throughput vs generated length")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, out / "throughput_vs_length.png")
+    plt.close(fig)
+    files["throughput_vs_length"] = "throughput_vs_length.png"
+    # KV bytes vs generated length
+    fig, ax = plt.subplots(figsize=(6, 4))
+    per_token = m["memory"]["kv_bytes"]["per_token_uncompressed"]
+    for t, prompt in zip(m["trajectories"], m["prompts"]):
+        rows = t["rows"]
+        xs = [r[0] for r in rows]
+        ax.plot(xs, [r[2] / 2**20 for r in rows], label=f"target: {t['prompt']}")
+        if any(r[3] for r in rows):
+            ax.plot(xs, [r[3] / 2**20 for r in rows], linestyle="--", label=f"draft: {t['prompt']}")
+        ax.plot(xs, [per_token * (prompt["prompt_tokens"] + x - 1) / 2**20 for x in xs], linestyle=":",
+                color="gray", label="uncompressed target" if t is m["trajectories"][0] else None)
+    ax.set_xlabel("generated tokens")
+    ax.set_ylabel("KV cache (MiB, exact nbytes)")
+    ax.set_title("KV bytes vs generated length")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, out / "kv_bytes_vs_length.png")
+    plt.close(fig)
+    files["kv_bytes_vs_length"] = "kv_bytes_vs_length.png"
+    # acceptance by draft position
+    fig, ax = plt.subplots(figsize=(6, 4))
+    curve = m["acceptance"]["curve"]
+    ax.bar(range(1, len(curve) + 1), curve)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance (accepted / drafted)")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"Acceptance by draft position (α = {m['acceptance']['acceptance_rate']:.2f})")
+    fig.tight_layout()
+    _save(fig, out / "acceptance_by_position.png")
+    plt.close(fig)
+    files["acceptance_by_position"] = "acceptance_by_position.png"
+    return files
+
+
+def write_report(m: dict, out: Path, plots: bool = True) -> dict:
+    """Write plots (optional) and report.md into ``out``; returns the file map stored in metrics.json."""
+    files = {"config": "config.yaml", "metrics": "metrics.json", "report": "report.md"}
+    if plots:
+        files.update(globals()["plots"](m, out))
+    m = dict(m, files=files)
+    atomic_write_text(out / "report.md", markdown(m))
+    return files

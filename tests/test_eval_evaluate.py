@@ -1,0 +1,160 @@
+"""The evaluator end to end on tiny random models: files, schema, memory fields, KV policy effect, result caching."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import perturbed_copy, tiny_llama
+from eval.evaluate import EvalSettings, evaluate, results_dir, validate_metrics
+from toolkit.recipe import KVSpec, Recipe
+
+SETTINGS = EvalSettings.fast(max_new_tokens=24, repeats=2, warmup=1, ppl_tokens=120, ppl_window=64, ppl_stride=32)
+QUICK = EvalSettings.fast(max_new_tokens=16, repeats=1, warmup=0, ppl_tokens=120, ppl_window=64, ppl_stride=32)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _recipe(kv=None, **spec):
+    data = {"name": "tiny", "target": {"device": "cpu"}, "draft": {"device": "cpu"},
+            "spec": {"drafter": "draft_model", "num_draft_tokens": 3, **spec},
+            "generation": {"max_new_tokens": 64}}
+    if kv:
+        data["kv"] = kv
+    return Recipe.from_dict(data)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama()
+    return target, perturbed_copy(target, scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (12, 20)]
+    return prompts, torch.randint(3, 128, (120,), generator=g).tolist()
+
+
+def _evaluate(recipe, models, inputs, out, **kw):
+    target, draft = models
+    prompts, ppl_ids = inputs
+    return evaluate(recipe, settings=kw.pop("settings", SETTINGS), out_dir=out, target=target, tokenizer=None,
+                    draft_model=draft, prompts=prompts, ppl_ids=ppl_ids, progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain(models, inputs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("plain")
+    return out, _evaluate(_recipe(), models, inputs, out)
+
+
+def test_report_files_written_and_json_validates(plain):
+    import jsonschema
+
+    out, metrics = plain
+    for name in ("config.yaml", "metrics.json", "report.md", "throughput_vs_length.png", "kv_bytes_vs_length.png",
+                 "acceptance_by_position.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    on_disk = json.loads((out / "metrics.json").read_text())
+    from eval.evaluate import SCHEMA_PATH
+
+    schema = json.loads(SCHEMA_PATH.read_text())
+    jsonschema.validate(on_disk, schema)
+    assert Recipe.load(out / "config.yaml").config_hash() == _recipe().config_hash()
+    report = (out / "report.md").read_text()
+    assert "window 64, stride 32" in report and "chunks of K+1 = 4" in report  # protocol printed with the numbers
+    assert not list(out.glob(".*.tmp"))  # no leftovers of atomic writes
+
+
+def test_schema_rejects_broken_metrics(plain):
+    _, metrics = plain
+    broken = json.loads(json.dumps(metrics))
+    del broken["memory"]["kv_bytes"]
+    with pytest.raises(ValueError, match="kv_bytes"):
+        validate_metrics(broken)
+    broken = json.loads(json.dumps(metrics))
+    broken["acceptance"]["acceptance_rate"] = 1.5
+    with pytest.raises(ValueError, match="acceptance_rate"):
+        validate_metrics(broken)
+
+
+def test_memory_fields_present_and_positive(plain):
+    _, m = plain
+    mem = m["memory"]
+    assert mem["weight_bytes"]["target"] > 0 and mem["weight_bytes"]["draft"] > 0
+    for key in ("target_final", "target_peak", "draft_final", "draft_peak", "uncompressed_target_peak"):
+        assert mem["kv_bytes"][key] > 0, key
+    assert mem["peak"]["device"] == "cpu" and mem["peak"]["peak_rss_bytes"] > 0
+    assert mem["peak"]["peak_rss_growth_bytes"] >= 0
+    # without compression the exact KV bytes equal the computed uncompressed size
+    assert mem["kv_bytes"]["target_peak"] == mem["kv_bytes"]["uncompressed_target_peak"]
+    for name, entry in m["methods"].items():
+        assert entry["peak_memory"]["peak_rss_bytes"] > 0, name
+
+
+def test_acceptance_speed_fidelity_and_baselines(plain):
+    _, m = plain
+    acc = m["acceptance"]
+    assert acc["consistent"] and acc["accepted"] <= acc["drafted"]
+    assert acc["committed"] == acc["accepted"] + acc["rounds"]
+    assert set(m["methods"]) == {"ours", "ar", "assisted"}
+    for entry in m["methods"].values():
+        assert entry["throughput"]["median"] > 0 and len(entry["throughput"]["values"]) == 2
+        assert entry["new_tokens"] == 48  # 2 prompts x 24 tokens, EOS disabled for every method
+    assert m["ratios"]["ours_vs_ar"] > 0 and "assisted_vs_ar" in m["ratios"]
+    # greedy, fp32, no compression: lossless against the target's own greedy output
+    assert m["fidelity"]["vs_ar"]["identical"] and m["fidelity"]["vs_ar"]["match_rate"] == 1.0
+    assert m["perplexity"]["ratio_to_fp32"] == pytest.approx(1.0, rel=1e-4)
+
+
+def test_kv_bytes_with_policy_smaller(models, inputs, tmp_path):
+    from toolkit.kv import POLICIES, make_policy
+
+    make_policy(KVSpec())
+    if "streaming" not in POLICIES:
+        pytest.skip("toolkit.kv has no 'streaming' policy yet")
+    settings = EvalSettings.fast(max_new_tokens=40, repeats=1, warmup=0, ppl_tokens=120, ppl_window=64,
+                                 ppl_stride=32, baselines=False)
+    full = _evaluate(_recipe(), models, inputs, tmp_path / "none", settings=settings, plots=False)
+    streamed = _evaluate(_recipe(kv={"policy": "streaming", "sink_tokens": 4, "window": 16}), models, inputs,
+                         tmp_path / "streaming", settings=settings, plots=False)
+    assert streamed["memory"]["kv_bytes"]["target_peak"] < full["memory"]["kv_bytes"]["target_peak"]
+    assert streamed["memory"]["kv_bytes"]["target_final"] < full["memory"]["kv_bytes"]["target_final"]
+    assert streamed["memory"]["compressions"]["target"] > 0 and full["memory"]["compressions"]["target"] == 0
+    assert streamed["perplexity"]["configured"]["peak_kv_bytes"] < full["perplexity"]["configured"]["peak_kv_bytes"]
+
+
+def test_existing_results_skipped_unless_force(plain, models, inputs):
+    out, m = plain
+    before = (out / "metrics.json").stat().st_mtime_ns
+    again = _evaluate(_recipe(), models, inputs, out)
+    assert again["skipped"] and (out / "metrics.json").stat().st_mtime_ns == before
+    forced = _evaluate(_recipe(), models, inputs, out, force=True, settings=QUICK, plots=False)
+    assert not forced["skipped"] and (out / "metrics.json").stat().st_mtime_ns != before
+
+
+def test_results_dir_naming():
+    r = _recipe()
+    assert results_dir(r, EvalSettings(), "results").name == f"tiny-{r.config_hash()}"
+    fast = results_dir(r, EvalSettings.fast(), "results").name
+    assert fast.startswith(f"tiny-{r.config_hash()}-fast-") and fast != results_dir(r, SETTINGS, "results").name
+
+
+def test_search_mode_reuses_identical_baselines(models, inputs, tmp_path):
+    settings = EvalSettings.fast(max_new_tokens=16, repeats=1, warmup=0, ppl_tokens=120, ppl_window=64,
+                                 ppl_stride=32, baselines=["ar"], reuse_baselines=True)
+    first = _evaluate(_recipe(), models, inputs, tmp_path / "a", settings=settings, plots=False)
+    second = _evaluate(_recipe(num_draft_tokens=2), models, inputs, tmp_path / "b", settings=settings, plots=False)
+    assert set(first["methods"]) == {"ours", "ar"} and not first["methods"]["ar"].get("reused")
+    assert second["methods"]["ar"]["reused"]
+    assert second["methods"]["ar"]["throughput"] == first["methods"]["ar"]["throughput"]
