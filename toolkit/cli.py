@@ -110,24 +110,15 @@ def search(scenario: str = typer.Option(..., help="short, long or memory"),
         _fail(exc)
 
 
-@draft_app.command("distill")
-def distill(target: str = typer.Option("embedded", help="target source (embedded, directory, .gguf, hub id)"),
-            layers: int = typer.Option(2, help="decoder layers of the draft"),
-            tokens: int = typer.Option(2_000_000, help="training tokens"),
-            out: Path = typer.Option(..., help="output model directory"),
-            data: Optional[list[str]] = typer.Option(None, help="text files or globs (default: local real text)"),
-            temperature: float = typer.Option(1.0, help="distillation temperature τ"),
-            resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in OUT"),
-            force: bool = typer.Option(False, "--force", help="overwrite OUT"),
-            max_minutes: Optional[float] = typer.Option(None, help="stop training after this many minutes")):
-    """Train a small draft for TARGET by knowledge distillation (KL at temperature τ)."""
+def _register_distill() -> None:
+    """``toolkit draft distill``: every option of :func:`toolkit.distill.cli.distill_command` (see there)."""
     from toolkit.distill.cli import distill_command
 
-    try:
-        distill_command(target=target, layers=layers, tokens=tokens, out=out, data=data, temperature=temperature,
-                        resume=resume, force=force, max_minutes=max_minutes)
-    except ToolkitError as exc:
-        _fail(exc)
+    draft_app.command("distill", help="Train a small draft for a target by knowledge distillation (KL at τ).")(
+        distill_command)
+
+
+_register_distill()
 
 
 def main() -> None:
