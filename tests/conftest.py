@@ -61,3 +61,12 @@ def embedded_int4():
 
     logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
     return load_model(ModelSpec(source="embedded", precision="int4", device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module's tests on one torch thread (many tiny forwards: threading overhead dominates), then restore."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

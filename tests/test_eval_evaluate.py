@@ -15,12 +15,7 @@ SETTINGS = EvalSettings.fast(max_new_tokens=24, repeats=2, warmup=1, ppl_tokens=
 QUICK = EvalSettings.fast(max_new_tokens=16, repeats=1, warmup=0, ppl_tokens=120, ppl_window=64, ppl_stride=32)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _recipe(kv=None, **spec):

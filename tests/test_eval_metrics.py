@@ -13,12 +13,7 @@ from toolkit.recipe import Recipe
 from toolkit.spec.stats import GenerationStats
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _hf_loss_ppl(model, ids):

@@ -15,12 +15,7 @@ EVAL = {"num_prompts": 1, "max_new_tokens": 24, "repeats": 1, "warmup": 0, "ppl_
         "ppl_stride": 16}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

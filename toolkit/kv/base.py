@@ -31,15 +31,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from toolkit.errors import ConfigError
-
-
-def check_int_field(name: str, value, low: int) -> None:
-    """Raise :class:`ConfigError` naming ``name`` unless ``value`` is an int >= ``low``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(name, f"must be an integer, got {value!r}")
-    if value < low:
-        raise ConfigError(name, f"must be >= {low}, got {value}")
+from toolkit.recipe import check_int
 
 
 @dataclass
@@ -57,7 +49,7 @@ class KVPolicy:
     uses_attention_hook: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        check_int_field("compress_interval", self.compress_interval, 0)
+        check_int("compress_interval", self.compress_interval, low=0)
 
     # ------------------------------------------------------------------------------------- what subclasses define
     def budget_for(self, length: int) -> int:

@@ -25,8 +25,9 @@ from transformers.cache_utils import DynamicLayer
 from toolkit.errors import ConfigError
 from toolkit.kv import register
 from toolkit.kv.attention import causal_mask
-from toolkit.kv.base import check_int_field, gather_seq
+from toolkit.kv.base import gather_seq
 from toolkit.kv.l2norm import L2Norm
+from toolkit.recipe import check_int
 
 
 class TieredLayer(DynamicLayer):
@@ -113,9 +114,9 @@ class HeadAware(L2Norm):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._plans = weakref.WeakKeyDictionary()  # model -> tier plan (not a field: not configurable)
-        check_int_field("tiers", self.tiers, 1)
-        check_int_field("calibration_tokens", self.calibration_tokens, 16)
-        check_int_field("calibration_window", self.calibration_window, 1)
+        check_int("tiers", self.tiers, low=1)
+        check_int("calibration_tokens", self.calibration_tokens, low=16)
+        check_int("calibration_window", self.calibration_window, low=1)
         if isinstance(self.min_keep, bool) or not isinstance(self.min_keep, (int, float)) or not 0 < self.min_keep <= 1:
             raise ConfigError("min_keep", f"must be a number in (0, 1], got {self.min_keep!r}")
 

@@ -18,7 +18,8 @@ import torch
 
 from toolkit.errors import ConfigError
 from toolkit.kv import register
-from toolkit.kv.base import KVPolicy, check_int_field
+from toolkit.kv.base import KVPolicy
+from toolkit.recipe import check_int
 
 
 @register("l2norm")
@@ -50,8 +51,8 @@ class L2Norm(KVPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_int_field("sink_tokens", self.sink_tokens, 0)
-        check_int_field("protect_recent", self.protect_recent, 0)
+        check_int("sink_tokens", self.sink_tokens, low=0)
+        check_int("protect_recent", self.protect_recent, low=0)
         if (self.budget is None) == (self.keep_ratio is None):
             raise ConfigError("budget", "set exactly one of budget (tokens per head) or keep_ratio (fraction)")
         floor = self.sink_tokens + self.protect_recent

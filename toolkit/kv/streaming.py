@@ -32,8 +32,9 @@ import torch
 
 from toolkit.errors import ConfigError
 from toolkit.kv import register
-from toolkit.kv.base import CompressedCache, KVPolicy, check_int_field
+from toolkit.kv.base import CompressedCache, KVPolicy
 from toolkit.kv.rope import find_inv_freq, shift_positions
+from toolkit.recipe import check_int
 
 POSITION_MODES = ("absolute", "reindex")
 
@@ -62,7 +63,7 @@ class StreamingLLM(KVPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_int_field("sink_tokens", self.sink_tokens, 0)
+        check_int("sink_tokens", self.sink_tokens, low=0)
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ConfigError("window", f"must be an integer >= 1 so that the budget sink_tokens + window exceeds "
                               f"sink_tokens, got {self.window!r}")
