@@ -16,7 +16,6 @@ Writes ``bench/results/kv_bench.json`` and ``bench/results/kv_bench.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
