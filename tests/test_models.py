@@ -1,0 +1,201 @@
+"""Model loading: sources, precisions, documented errors; (slow) quantization quality on the embedded model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import toolkit
+from conftest import tiny_llama
+from test_generator import word_tokenizer
+from toolkit.errors import ConfigError, ModelLoadError, TokenizerMismatchError
+from toolkit.models import cache_dir, check_same_vocab, load_model, weight_bytes
+from toolkit.recipe import PRECISIONS, ModelSpec, Recipe, SpecSpec
+
+
+@pytest.fixture(scope="module")
+def local_model_dir(tmp_path_factory):
+    """A tiny Llama + word-level tokenizer saved as an HF model directory."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama(seed=0).save_pretrained(path)
+    word_tokenizer().save_pretrained(path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------------ sources
+def test_local_directory_loads_at_each_plain_precision(local_model_dir):
+    reference = tiny_llama(seed=0)
+    ids = torch.arange(10).view(1, -1)
+    sizes = {}
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        model, tokenizer = load_model(ModelSpec(source=str(local_model_dir), precision=precision, device="cpu"))
+        assert next(model.parameters()).dtype == dtype
+        assert not model.training and not any(p.requires_grad for p in model.parameters())
+        assert model.toolkit_spec.precision == precision
+        assert tokenizer.get_vocab() == word_tokenizer().get_vocab()
+        sizes[precision] = weight_bytes(model)
+        if precision != "fp16":  # fp16 matmul on CPU may be unsupported/slow; fp32 and bf16 must run
+            with torch.no_grad():
+                logits = model(ids).logits.float()
+                expected = reference(ids).logits
+            tolerance = 1e-5 if precision == "fp32" else 0.05
+            torch.testing.assert_close(logits, expected, atol=tolerance, rtol=tolerance)
+    n_params = sum(p.numel() for p in reference.parameters())
+    # parameters at 4 / 2 bytes each, plus small fp32 buffers (rotary inv_freq) that do not scale with precision
+    assert 0 <= sizes["fp32"] - 4 * n_params < 1024
+    assert 0 <= sizes["bf16"] - 2 * n_params < 1024 and sizes["fp16"] == sizes["bf16"]
+
+
+@pytest.mark.parametrize("source", ["no-such-org/no-such-model-xyz", "/tmp/toolkit-test/missing/model-dir"])
+def test_hub_id_offline_raises_model_load_error(monkeypatch, source):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import time by huggingface_hub
+    with pytest.raises(ModelLoadError) as excinfo:
+        load_model(ModelSpec(source=source, device="cpu"), "target")
+    message = str(excinfo.value)
+    assert f"target.source={source!r}" in message
+    assert "local model directory" in message and "embedded" in message
+
+
+def test_nonexistent_gguf_path(tmp_path):
+    missing = tmp_path / "nope" / "model.Q4_0.gguf"
+    with pytest.raises(ModelLoadError, match=r"GGUF file .*model\.Q4_0\.gguf.* does not exist"):
+        load_model(ModelSpec(source=str(missing), device="cpu"))
+
+
+def test_directory_without_config_is_rejected(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model(ModelSpec(source=str(tmp_path), device="cpu"))
+
+
+def test_bad_spec_fields_raise_config_error_before_loading():
+    with pytest.raises(ConfigError) as excinfo:
+        load_model(ModelSpec(source="/does/not/matter", precision="int2"), "draft")
+    assert excinfo.value.field == "draft.precision" and excinfo.value.allowed == list(PRECISIONS)
+    with pytest.raises(ConfigError) as excinfo:
+        load_model(ModelSpec(source="/does/not/matter", device="npu"), "target")
+    assert excinfo.value.field == "target.device" and excinfo.value.allowed == ["auto", "cpu", "cuda"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_cuda_without_cuda_is_a_config_error(local_model_dir):
+    with pytest.raises(ConfigError, match="cuda"):
+        load_model(ModelSpec(source=str(local_model_dir), device="cuda"))
+
+
+def test_cache_dir_honours_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(tmp_path))
+    assert cache_dir() == tmp_path
+
+
+# ------------------------------------------------------------------------------------------------------ vocab check
+def test_check_same_vocab_passes_for_equal_vocabularies():
+    check_same_vocab(word_tokenizer(), word_tokenizer(), "a", "b")  # no error
+
+
+def test_tokenizer_vocab_mismatch_names_both_models():
+    with pytest.raises(TokenizerMismatchError) as excinfo:
+        check_same_vocab(word_tokenizer(128), word_tokenizer(96), "org/target-model", "org/draft-model")
+    message = str(excinfo.value)
+    assert "org/target-model" in message and "org/draft-model" in message
+    assert "128" in message and "96" in message
+
+
+def test_tokenizer_mismatch_same_size_different_ids():
+    a = word_tokenizer()
+    vocab = dict(a.get_vocab())
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted(vocab, key=vocab.get)
+    words[3], words[4] = words[4], words[3]  # same strings, two ids swapped
+    b = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                                                             unk_token="<unk>")))
+    with pytest.raises(TokenizerMismatchError):
+        check_same_vocab(a, b, "t", "d")
+
+
+def test_build_with_mismatched_local_models_raises(tmp_path, local_model_dir):
+    other = tmp_path / "other-draft"
+    tiny_llama(seed=1, vocab=96).save_pretrained(other)
+    word_tokenizer(96).save_pretrained(other)
+    recipe = Recipe(target=ModelSpec(source=str(local_model_dir), device="cpu"),
+                    draft=ModelSpec(source=str(other), device="cpu"), spec=SpecSpec(drafter="draft_model"))
+    with pytest.raises(TokenizerMismatchError) as excinfo:
+        toolkit.build(recipe)
+    assert str(local_model_dir) in str(excinfo.value) and str(other) in str(excinfo.value)
+
+
+def test_build_from_local_directories_end_to_end(local_model_dir):
+    recipe = Recipe(target=ModelSpec(source=str(local_model_dir), device="cpu"),
+                    draft=ModelSpec(source=str(local_model_dir), precision="bf16", device="cpu"),
+                    spec=SpecSpec(drafter="self", num_draft_tokens=3))
+    generator = toolkit.build(recipe)
+    assert next(generator.draft_model.parameters()).dtype == torch.bfloat16
+    assert abs(generator.weight_bytes["draft"] * 2 - generator.weight_bytes["target"]) < 1024
+    result = generator.generate("the license", max_new_tokens=12, ignore_eos=True)
+    assert len(result.token_ids) == 12 and result.stats.drafted > 0
+
+
+# ------------------------------------------------------------------------------------------------------ slow: quality
+PPL_WINDOW = 1024
+# Reference (DESIGN.md, 4096 tokens): fp32 21.21, bf16 21.21, int8 21.67, nf4 28.35. Here: the first 1024 tokens
+# of GPL-3 and of Apache-2.0 (2048 tokens, 2 windows), measured fp32 ~20.2; ratios bf16 ~1.000, int8 ~1.02,
+# int4 ~1.36. int8 on CPU is slow (bitsandbytes, ~20 ms/token in a batch), which bounds the token count.
+PPL_LIMITS = {"bf16": 1.01, "int8": 1.05, "int4": 1.45}
+TOP1_MIN = {"bf16": 0.93, "int8": 0.85, "int4": 0.62}
+
+
+def _windows(tokenizer) -> list[torch.Tensor]:
+    out = []
+    for name in ("GPL-3", "Apache-2.0"):
+        text = open(f"/usr/share/common-licenses/{name}").read()
+        ids = tokenizer(text, return_tensors="pt").input_ids[:, :PPL_WINDOW]
+        assert ids.shape[1] == PPL_WINDOW
+        out.append(ids)
+    return out
+
+
+def _ppl_and_predictions(model, windows) -> tuple[float, torch.Tensor]:
+    nll, count, predictions = 0.0, 0, []
+    with torch.no_grad():
+        for ids in windows:
+            logits = model(input_ids=ids.to(model.device)).logits[0, :-1].float().cpu()
+            nll += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+            count += ids.shape[1] - 1
+            predictions.append(logits.argmax(-1))
+    return math.exp(nll / count), torch.cat(predictions)
+
+
+@pytest.mark.slow
+def test_precision_quality_and_size_on_embedded(embedded, embedded_int4):
+    import logging
+
+    logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+    fp32, tokenizer = embedded
+    windows = _windows(tokenizer)
+    base_ppl, base_pred = _ppl_and_predictions(fp32, windows)
+    assert 10 < base_ppl < 40, base_ppl  # a working model on English prose
+    sizes = {"fp32": weight_bytes(fp32)}
+    results = {}
+    for precision in ("bf16", "int8", "int4"):
+        if precision == "int4":
+            model = embedded_int4[0]
+        else:
+            model, _ = load_model(ModelSpec(source="embedded", precision=precision, device="cpu"))
+        ppl, pred = _ppl_and_predictions(model, windows)
+        results[precision] = (ppl / base_ppl, (pred == base_pred).float().mean().item())
+        sizes[precision] = weight_bytes(model)
+        if precision != "int4":
+            del model
+    for precision, (ratio, top1) in results.items():
+        assert ratio <= PPL_LIMITS[precision], (precision, ratio, results)
+        assert top1 >= TOP1_MIN[precision], (precision, top1, results)
+    assert results["int4"][0] > 1.05  # NF4 does cost quality: the measurement is not comparing fp32 to itself
+    assert sizes["int4"] < sizes["int8"] < sizes["bf16"] < sizes["fp32"]
+    assert abs(sizes["bf16"] * 2 - sizes["fp32"]) < 0.001 * sizes["fp32"]
