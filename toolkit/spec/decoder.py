@@ -72,7 +72,7 @@ class SpeculativeDecoder:
             stats.peak_kv_bytes_draft = max(stats.peak_kv_bytes_draft, stats.kv_bytes_draft)
 
     # ------------------------------------------------------------------------------------------------ the loop
-    @torch.no_grad()
+    @torch.inference_mode()  # cheaper than no_grad: no version counters or view tracking (~5% on CPU here)
     def decode(self, input_ids: torch.Tensor, gen: GenerationSpec, stats: GenerationStats,
                eos_token_ids: list[int] = (), should_stop: Callable[[list[int]], int | None] | None = None,
                ) -> Iterator[list[int]]:
