@@ -19,7 +19,7 @@ import torch
 from toolkit.errors import ConfigError
 from toolkit.kv import make_policy
 from toolkit.models import check_same_vocab, load_model, weight_bytes
-from toolkit.recipe import GenerationSpec, ModelSpec, Recipe
+from toolkit.recipe import GenerationSpec, Recipe
 from toolkit.spec.adaptive import make_controller
 from toolkit.spec.decoder import SpeculativeDecoder
 from toolkit.spec.drafters import DraftModel, NGramDrafter
@@ -180,10 +180,4 @@ def build(recipe: Recipe, target=None, tokenizer=None, draft_model=None) -> Gene
     return Generator(recipe, target, tokenizer, draft_model)
 
 
-def load_pair(recipe: Recipe):
-    """``(target, tokenizer, draft_model | None)`` for a recipe, for callers that build several generators."""
-    gen = build(recipe)
-    return gen.target, gen.tokenizer, gen.draft_model
-
-
-__all__ = ["Generator", "build", "load_pair", "ModelSpec"]
+__all__ = ["Generator", "build"]
