@@ -15,19 +15,13 @@ import torch
 
 from toolkit.baselines import hf_generate
 from toolkit.recipe import GenerationSpec, Recipe
+from toolkit.runner import baseline_methods as toolkit_baseline_methods
 from toolkit.spec.stats import GenerationStats
 
 
 def baseline_methods(recipe: Recipe, has_reference: bool) -> list[str]:
-    """Names of the baselines that apply to ``recipe`` (``ar`` always)."""
-    methods = ["ar"]
-    if recipe.spec.drafter in ("draft_model", "self"):
-        methods.append("assisted")
-    elif recipe.spec.drafter == "ngram":
-        methods.append("prompt_lookup")
-    if has_reference:
-        methods.append("ar_fp32")
-    return methods
+    """The runner's baselines for ``recipe`` (``ar`` always), plus ``ar_fp32`` when a reference model is loaded."""
+    return toolkit_baseline_methods(recipe) + (["ar_fp32"] if has_reference else [])
 
 
 def run_baseline(method: str, recipe: Recipe, input_ids: torch.Tensor, gen: GenerationSpec, eos_ids: list[int], *,

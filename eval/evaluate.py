@@ -22,12 +22,9 @@ Injection points for tests and for the search (which keeps models loaded between
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import hashlib
 import json
 import logging
-import platform
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +35,7 @@ from eval import metrics as M
 from eval.baselines import baseline_methods, run_baseline
 from toolkit.io import atomic_write_json, atomic_write_text
 from toolkit.recipe import ModelSpec, Recipe
+from toolkit.runner import environment
 from toolkit.spec.stats import GenerationStats
 from toolkit.timing import Summary, synchronize
 
@@ -157,35 +155,6 @@ def load_recipe_models(recipe: Recipe, reference: bool = True):
 
 
 # ------------------------------------------------------------------------------------------------- helpers
-def environment() -> dict:
-    """Hardware and library versions for provenance."""
-    import transformers
-
-    info = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
-            "platform": platform.platform(), "machine": platform.machine(), "cpu_count": _cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    try:
-        import bitsandbytes
-
-        info["bitsandbytes"] = bitsandbytes.__version__
-    except Exception:  # noqa: BLE001 - optional
-        pass
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    info["hardware"] = info.get("gpu") or f"{platform.processor() or platform.machine()} CPU x{info['cpu_count']}"
-    return info
-
-
-def _cpu_count() -> int:
-    import os
-
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def _prompts(recipe: Recipe, prompts, generator, settings: EvalSettings) -> list[dict]:
     """``[{id, kind, input_ids (1, n)}]`` from injected prompts or the recipe's suite."""
     if prompts is None:

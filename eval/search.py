@@ -393,8 +393,8 @@ def write_found_recipe(path: Path, best: dict, rows: list[dict], sp: SearchSpace
     """Write the winner as a runnable recipe with provenance comments and a "why it won" description."""
     import optuna
 
-    from eval.evaluate import environment
     from toolkit.recipe import Recipe
+    from toolkit.runner import environment
 
     recipe = Recipe.from_dict({**best["recipe"], "name": f"found-{sc.name}"})
     why = _why(best, rows, sc)

@@ -135,21 +135,29 @@ def _results_dict(recipe, generator, prompts, methods, results, compare) -> dict
 
 
 def environment() -> dict:
-    """Hardware and library versions, recorded with every result."""
+    """Hardware and library versions, recorded with every result (runs, evaluations, found recipes)."""
+    import os
+
     import transformers
 
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "python": platform.python_version(), "torch": torch.__version__,
-           "transformers": transformers.__version__, "machine": platform.machine(),
-           "processor": platform.processor() or platform.machine(), "cpu_threads": torch.get_num_threads(),
-           "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    try:
+        cpu_count = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpu_count = os.cpu_count() or 1
+    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "platform": platform.platform(), "machine": platform.machine(), "cpu_count": cpu_count,
+            "torch_threads": torch.get_num_threads(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     try:
         import bitsandbytes
 
-        env["bitsandbytes"] = bitsandbytes.__version__
+        info["bitsandbytes"] = bitsandbytes.__version__
     except ImportError:
-        env["bitsandbytes"] = None
-    return env
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    info["hardware"] = info.get("gpu") or f"{platform.processor() or platform.machine()} CPU x{cpu_count}"
+    return info
 
 
 def markdown_table(results: dict) -> str:
@@ -178,7 +186,7 @@ def markdown_table(results: dict) -> str:
         lines += ["", "(= AR compares with uncompressed HF AR greedy; under a KV policy the text may legitimately "
                   "differ — window-exactness against AR under the same policy is a test, not this column.)"]
     lines += ["", f"weights: target {fmt_bytes(wb['target'])}, draft {fmt_bytes(wb['draft'])}; "
-              f"device: {results['environment']['cuda'] or 'cpu'} ({results['environment']['cpu_threads']} threads)"]
+              f"device: {results['environment']['hardware']} ({results['environment']['torch_threads']} torch threads)"]
     return "\n".join(lines) + "\n"
 
 
