@@ -31,10 +31,10 @@ from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from toolkit.kv import make_policy, ops  # noqa: E402
 from toolkit.models import load_model  # noqa: E402
 from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec  # noqa: E402
-from toolkit.spec.adaptive import ConstantK  # noqa: E402
-from toolkit.spec.decoder import SpeculativeDecoder  # noqa: E402
-from toolkit.spec.drafters import NGramDrafter  # noqa: E402
-from toolkit.spec.stats import GenerationStats  # noqa: E402
+from toolkit.speculative.adaptive import ConstantK  # noqa: E402
+from toolkit.speculative.decoder import SpeculativeDecoder  # noqa: E402
+from toolkit.speculative.drafters import NGramDrafter  # noqa: E402
+from toolkit.speculative.stats import GenerationStats  # noqa: E402
 
 PROMPT = ("Write a detailed, multi-chapter guide to learning the Python programming language, from installing it "
           "to writing tests, packaging and profiling. Use headings and code examples.")

@@ -16,7 +16,7 @@ import torch
 from toolkit.baselines import hf_generate
 from toolkit.recipe import GenerationSpec, Recipe
 from toolkit.runner import baseline_methods as toolkit_baseline_methods
-from toolkit.spec.stats import GenerationStats
+from toolkit.speculative.stats import GenerationStats
 
 
 def baseline_methods(recipe: Recipe, has_reference: bool) -> list[str]:

@@ -36,7 +36,7 @@ from eval.baselines import baseline_methods, run_baseline
 from toolkit.io import atomic_write_json, atomic_write_text
 from toolkit.recipe import ModelSpec, Recipe
 from toolkit.runner import environment
-from toolkit.spec.stats import GenerationStats
+from toolkit.speculative.stats import GenerationStats
 from toolkit.timing import Summary, synchronize
 
 log = logging.getLogger(__name__)

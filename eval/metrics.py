@@ -112,7 +112,7 @@ def perplexity_sliding_window(model, ids: list[int], window: int = 1024, stride:
 
 # ------------------------------------------------------------------------------------------------------ acceptance
 def acceptance(stats_list) -> dict:
-    """Aggregate :class:`~toolkit.spec.stats.GenerationStats` of several calls into acceptance metrics.
+    """Aggregate :class:`~toolkit.speculative.stats.GenerationStats` of several calls into acceptance metrics.
 
     Returns alpha (accepted / drafted), tau (committed / rounds), the per-position curve
     ``accepted_at[i] / drafted_at[i]``, and forward counts. ``consistent`` is the result of

@@ -1,4 +1,4 @@
-"""The speculative decode loop (toolkit/spec/decoder.py) with every drafter, on tiny random models and (slow) on the
+"""The speculative decode loop (toolkit/speculative/decoder.py) with every drafter, on tiny random models and (slow) on the
 embedded SmolLM2 model.
 
 Layer 1 of DESIGN.md: greedy speculative output is token-identical to the target's own greedy output (HF
@@ -16,10 +16,10 @@ import torch
 
 from conftest import perturbed_copy, tiny_llama, tiny_neox
 from toolkit.recipe import GenerationSpec
-from toolkit.spec.adaptive import ConstantK, EmaK
-from toolkit.spec.decoder import SpeculativeDecoder
-from toolkit.spec.drafters import DraftModel, NGramDrafter
-from toolkit.spec.stats import GenerationStats
+from toolkit.speculative.adaptive import ConstantK, EmaK
+from toolkit.speculative.decoder import SpeculativeDecoder
+from toolkit.speculative.drafters import DraftModel, NGramDrafter
+from toolkit.speculative.stats import GenerationStats
 
 NEW_TOKENS = 40
 PROMPT_LEN = 12

@@ -10,7 +10,7 @@ import torch
 from conftest import perturbed_copy, tiny_llama
 from eval import metrics as M
 from toolkit.recipe import Recipe
-from toolkit.spec.stats import GenerationStats
+from toolkit.speculative.stats import GenerationStats
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,9 +8,9 @@ import torch
 from conftest import tiny_llama, tiny_neox
 from toolkit.kv import make_policy, ops
 from toolkit.recipe import GenerationSpec, KVSpec
-from toolkit.spec.adaptive import ConstantK
-from toolkit.spec.decoder import SpeculativeDecoder
-from toolkit.spec.stats import GenerationStats
+from toolkit.speculative.adaptive import ConstantK
+from toolkit.speculative.decoder import SpeculativeDecoder
+from toolkit.speculative.stats import GenerationStats
 
 HEADS, DIM = 2, 16  # tiny_llama: 2 KV heads of head_dim 16, 2 layers
 

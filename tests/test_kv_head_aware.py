@@ -10,9 +10,9 @@ import torch
 from conftest import tiny_llama, tiny_neox
 from toolkit.kv import calibration, make_policy, ops
 from toolkit.recipe import GenerationSpec, KVSpec
-from toolkit.spec.adaptive import ConstantK
-from toolkit.spec.decoder import SpeculativeDecoder
-from toolkit.spec.stats import GenerationStats
+from toolkit.speculative.adaptive import ConstantK
+from toolkit.speculative.decoder import SpeculativeDecoder
+from toolkit.speculative.stats import GenerationStats
 
 
 def decode(model, kv: KVSpec, new_tokens=80):

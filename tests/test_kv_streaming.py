@@ -8,10 +8,10 @@ import torch
 from conftest import perturbed_copy, tiny_llama, tiny_neox
 from toolkit.kv import make_policy
 from toolkit.recipe import GenerationSpec, KVSpec
-from toolkit.spec.adaptive import ConstantK
-from toolkit.spec.decoder import SpeculativeDecoder
-from toolkit.spec.drafters import DraftModel, NGramDrafter
-from toolkit.spec.stats import GenerationStats
+from toolkit.speculative.adaptive import ConstantK
+from toolkit.speculative.decoder import SpeculativeDecoder
+from toolkit.speculative.drafters import DraftModel, NGramDrafter
+from toolkit.speculative.stats import GenerationStats
 
 SINKS, WINDOW = 4, 16
 

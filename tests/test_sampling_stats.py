@@ -19,7 +19,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from toolkit.spec.verify import speculative_sample
+from toolkit.speculative.verify import speculative_sample
 
 VOCAB = 8
 K = 2

@@ -81,7 +81,7 @@ def test_tiny_search_end_to_end_infeasible_never_chosen_and_recipe_runs(tmp_path
     assert recipe.spec.drafter == "ngram" and recipe.generation.max_new_tokens == 32
     gen = build(recipe, target=tiny["target"], tokenizer=None)
     spec = recipe.generation
-    from toolkit.spec.stats import GenerationStats
+    from toolkit.speculative.stats import GenerationStats
 
     stats = GenerationStats()
     ids = [t for c in gen.decoder(spec).decode(torch.tensor([[5, 6, 7, 5, 6]]), spec, stats, [], None) for t in c]

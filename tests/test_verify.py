@@ -1,11 +1,11 @@
-"""Hand-built logits for the accept/reject rules of toolkit/spec/verify.py (deterministic cases)."""
+"""Hand-built logits for the accept/reject rules of toolkit/speculative/verify.py (deterministic cases)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from toolkit.spec.verify import greedy_accept, process_logits, speculative_sample
+from toolkit.speculative.verify import greedy_accept, process_logits, speculative_sample
 
 VOCAB = 6
 

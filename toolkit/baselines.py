@@ -5,7 +5,7 @@
   confidence-based early stop, so it drafts exactly like our constant-K loop.
 * ``prompt_lookup`` — HF prompt lookup decoding (``prompt_lookup_num_tokens`` = K, ``max_matching_ngram_size``).
 
-Each returns the new token ids and a :class:`~toolkit.spec.stats.GenerationStats` with timings (TTFT from a
+Each returns the new token ids and a :class:`~toolkit.speculative.stats.GenerationStats` with timings (TTFT from a
 streamer callback), target forward counts and tokens per round (new tokens after the first per target forward after
 prefill), so the comparison table reads the same for every row.
 """
@@ -19,7 +19,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from toolkit.recipe import GenerationSpec
-from toolkit.spec.stats import GenerationStats
+from toolkit.speculative.stats import GenerationStats
 from toolkit.timing import synchronize
 
 BASELINES = ("ar", "assisted", "prompt_lookup")

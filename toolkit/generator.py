@@ -20,10 +20,10 @@ from toolkit.errors import ConfigError
 from toolkit.kv import make_policy
 from toolkit.models import check_same_vocab, load_model, weight_bytes
 from toolkit.recipe import GenerationSpec, Recipe
-from toolkit.spec.adaptive import make_controller
-from toolkit.spec.decoder import SpeculativeDecoder
-from toolkit.spec.drafters import DraftModel, NGramDrafter
-from toolkit.spec.stats import GenerationResult, GenerationStats
+from toolkit.speculative.adaptive import make_controller
+from toolkit.speculative.decoder import SpeculativeDecoder
+from toolkit.speculative.drafters import DraftModel, NGramDrafter
+from toolkit.speculative.stats import GenerationResult, GenerationStats
 
 log = logging.getLogger(__name__)
 logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)  # per-call int8 cast notice

@@ -21,7 +21,7 @@ from toolkit.generator import Generator, build
 from toolkit.io import atomic_write_json, atomic_write_text
 from toolkit.prompts import Prompt, load_suite
 from toolkit.recipe import Recipe
-from toolkit.spec.stats import GenerationStats
+from toolkit.speculative.stats import GenerationStats
 from toolkit.timing import Summary
 
 OURS = "ours"

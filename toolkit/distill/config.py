@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.errors import ConfigError
-from toolkit.recipe import check_choice, check_float, check_int
+from toolkit.checks import check_choice, check_float, check_int
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DEVICES = ("auto", "cpu", "cuda")

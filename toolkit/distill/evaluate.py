@@ -3,8 +3,8 @@
 * **top-1 agreement**: over held-out windows ``(W, seq_len)``, the fraction of positions where
   ``argmax draft logits == argmax target logits`` (teacher forcing on real text).
 * **KL**: mean per-token ``KL(p_target || p_draft)`` at temperature 1, in nats.
-* **alpha / tau**: the draft drives :class:`toolkit.spec.decoder.SpeculativeDecoder` through
-  :class:`toolkit.spec.drafters.DraftModel` with constant K (greedy, EOS ignored) on held-out prompts;
+* **alpha / tau**: the draft drives :class:`toolkit.speculative.decoder.SpeculativeDecoder` through
+  :class:`toolkit.speculative.drafters.DraftModel` with constant K (greedy, EOS ignored) on held-out prompts;
   alpha = accepted / drafted and tau = tokens committed per round, summed over all prompts (DistillSpec, Zhou et
   al. 2024, measure the same two quantities).
 """
@@ -68,10 +68,10 @@ def acceptance(target, draft, prompts: torch.Tensor, max_new_tokens: int, k: int
     "seconds"}`` summed over prompts (alpha = accepted / drafted, tokens per round = committed / rounds).
     """
     from toolkit.recipe import GenerationSpec
-    from toolkit.spec.adaptive import ConstantK
-    from toolkit.spec.decoder import SpeculativeDecoder
-    from toolkit.spec.drafters import DraftModel
-    from toolkit.spec.stats import GenerationStats
+    from toolkit.speculative.adaptive import ConstantK
+    from toolkit.speculative.decoder import SpeculativeDecoder
+    from toolkit.speculative.drafters import DraftModel
+    from toolkit.speculative.stats import GenerationStats
 
     was_training = draft.training
     draft.eval()

@@ -31,7 +31,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from toolkit.recipe import check_int
+from toolkit.checks import check_int
 
 
 @dataclass

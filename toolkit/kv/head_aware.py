@@ -27,7 +27,7 @@ from toolkit.kv import register
 from toolkit.kv.attention import causal_mask
 from toolkit.kv.base import gather_seq
 from toolkit.kv.l2norm import L2Norm
-from toolkit.recipe import check_int
+from toolkit.checks import check_int
 
 
 class TieredLayer(DynamicLayer):

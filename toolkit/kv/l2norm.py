@@ -19,7 +19,7 @@ import torch
 from toolkit.errors import ConfigError
 from toolkit.kv import register
 from toolkit.kv.base import KVPolicy
-from toolkit.recipe import check_int
+from toolkit.checks import check_int
 
 
 @register("l2norm")

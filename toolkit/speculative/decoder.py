@@ -23,10 +23,10 @@ import torch
 
 from toolkit.kv import ops as kv_ops
 from toolkit.recipe import GenerationSpec
-from toolkit.spec.adaptive import ConstantK
-from toolkit.spec.drafters import Drafter
-from toolkit.spec.stats import GenerationStats
-from toolkit.spec.verify import greedy_accept, process_logits, sample_token, speculative_sample
+from toolkit.speculative.adaptive import ConstantK
+from toolkit.speculative.drafters.base import Drafter
+from toolkit.speculative.stats import GenerationStats
+from toolkit.speculative.verify import greedy_accept, process_logits, sample_token, speculative_sample
 
 
 def _sync(device: torch.device) -> None:
@@ -39,7 +39,7 @@ class SpeculativeDecoder:
 
     Args:
         target: HF causal LM whose distribution the output follows exactly (greedy: token-identical output).
-        drafter: a :class:`~toolkit.spec.drafters.Drafter`, or ``None`` for autoregressive decoding.
+        drafter: a :class:`~toolkit.speculative.drafters.Drafter`, or ``None`` for autoregressive decoding.
         controller: draft-length controller with ``next_k()`` / ``update(drafted, accepted)``.
         target_policy: KV compression policy of the target cache (``None`` = uncompressed).
     """
@@ -72,7 +72,6 @@ class SpeculativeDecoder:
             stats.peak_kv_bytes_draft = max(stats.peak_kv_bytes_draft, stats.kv_bytes_draft)
 
     # ------------------------------------------------------------------------------------------------ the loop
-    @torch.inference_mode()  # cheaper than no_grad: no version counters or view tracking (~5% on CPU here)
     def decode(self, input_ids: torch.Tensor, gen: GenerationSpec, stats: GenerationStats,
                eos_token_ids: list[int] = (), should_stop: Callable[[list[int]], int | None] | None = None,
                ) -> Iterator[list[int]]:
@@ -83,6 +82,14 @@ class SpeculativeDecoder:
         cut length (stop strings). ``stats`` is filled in place; ``stats.finish_reason`` is ``length``, ``eos`` or
         ``stop_string``.
         """
+        try:
+            yield from self._decode(input_ids, gen, stats, eos_token_ids, should_stop)
+        finally:  # also when the caller stops iterating early: drafters release hooks on shared models
+            if self.drafter is not None:
+                self.drafter.close()
+
+    @torch.inference_mode()  # cheaper than no_grad: no version counters or view tracking (~5% on CPU here)
+    def _decode(self, input_ids, gen, stats, eos_token_ids, should_stop) -> Iterator[list[int]]:
         _sync(self.device)
         start_time = time.perf_counter()
         generator = None

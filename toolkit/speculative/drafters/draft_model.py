@@ -1,45 +1,12 @@
-"""Drafters: cheap proposers of the next K tokens, behind one narrow interface (HF's CandidateGenerator shape).
-
-The decode loop only calls:
-
-* ``reset()`` at the start of a generation;
-* ``propose(input_ids, num_draft_tokens) -> (tokens, draft_logits | None)`` with ``input_ids`` of shape ``(1, n)``
-  (every committed token, prompt included). ``tokens`` has shape ``(1, k)`` with ``0 <= k <= num_draft_tokens``;
-  ``draft_logits`` has shape ``(k, vocab)`` (raw logits, processed by the verifier exactly like the target's), or
-  ``None`` for a deterministic drafter (a one-hot q under sampling);
-* ``commit(num_accepted)`` after verification, so a stateful drafter rolls back what the target rejected.
-
-Drafters here:
-
-* :class:`DraftModel` — any HF causal LM at any precision (also the target's own weights at int8/int4, the
-  ``self`` drafter), with a persistent KV cache that is rolled back with ``crop``, never rebuilt.
-* :class:`NGramDrafter` — prompt lookup decoding (Saxena, 2023; HF ``prompt_lookup_num_tokens``): find the most
-  recent earlier occurrence of the last n tokens (n from ``max_ngram`` down to ``min_ngram``) in prompt + output
-  and propose what followed it. No model.
-"""
+"""A small causal LM as drafter (also the target's own weights at low precision: the ``self`` drafter)."""
 
 from __future__ import annotations
 
 import torch
 
 from toolkit.kv import ops as kv_ops
-from toolkit.spec.verify import process_logits, sample_token
-
-
-class Drafter:
-    """Base class: a drafter with no state. Subclasses implement :meth:`propose`."""
-
-    #: model forwards run by this drafter since the last reset (0 for model-free drafters)
-    forwards: int = 0
-
-    def reset(self) -> None:
-        self.forwards = 0
-
-    def propose(self, input_ids: torch.Tensor, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        raise NotImplementedError
-
-    def commit(self, num_accepted: int) -> None:
-        pass
+from toolkit.speculative.drafters.base import Drafter
+from toolkit.speculative.verify import process_logits, sample_token
 
 
 class DraftModel(Drafter):
@@ -115,29 +82,3 @@ class DraftModel(Drafter):
             self.cache.crop(keep - self.cached)
             self.cached = keep
         kv_ops.commit(self.cache)
-
-
-class NGramDrafter(Drafter):
-    """Prompt lookup decoding: propose the continuation of the most recent earlier match of the last n tokens.
-
-    Args:
-        max_ngram / min_ngram: n-gram sizes tried, longest first (a longer match is a better predictor).
-
-    Proposes nothing (k = 0) when no n-gram matches; the decode loop then runs a plain target step.
-    """
-
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-
-    def propose(self, input_ids: torch.Tensor, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ids = input_ids[0]
-        length = ids.shape[0]
-        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            pattern = ids[length - n:]
-            windows = ids[: length - 1].unfold(0, n, 1)  # every earlier n-gram that has a continuation
-            hits = (windows == pattern).all(dim=1).nonzero()
-            if hits.numel():
-                start = int(hits[-1]) + n
-                proposal = ids[start: start + num_draft_tokens]
-                return proposal.view(1, -1), None
-        return input_ids.new_empty((1, 0)), None
