@@ -1,4 +1,4 @@
-"""Plain functions behind ``toolkit eval`` and ``toolkit search`` (wired in :mod:`toolkit.cli`)."""
+"""Plain functions behind ``toolkit eval`` and ``toolkit search`` (wired in :mod:`toolkit_cli`)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ def _summary_line(m: dict) -> str:
     return ", ".join(parts)
 
 
-def eval_command(recipe_path: str | Path, force: bool = False, fast: bool = False, results_root: str | Path =
-                 "results", **settings) -> dict:
-    """``toolkit eval RECIPE [--force] [--fast]``: evaluate a recipe file, write results/<name>-<hash>/.
+def eval_command(recipe, force: bool = False, fast: bool = False, results_root: str | Path = "results",
+                 **settings) -> dict:
+    """``toolkit eval RECIPE [--force] [--fast]``: evaluate a recipe (a Recipe or a YAML path), write
+    ``<results_root>/<name>-<hash>/``.
 
     Extra keyword arguments override :class:`eval.evaluate.EvalSettings` fields. Returns the metrics dict.
     Raises ConfigError / ModelLoadError for a bad recipe or unreadable model.
@@ -29,7 +30,7 @@ def eval_command(recipe_path: str | Path, force: bool = False, fast: bool = Fals
     from eval.evaluate import EvalSettings, evaluate, results_dir
     from toolkit.recipe import Recipe
 
-    recipe = Recipe.load(recipe_path)
+    recipe = recipe if isinstance(recipe, Recipe) else Recipe.load(recipe)
     cfg = EvalSettings.fast(**settings) if fast else EvalSettings(**settings)
     out = results_dir(recipe, cfg, results_root)
     metrics = evaluate(recipe, settings=cfg, out_dir=out, force=force)

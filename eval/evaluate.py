@@ -32,12 +32,11 @@ from pathlib import Path
 import torch
 
 from eval import metrics as M
-from eval.baselines import baseline_methods, run_baseline
+from eval.runners import OURS, baseline_methods, runners_for
 from toolkit.io import atomic_write_json, atomic_write_text
 from toolkit.recipe import ModelSpec, Recipe
-from toolkit.runner import environment
-from toolkit.speculative.stats import GenerationStats
-from toolkit.timing import Summary, synchronize
+from toolkit.session import SHARED_POOL, load_models, plan
+from toolkit.harness import Prompt, environment, measure
 
 log = logging.getLogger(__name__)
 
@@ -114,39 +113,24 @@ def results_dir(recipe: Recipe, settings: EvalSettings, root: str | Path = DEFAU
 
 
 # ------------------------------------------------------------------------------------------------- model cache
-_MODELS: dict[str, tuple] = {}
 _REF_PPL: dict[tuple, dict] = {}
 _BASELINES: dict[tuple, dict] = {}
 
 
 def get_model(spec: ModelSpec, field: str = "model"):
-    """``load_model(spec)`` memoized per process (the search evaluates many recipes over the same models)."""
-    from toolkit.models import load_model
-
-    key = json.dumps(dataclasses.asdict(spec), sort_keys=True)
-    if key not in _MODELS:
-        _MODELS[key] = load_model(spec, field)
-    return _MODELS[key]
+    """``(model, tokenizer)`` from the process-wide :data:`toolkit.session.SHARED_POOL` (loaded once)."""
+    return SHARED_POOL.get(spec, field)
 
 
 def clear_model_cache() -> None:
-    _MODELS.clear()
+    SHARED_POOL.clear()
     _REF_PPL.clear()
     _BASELINES.clear()
 
 
 def load_recipe_models(recipe: Recipe, reference: bool = True):
-    """``(target, tokenizer, draft_model | None, reference_model | None)`` for a recipe, memoized."""
-    target, tokenizer = get_model(recipe.target, "target")
-    draft_model = None
-    if recipe.spec.drafter in ("draft_model", "self"):
-        spec = recipe.draft
-        if recipe.spec.drafter == "self":
-            spec = dataclasses.replace(recipe.draft, source=recipe.target.source)
-        draft_model, draft_tokenizer = get_model(spec, "draft")
-        from toolkit.models import check_same_vocab
-
-        check_same_vocab(tokenizer, draft_tokenizer, recipe.target.source, spec.source)
+    """``(target, tokenizer, draft_model | None, reference_model | None)`` for a recipe, from the shared pool."""
+    target, tokenizer, draft_model = load_models(plan(recipe), SHARED_POOL)
     ref = None
     if reference and recipe.target.precision != "fp32":
         ref_spec = dataclasses.replace(recipe.target, precision="fp32")
@@ -155,8 +139,8 @@ def load_recipe_models(recipe: Recipe, reference: bool = True):
 
 
 # ------------------------------------------------------------------------------------------------- helpers
-def _prompts(recipe: Recipe, prompts, generator, settings: EvalSettings) -> list[dict]:
-    """``[{id, kind, input_ids (1, n)}]`` from injected prompts or the recipe's suite."""
+def _prompts(recipe: Recipe, prompts, generator, settings: EvalSettings) -> list[Prompt]:
+    """Harness prompts from injected prompts (token-id lists, tensors, suite prompts) or the recipe's suite."""
     if prompts is None:
         from toolkit.prompts import load_suite
 
@@ -164,21 +148,21 @@ def _prompts(recipe: Recipe, prompts, generator, settings: EvalSettings) -> list
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
-            out.append({"id": f"ids-{i}", "kind": "ids", "input_ids": torch.tensor([list(p)])})
+            out.append(Prompt(f"ids-{i}", "ids", torch.tensor([list(p)])))
         elif torch.is_tensor(p):
-            out.append({"id": f"ids-{i}", "kind": "ids", "input_ids": p.view(1, -1).long()})
+            out.append(Prompt(f"ids-{i}", "ids", p.view(1, -1).long()))
         else:
-            out.append({"id": p.id, "kind": p.kind, "input_ids": generator.encode(p.prompt)})
+            out.append(Prompt(p.id, p.kind, generator.encode(p.prompt)))
     if settings.num_prompts is not None and settings.num_prompts < len(out):
         # a subset spread over the kinds (chat, summarize, code, ...) in suite order, not just the first N
         by_kind: dict[str, list] = {}
         for item in out:
-            by_kind.setdefault(item["kind"], []).append(item)
+            by_kind.setdefault(item.kind, []).append(item)
         picked = []
         while len(picked) < settings.num_prompts:
-            for items in by_kind.values():
-                if items and len(picked) < settings.num_prompts:
-                    picked.append(items.pop(0))
+            for group in by_kind.values():
+                if group and len(picked) < settings.num_prompts:
+                    picked.append(group.pop(0))
         out = picked
     if not out:
         raise ValueError("prompts: no prompts to evaluate")
@@ -191,27 +175,9 @@ def _baseline_key(method, recipe, target, draft_model, reference_model, items, g
     ngram = recipe.spec.max_ngram if method == "prompt_lookup" else None
     models = {"ar": (id(target),), "ar_fp32": (id(reference_model),), "assisted": (id(target), id(draft_model)),
               "prompt_lookup": (id(target),)}[method]
-    prompts = tuple(tuple(it["input_ids"][0].tolist()) for it in items)
+    prompts = tuple(tuple(it.input_ids[0].tolist()) for it in items)
     return (method, models, k, ngram, prompts, json.dumps(dataclasses.asdict(gen), sort_keys=True),
             settings.repeats, settings.warmup)
-
-
-def _run_ours(generator, input_ids, gen, eos_ids) -> tuple[list[int], GenerationStats, list[list]]:
-    """Our decode loop on one prompt; returns new ids, stats and the trajectory
-    ``[[new_tokens, elapsed_ms, kv_bytes_target, kv_bytes_draft], ...]`` after every round."""
-    stats = GenerationStats()
-    decoder = generator.decoder(gen)
-    new_ids: list[int] = []
-    trajectory = []
-    device = generator.target.device if hasattr(generator.target, "device") else torch.device("cpu")
-    synchronize(device)
-    start = time.perf_counter()
-    for chunk in decoder.decode(input_ids, gen, stats, eos_ids, None):
-        new_ids.extend(chunk)
-        trajectory.append([len(new_ids), (time.perf_counter() - start) * 1000, stats.kv_bytes_target,
-                           stats.kv_bytes_draft])
-    synchronize(device)
-    return new_ids, stats, trajectory
 
 
 def _downsample(rows: list, limit: int = 200) -> list:
@@ -222,21 +188,6 @@ def _downsample(rows: list, limit: int = 200) -> list:
     if picked[-1] is not rows[-1]:
         picked.append(rows[-1])
     return picked
-
-
-def _speed(runs_by_rep: list[list[tuple[list[int], GenerationStats]]]) -> dict:
-    """Speed summaries over repetitions; ``runs_by_rep[r]`` holds one (ids, stats) per prompt."""
-    throughput, ttft, tpot, tokens = [], [], [], []
-    for runs in runs_by_rep:
-        n = sum(s.new_tokens for _, s in runs)
-        ms = sum(s.total_ms for _, s in runs)
-        throughput.append(n / (ms / 1000) if ms > 0 else 0.0)
-        ttft.append(sum(s.ttft_ms for _, s in runs) / len(runs))
-        tpot.append(sum(s.tpot_ms for _, s in runs) / len(runs))
-        tokens.append(n)
-    return {"throughput": Summary.of(throughput).to_dict(), "ttft_ms": Summary.of(ttft).to_dict(),
-            "tpot_ms": Summary.of(tpot).to_dict(), "new_tokens": int(max(tokens) if tokens else 0),
-            "repeats": len(runs_by_rep)}
 
 
 # ------------------------------------------------------------------------------------------------- main entry
@@ -321,69 +272,42 @@ def evaluate(recipe: Recipe, *, settings: EvalSettings | None = None, out_dir: s
     applicable = baseline_methods(recipe, has_separate_ref) if settings.baselines else []
     if isinstance(settings.baselines, (list, tuple)):
         applicable = [m for m in applicable if m in settings.baselines]
-    methods = ["ours"] + applicable
-    reused: dict[str, dict] = {}
+    methods = [OURS] + applicable
+    reused: dict[str, list] = {}
     if settings.reuse_baselines:
         for m in applicable:
             key = _baseline_key(m, recipe, target, draft_model, reference_model, items, gen, settings)
             if key in _BASELINES:
                 reused[m] = _BASELINES[key]
     timed = [m for m in methods if m not in reused]
-    warm_gen = dataclasses.replace(gen, max_new_tokens=min(16, max_new))
-
-    def call(method, input_ids, g):
-        if method == "ours":
-            return _run_ours(generator, input_ids, g, eos_ids)
-        ids, stats = run_baseline(method, recipe, input_ids, g, eos_ids, target=target, draft_model=draft_model,
-                                  reference=reference_model)
-        return ids, stats, None
-
-    total_calls = len(timed) * (settings.warmup + settings.repeats * len(items))
-    bar = tqdm(total=total_calls, desc=f"eval {recipe.name}", unit="run", disable=not progress)
-    for method in timed:
-        for _ in range(settings.warmup):
-            call(method, items[0]["input_ids"], warm_gen)
-            bar.update()
-    runs: dict[str, list[list]] = {m: [] for m in timed}
-    peaks: dict[str, list[dict]] = {m: [] for m in timed}
-    trajectories: list[list] = [None] * len(items)
-    for rep in range(settings.repeats):
-        for m in timed:
-            runs[m].append([])
-        for pi, item in enumerate(items):
-            for method in timed:
-                with M.PeakMemory(str(device)) as meter:
-                    ids, stats, traj = call(method, item["input_ids"], gen)
-                peaks[method].append(meter.result)
-                runs[method][rep].append((ids, stats))
-                if method == "ours" and rep == 0:
-                    trajectories[pi] = traj
-                bar.set_postfix(method=method, tok_s=f"{stats.throughput:.1f}")
-                bar.update()
-    bar.close()
+    measured = measure(runners_for(generator, timed, eos_ids, reference_model, trajectory=True), items, gen,
+                       repeats=settings.repeats, warmup=settings.warmup,
+                       warm_gen=dataclasses.replace(gen, max_new_tokens=min(16, max_new)),
+                       meter=lambda: M.PeakMemory(str(device)), progress=progress, desc=f"eval {recipe.name}")
     for m in timed:
-        if m != "ours" and settings.reuse_baselines:
-            key = _baseline_key(m, recipe, target, draft_model, reference_model, items, gen, settings)
-            _BASELINES[key] = {"runs": runs[m], "peaks": peaks[m]}
-    for m, saved in reused.items():
-        runs[m], peaks[m] = saved["runs"], saved["peaks"]
+        if m != OURS and settings.reuse_baselines:
+            _BASELINES[_baseline_key(m, recipe, target, draft_model, reference_model, items, gen, settings)] = \
+                measured.calls[m]
+    measured.calls.update(reused)
+    measured.methods = methods
 
-    first = {m: runs[m][0] for m in methods}  # greedy outputs are identical across repetitions
-    ours_stats = [s for _, s in first["ours"]]
+    first = {m: [(c.token_ids, c.stats) for c in measured.first(m)] for m in methods}
+    ours_stats = [s for _, s in first[OURS]]
     acc = M.acceptance(ours_stats)
     per_token = M.kv_bytes_per_token(target)
     lengths = [s.prompt_tokens + s.new_tokens - 1 for s in ours_stats]
     method_metrics = {}
     for m in methods:
-        entry = _speed(runs[m])
-        entry["peak_memory"] = M.merge_peaks(peaks[m])
-        if m != "ours":
+        entry = measured.speed(m)
+        entry["peak_memory"] = M.merge_peaks([c.peak for rep in measured.calls[m] for c in rep])
+        if m != OURS:
             entry["target_forwards"] = sum(s.target_forwards for _, s in first[m])
             entry["tokens_per_round"] = (sum(s.committed for _, s in first[m]) /
                                          max(1, sum(s.rounds for _, s in first[m])))
         if m in reused:
             entry["reused"] = True
         method_metrics[m] = entry
+    trajectories = [c.trajectory for c in measured.first(OURS)]
 
     def ratio(a, b):
         if a in method_metrics and b in method_metrics:
@@ -434,15 +358,14 @@ def evaluate(recipe: Recipe, *, settings: EvalSettings | None = None, out_dir: s
             "timing": "wall clock with device synchronization; per repetition: throughput = new tokens / time over "
                       "all prompts, TTFT/TPOT = mean over prompts; median [min-max] over repetitions",
         },
-        "prompts": [{"id": it["id"], "kind": it["kind"], "prompt_tokens": int(it["input_ids"].shape[1])}
-                    for it in items],
+        "prompts": [{"id": it.id, "kind": it.kind, "prompt_tokens": int(it.input_ids.shape[1])} for it in items],
         "perplexity": perplexity,
         "acceptance": acc,
         "memory": memory,
         "methods": method_metrics,
         "ratios": ratios,
         "fidelity": fid,
-        "trajectories": [{"prompt": it["id"], "rows": _downsample(t)} for it, t in zip(items, trajectories)],
+        "trajectories": [{"prompt": it.id, "rows": _downsample(t)} for it, t in zip(items, trajectories)],
         "elapsed_s": time.perf_counter() - started,
         "skipped": False,
     }

@@ -394,7 +394,7 @@ def write_found_recipe(path: Path, best: dict, rows: list[dict], sp: SearchSpace
     import optuna
 
     from toolkit.recipe import Recipe
-    from toolkit.runner import environment
+    from toolkit.harness import environment
 
     recipe = Recipe.from_dict({**best["recipe"], "name": f"found-{sc.name}"})
     why = _why(best, rows, sc)

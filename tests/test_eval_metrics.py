@@ -82,13 +82,13 @@ def test_ppl_embedded_matches_independent_computation(embedded):
 
 # ------------------------------------------------------------------------------------------------ acceptance
 def _generate(draft, k=3, max_new=30, prompt_len=10):
-    from toolkit.generator import Generator
+    from toolkit.generator import build
 
     target = tiny_llama()
     recipe = Recipe.from_dict({"name": "t", "target": {"device": "cpu"}, "draft": {"device": "cpu"},
                                "spec": {"drafter": "draft_model", "num_draft_tokens": k},
                                "generation": {"max_new_tokens": max_new, "ignore_eos": True}})
-    gen = Generator(recipe, target, None, draft if draft is not None else tiny_llama())
+    gen = build(recipe, target=target, draft_model=draft if draft is not None else tiny_llama())
     spec = recipe.generation
     stats = GenerationStats()
     ids = [t for chunk in gen.decoder(spec).decode(torch.tensor([_ids(prompt_len, 5)]), spec, stats, [], None)

@@ -161,8 +161,12 @@ def test_same_cache_in_hf_generate(make, name, params, tmp_path, monkeypatch):
         n_kv = model.config.num_key_value_heads if hasattr(model.config, "num_key_value_heads") else 4
         params = dict(params, importance=torch.rand(2, n_kv, generator=torch.Generator().manual_seed(0)).tolist())
     prompt = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
-    cache = policy(name, **params).make_cache(model)
-    out = model.generate(prompt, past_key_values=cache, max_new_tokens=60, min_new_tokens=60, do_sample=False)
+    built = policy(name, **params)
+    cache = built.make_cache(model)
+    implementation = model.config._attn_implementation
+    with built.attached(model):
+        out = model.generate(prompt, past_key_values=cache, max_new_tokens=60, min_new_tokens=60, do_sample=False)
+    assert model.config._attn_implementation == implementation  # the shared model is left as it was
     assert cache.compressions >= 3 and cache.physical_length(1) < cache.get_seq_length() / 2
     decoder = SpeculativeDecoder(model, None, ConstantK(1), policy(name, **params))
     ours = [t for chunk in decoder.decode(prompt, GenerationSpec(max_new_tokens=60, ignore_eos=True),

@@ -10,6 +10,7 @@ from conftest import tiny_llama
 from toolkit.errors import ConfigError
 from toolkit.kv import POLICIES, make_policy
 from toolkit.recipe import KVSpec, Recipe
+from toolkit.session import plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,17 +46,18 @@ def test_unknown_policy_lists_the_known_ones():
 def test_window_smaller_than_a_verify_forward(section):
     data = {"draft": {"source": "embedded", "precision": "int4"}, "spec": {"num_draft_tokens": 6},
             section: {"policy": "streaming", "sink_tokens": 4, "window": 6}}
+    recipe = Recipe.from_dict(data)  # each section is valid on its own ...
     with pytest.raises(ConfigError) as info:
-        Recipe.from_dict(data)
+        plan(recipe)  # ... the combination is not: checked once, when the recipe is planned, before any model loads
     assert info.value.field == f"{section}.window" and "num_draft_tokens + 1 = 7" in str(info.value)
     data[section]["window"] = 7
-    Recipe.from_dict(data)  # K + 1 fits
+    plan(Recipe.from_dict(data))  # K + 1 fits
 
 
 def test_window_check_uses_k_max_with_adaptive_k():
     with pytest.raises(ConfigError, match="kv.window"):
-        Recipe.from_dict({"spec": {"num_draft_tokens": 2, "adaptive": "ema", "k_max": 8},
-                          "kv": {"policy": "streaming", "window": 8}})
+        plan(Recipe.from_dict({"spec": {"num_draft_tokens": 2, "adaptive": "ema", "k_max": 8},
+                               "kv": {"policy": "streaming", "window": 8}}))
 
 
 def test_reindex_needs_rotary_embeddings():

@@ -69,10 +69,12 @@ def test_tiers_before_compression_equal_uncompressed():
     policy = make_policy(KVSpec("head_aware", {"budget": 64, "protect_recent": 4, "skip_layers": [], "tiers": 2,
                                                "importance": [[1.0, 0.0], [0.2, 0.7]]}))
     cache = ops.new_cache(policy, model)
-    first = model(input_ids=ids[:, :12], past_key_values=cache, **ops.model_inputs(cache, torch.arange(12)[None]))
-    ops.commit(cache)
-    rest = model(input_ids=ids[:, 12:], past_key_values=cache,
-                 **ops.model_inputs(cache, torch.arange(12, 20)[None]))
+    with ops.attached(policy, model):  # per-tier attention, installed for this block only
+        first = model(input_ids=ids[:, :12], past_key_values=cache, **ops.model_inputs(cache, torch.arange(12)[None]))
+        ops.commit(cache)
+        rest = model(input_ids=ids[:, 12:], past_key_values=cache,
+                     **ops.model_inputs(cache, torch.arange(12, 20)[None]))
+    assert model.config._attn_implementation == "sdpa"  # restored
     torch.testing.assert_close(torch.cat([first.logits, rest.logits], 1), reference, atol=1e-5, rtol=1e-5)
 
 

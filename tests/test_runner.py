@@ -8,11 +8,11 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.conftest import perturbed_copy, tiny_llama
-from toolkit.cli import app
-from toolkit.generator import Generator
+from eval.run import markdown_table, run_recipe, write_results
+from toolkit_cli import app
+from toolkit.generator import Generator, build
 from toolkit.prompts import load_suite
 from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec
-from toolkit.runner import markdown_table, run_recipe, write_results
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +32,18 @@ def _generator(tokenizer, drafter: str) -> Generator:
     recipe = Recipe(name=f"tiny-{drafter}", target=ModelSpec(device="cpu"), draft=ModelSpec(device="cpu"),
                     spec=SpecSpec(drafter=drafter, num_draft_tokens=3),
                     generation=GenerationSpec(max_new_tokens=12, ignore_eos=True))
-    return Generator(recipe, target, tokenizer, draft)
+    return build(recipe, target=target, tokenizer=tokenizer, draft_model=draft)
 
 
 @pytest.mark.parametrize("drafter,baselines", [("draft_model", {"ar", "assisted"}), ("ngram", {"ar", "prompt_lookup"})])
 def test_compare_run_matches_ar_and_writes_results(tokenizer, tmp_path, drafter, baselines):
     generator = _generator(tokenizer, drafter)
     prompts = load_suite("short")[:2]
-    results = run_recipe(generator.recipe, compare=True, repeats=2, prompts=prompts, generator=generator,
-                         progress=False)
+    typed = run_recipe(generator.recipe, compare=True, repeats=2, prompts=prompts, generator=generator,
+                       progress=False)
+    results = typed.to_dict()
+    assert {f"speedup_vs_{m}" for m in baselines - {"ours"}} <= set(results["summary"]["ours"])
+    assert typed.speedup("ar") == results["summary"]["ours"]["speedup_vs_ar"]
     methods = {row["method"] for row in results["rows"]}
     assert methods == {"ours"} | baselines
     assert len(results["rows"]) == len(prompts) * len(methods)
@@ -52,7 +55,7 @@ def test_compare_run_matches_ar_and_writes_results(tokenizer, tmp_path, drafter,
     ours = results["summary"]["ours"]
     assert ours["identical_to_ar"] is True
     assert set(ours) >= {f"speedup_vs_{m}" for m in baselines}
-    path = write_results(results, tmp_path)
+    path = write_results(typed, tmp_path)
     assert json.loads(path.read_text())["config_hash"] == generator.recipe.config_hash()
     table = path.with_suffix(".md").read_text()
     assert table == markdown_table(results) and table.count("| ours |") == len(prompts) + 1

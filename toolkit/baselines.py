@@ -69,9 +69,13 @@ def hf_generate(model, input_ids: torch.Tensor, gen: GenerationSpec, eos_token_i
         config.num_assistant_tokens = num_draft_tokens
         config.num_assistant_tokens_schedule = "constant"
         config.assistant_confidence_threshold = 0.0
-        assistant_model.generation_config.num_assistant_tokens = num_draft_tokens
-        assistant_model.generation_config.num_assistant_tokens_schedule = "constant"
-        assistant_model.generation_config.assistant_confidence_threshold = 0.0
+        # HF reads these from the assistant's own generation config: set them for this call only.
+        saved_assistant_config = assistant_model.generation_config
+        assistant_config = copy.deepcopy(saved_assistant_config)
+        assistant_config.num_assistant_tokens = num_draft_tokens
+        assistant_config.num_assistant_tokens_schedule = "constant"
+        assistant_config.assistant_confidence_threshold = 0.0
+        assistant_model.generation_config = assistant_config
     elif method == "prompt_lookup":
         config.prompt_lookup_num_tokens = num_draft_tokens
         config.max_matching_ngram_size = max_ngram
@@ -91,6 +95,8 @@ def hf_generate(model, input_ids: torch.Tensor, gen: GenerationSpec, eos_token_i
         end = time.perf_counter()
     finally:
         hook.remove()
+        if method == "assisted":
+            assistant_model.generation_config = saved_assistant_config
     new_ids = out[0, input_ids.shape[1]:].tolist()
     stats = GenerationStats(prompt_tokens=input_ids.shape[1], new_tokens=len(new_ids))
     stats.target_forwards = forwards[0]

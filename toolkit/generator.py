@@ -17,9 +17,9 @@ from collections.abc import Iterator
 import torch
 
 from toolkit.errors import ConfigError
-from toolkit.kv import make_policy
-from toolkit.models import check_same_vocab, load_model, weight_bytes
+from toolkit.models import weight_bytes
 from toolkit.recipe import GenerationSpec, Recipe
+from toolkit.session import ModelPool, Plan, load_models, plan
 from toolkit.speculative.adaptive import make_controller
 from toolkit.speculative.decoder import SpeculativeDecoder
 from toolkit.speculative.drafters import DraftModel, NGramDrafter
@@ -30,19 +30,20 @@ logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)  #
 
 
 class Generator:
-    """A built recipe: loaded target (and draft), a drafter, KV policies, generation defaults.
+    """A built recipe: its :class:`~toolkit.session.Plan` (policies built once) and the loaded models.
 
     Attributes:
+        recipe, plan: the recipe and its plan.
         target, tokenizer: the target model and its tokenizer.
         draft_model: the draft LM (``None`` for the n-gram drafter and autoregressive decoding).
+        target_policy / draft_policy: the plan's KV policies (``None`` = uncompressed).
         weight_bytes: ``{"target": bytes, "draft": bytes}``.
     """
 
-    def __init__(self, recipe: Recipe, target, tokenizer, draft_model=None):
-        self.recipe = recipe
+    def __init__(self, plan: Plan, target, tokenizer, draft_model=None):
+        self.plan, self.recipe = plan, plan.recipe
         self.target, self.tokenizer, self.draft_model = target, tokenizer, draft_model
-        self.target_policy = make_policy(recipe.kv, "kv")
-        self.draft_policy = make_policy(recipe.draft_kv, "draft_kv")
+        self.target_policy, self.draft_policy = plan.target_policy, plan.draft_policy
         self.weight_bytes = {"target": weight_bytes(target),
                              "draft": weight_bytes(draft_model) if draft_model is not None else 0}
 
@@ -154,30 +155,20 @@ class Generator:
             yield text[len(emitted):]
 
 
-def build(recipe: Recipe, target=None, tokenizer=None, draft_model=None) -> Generator:
-    """Load the recipe's models and return a :class:`Generator`.
+def build(recipe: Recipe, target=None, tokenizer=None, draft_model=None, pool: ModelPool | None = None) -> Generator:
+    """Plan ``recipe`` (:func:`toolkit.session.plan`), load its models and return a :class:`Generator`.
 
-    Already-loaded ``target``/``tokenizer``/``draft_model`` may be passed to share them between recipes (the
-    baselines of a comparison run reuse the same model objects).
+    Models come from ``pool`` (a :class:`~toolkit.session.ModelPool`, so several recipes share them) or a fresh
+    one; already-loaded ``target``/``tokenizer``/``draft_model`` may be passed instead.
 
     Raises:
-        ConfigError: invalid recipe field.
+        ConfigError: invalid recipe field or combination (named).
         ModelLoadError: a model source cannot be read.
         TokenizerMismatchError: target and draft vocabularies differ.
     """
-    recipe.validate()
-    if target is None:
-        target, tokenizer = load_model(recipe.target, "target")
-    drafter = recipe.spec.drafter
-    if drafter in ("draft_model", "self") and draft_model is None:
-        draft_spec = recipe.draft
-        if drafter == "self":
-            draft_spec = dataclasses.replace(recipe.draft, source=recipe.target.source)
-        draft_model, draft_tokenizer = load_model(draft_spec, "draft")
-        check_same_vocab(tokenizer, draft_tokenizer, recipe.target.source, draft_spec.source)
-    if drafter not in ("draft_model", "self"):
-        draft_model = None
-    return Generator(recipe, target, tokenizer, draft_model)
+    p = plan(recipe)
+    target, tokenizer, draft_model = load_models(p, pool, target, tokenizer, draft_model)
+    return Generator(p, target, tokenizer, draft_model)
 
 
 __all__ = ["Generator", "build"]

@@ -20,7 +20,6 @@ import yaml
 
 from toolkit.errors import ConfigError
 
-SUITES_DIR = Path(__file__).resolve().parent.parent / "recipes" / "prompts"
 KINDS = ("chat", "summarize", "code", "text")
 
 
@@ -78,17 +77,14 @@ def _build(entry: dict, field: str) -> Prompt:
 
 
 def load_suite(name_or_path: str) -> list[Prompt]:
-    """Prompts of suite ``short`` / ``long`` / ``memory`` (from ``recipes/prompts/``) or of a suite YAML file.
+    """Prompts of a shipped suite (``short``, ``long``, ``memory``: ``recipes/prompts/``) or of a suite YAML file.
 
     Raises:
         ConfigError: unknown suite name, or a malformed entry (the field is named).
     """
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = SUITES_DIR / f"{name_or_path}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in SUITES_DIR.glob("*.yaml"))
-        raise ConfigError("prompts", f"no prompt suite {name_or_path!r}", known)
+    from toolkit.resources import resolve
+
+    path = resolve(name_or_path, "prompts", "prompts")
     data = yaml.safe_load(path.read_text()) or {}
     entries = data.get("prompts")
     if not isinstance(entries, list) or not entries:

@@ -215,10 +215,6 @@ class Recipe:
         self.kv.validate("kv")
         self.draft_kv.validate("draft_kv")
         self.spec.validate("spec")
-        from toolkit.kv import check_compatible
-
-        check_compatible(self.kv, self.spec, "kv")
-        check_compatible(self.draft_kv, self.spec, "draft_kv")
         self.generation.validate("generation")
         if not isinstance(self.prompts, str) or not self.prompts:
             raise ConfigError("prompts", "must name a prompt suite (short, long, memory) or a suite file path")

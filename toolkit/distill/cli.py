@@ -1,4 +1,4 @@
-"""``toolkit draft distill``: a plain function with typer-friendly arguments, wired into ``toolkit/cli.py``.
+"""``toolkit draft distill``: a plain function with typer-friendly arguments, wired into ``toolkit_cli/app.py``.
 
 Wiring (in the CLI module)::
 

@@ -71,26 +71,25 @@ def acceptance(target, draft, prompts: torch.Tensor, max_new_tokens: int, k: int
     from toolkit.speculative.adaptive import ConstantK
     from toolkit.speculative.decoder import SpeculativeDecoder
     from toolkit.speculative.drafters import DraftModel
-    from toolkit.speculative.stats import GenerationStats
+    from toolkit.speculative.stats import GenerationStats, acceptance_summary
 
     was_training = draft.training
     draft.eval()
     gen = GenerationSpec(max_new_tokens=max_new_tokens, do_sample=False, ignore_eos=True)
-    totals = {"rounds": 0, "drafted": 0, "accepted": 0, "committed": 0, "new_tokens": 0}
+    runs = []
     start = time.perf_counter()
     for row in prompts:
         decoder = SpeculativeDecoder(target, DraftModel(draft), ConstantK(k))
         stats = GenerationStats()
         for _ in decoder.decode(row.view(1, -1), gen, stats):
             pass
-        for key in totals:
-            totals[key] += getattr(stats, key)
+        runs.append(stats)
     draft.train(was_training)
+    summary = acceptance_summary(runs)
     return {
-        "alpha": totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
-        "tokens_per_round": totals["committed"] / totals["rounds"] if totals["rounds"] else 0.0,
-        "rounds": totals["rounds"], "drafted": totals["drafted"], "accepted": totals["accepted"],
-        "new_tokens": totals["new_tokens"], "prompts": int(prompts.shape[0]), "k": k,
+        "alpha": summary["acceptance_rate"], "tokens_per_round": summary["tokens_per_round"],
+        "rounds": summary["rounds"], "drafted": summary["drafted"], "accepted": summary["accepted"],
+        "new_tokens": summary["new_tokens"], "prompts": int(prompts.shape[0]), "k": k,
         "seconds": time.perf_counter() - start,
     }
 

@@ -46,16 +46,6 @@ def make_policy(spec, prefix: str = "kv"):
     return policy
 
 
-def check_compatible(kv_spec, spec, prefix: str = "kv") -> None:
-    """Raise :class:`ConfigError` if the policy of ``kv_spec`` cannot serve speculation settings ``spec``.
-
-    E.g. a StreamingLLM ``window`` smaller than a verify forward (K + 1). Called by ``Recipe.validate``.
-    """
-    policy = make_policy(kv_spec, prefix)
-    if policy is not None:
-        policy.check_compatible(spec, prefix)
-
-
 def _load_builtin_policies() -> None:
     import importlib
 

@@ -2,9 +2,10 @@
 
 HF models build *one* causal mask per forward, sized for one reference layer. A compressed cache whose layers have
 different physical lengths (L2-norm ``skip_layers``) or whose KV heads are split into budget tiers of different
-lengths (head-aware, DuoAttention-style layout) needs a mask per layer and per tier. :func:`install` registers
+lengths (head-aware, DuoAttention-style layout) needs a mask per layer and per tier. :func:`attached` registers
 :func:`compressed_attention` under the name ``toolkit_kv`` in transformers' ``AttentionInterface`` and switches the
-model to it (``model.set_attn_implementation``). With a non-standard implementation name transformers builds no
+model to it (``model.set_attn_implementation``) for the duration of a ``with`` block only, like a kvpress press:
+the model's own implementation is restored on exit, also after an exception. With a non-standard implementation name transformers builds no
 mask at all, and this function derives the causal mask from the shapes: every cached entry is in the past, the
 last ``q`` keys are the current queries, so key ``j`` is visible to query ``i`` iff ``j <= i + kv_len - q``.
 
@@ -13,6 +14,9 @@ additive mask passed explicitly is honoured. The math is ``torch.nn.functional.s
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -54,13 +58,28 @@ def compressed_attention(module, query, key, value, attention_mask, scaling=None
     return out.transpose(1, 2).contiguous(), None
 
 
-def install(model) -> None:
-    """Register :func:`compressed_attention` (once) and switch ``model`` to it. Idempotent."""
+def _register() -> None:
     global _registered
     if not _registered:
         from transformers import AttentionInterface
 
         AttentionInterface.register(NAME, compressed_attention)
         _registered = True
-    if model.config._attn_implementation != NAME:
-        model.set_attn_implementation(NAME)
+
+
+@contextlib.contextmanager
+def attached(model) -> Iterator[None]:
+    """Run ``model`` with :func:`compressed_attention` inside the block; its own implementation is restored after.
+
+    Re-entrant: a nested block (target and a ``self`` draft sharing modules) leaves the switch to the outer one.
+    """
+    _register()
+    previous = model.config._attn_implementation
+    if previous == NAME:
+        yield
+        return
+    model.set_attn_implementation(NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)

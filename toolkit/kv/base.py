@@ -23,6 +23,7 @@ toolkit decoder's :func:`toolkit.kv.ops.new_cache` turns that off, and so does t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
@@ -84,8 +85,12 @@ class KVPolicy:
             scores[..., max(seq - recent, 0):] = float("inf")
         return scores.topk(budget, dim=-1, sorted=False).indices.sort(dim=-1).values
 
-    def check_compatible(self, spec, prefix: str = "kv") -> None:
-        """Raise :class:`ConfigError` if the policy cannot serve speculation settings ``spec`` (a ``SpecSpec``)."""
+    def check_compatible(self, max_query_tokens: int, prefix: str = "kv") -> None:
+        """Raise :class:`ConfigError` if the policy cannot hold a forward of ``max_query_tokens`` new tokens.
+
+        ``max_query_tokens`` is the widest verify forward of the recipe (K + 1 for a chain), decided by
+        :func:`toolkit.session.plan`; policies never read speculation settings themselves.
+        """
 
     def check_model(self, model, prefix: str = "kv") -> None:
         """Raise :class:`ConfigError` if the policy cannot run on ``model``."""
@@ -96,13 +101,21 @@ class KVPolicy:
         return [DynamicLayer() for _ in range(model.config.get_text_config(decoder=True).num_hidden_layers)]
 
     def make_cache(self, model) -> CompressedCache:
-        """A fresh cache for ``model`` applying this policy. Raises :class:`ConfigError` (see :meth:`check_model`)."""
-        self.check_model(model, getattr(self, "_prefix", "kv"))
-        if self.uses_attention_hook:
-            from toolkit.kv.attention import install
+        """A fresh cache for ``model`` applying this policy. Raises :class:`ConfigError` (see :meth:`check_model`).
 
-            install(model)
+        Policies with ``uses_attention_hook`` need the model inside :meth:`attached` while it runs on the cache
+        (the toolkit's decoder and evaluator do this; call it yourself around ``model.generate``).
+        """
+        self.check_model(model, getattr(self, "_prefix", "kv"))
         return CompressedCache(self, model)
+
+    def attached(self, model):
+        """Context manager: whatever this policy needs installed on ``model`` while it runs, restored on exit."""
+        if not self.uses_attention_hook:
+            return contextlib.nullcontext()
+        from toolkit.kv.attention import attached
+
+        return attached(model)
 
     def compress_layer(self, cache: CompressedCache, layer_idx: int, layer: DynamicLayer) -> bool:
         """Compress ``layer`` in place if it is over budget + interval; returns whether it did."""

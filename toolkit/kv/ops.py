@@ -18,6 +18,8 @@ A plain ``transformers.DynamicCache`` satisfies the protocol with no compression
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import DynamicCache
 
@@ -29,6 +31,13 @@ def new_cache(policy, model) -> DynamicCache:
     cache = policy.make_cache(model)
     cache.auto_commit = False  # this loop calls commit() itself, after verification
     return cache
+
+
+def attached(policy, model):
+    """Context manager scoping whatever ``policy`` installs on ``model`` (nothing for ``None``) to a ``with`` block."""
+    if policy is None:
+        return contextlib.nullcontext()
+    return policy.attached(model)
 
 
 def model_inputs(cache, position_ids: torch.Tensor) -> dict:

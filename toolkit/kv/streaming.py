@@ -75,14 +75,11 @@ class StreamingLLM(KVPolicy):
     def budget_for(self, length: int = 0) -> int:
         return self.sink_tokens + self.window
 
-    def check_compatible(self, spec, prefix: str = "kv") -> None:
-        """``window`` must hold a whole verify forward: ``window >= K + 1`` (K = the largest draft length)."""
-        if spec.drafter == "none":
-            return
-        k = spec.k_max if spec.adaptive != "constant" else spec.num_draft_tokens
-        if self.window < k + 1:
-            raise ConfigError(f"{prefix}.window", f"must be >= num_draft_tokens + 1 = {k + 1} (a verify forward "
-                              f"covers K + 1 = {k + 1} positions), got {self.window}")
+    def check_compatible(self, max_query_tokens: int, prefix: str = "kv") -> None:
+        """``window`` must hold a whole verify forward: ``window >= max_query_tokens`` (K + 1 for a chain)."""
+        if self.window < max_query_tokens:
+            raise ConfigError(f"{prefix}.window", f"must be >= num_draft_tokens + 1 = {max_query_tokens} (a verify "
+                              f"forward covers K + 1 = {max_query_tokens} positions), got {self.window}")
 
     def check_model(self, model, prefix: str = "kv") -> None:
         if self.position_mode != "reindex":

@@ -82,11 +82,13 @@ class SpeculativeDecoder:
         cut length (stop strings). ``stats`` is filled in place; ``stats.finish_reason`` is ``length``, ``eos`` or
         ``stop_string``.
         """
-        try:
-            yield from self._decode(input_ids, gen, stats, eos_token_ids, should_stop)
-        finally:  # also when the caller stops iterating early: drafters release hooks on shared models
-            if self.drafter is not None:
-                self.drafter.close()
+        # Hooks on shared models live exactly as long as this generation, also when the caller stops iterating early.
+        with kv_ops.attached(self.target_policy, self.target):
+            try:
+                yield from self._decode(input_ids, gen, stats, eos_token_ids, should_stop)
+            finally:
+                if self.drafter is not None:
+                    self.drafter.close()
 
     @torch.inference_mode()  # cheaper than no_grad: no version counters or view tracking (~5% on CPU here)
     def _decode(self, input_ids, gen, stats, eos_token_ids, should_stop) -> Iterator[list[int]]:

@@ -81,6 +81,59 @@ class GenerationStats:
         return data
 
 
+def acceptance_summary(stats_list) -> dict:
+    """Aggregate :class:`~toolkit.speculative.stats.GenerationStats` of several calls into acceptance metrics.
+
+    Returns alpha (accepted / drafted), tau (committed / rounds), the per-position curve
+    ``accepted_at[i] / drafted_at[i]``, and forward counts. ``consistent`` is the result of
+    :func:`check_acceptance` on every call.
+    """
+    width = max([len(s.drafted_at) for s in stats_list] + [0])
+    acc_at, dr_at = [0] * width, [0] * width
+    totals = dict(rounds=0, drafted=0, accepted=0, committed=0, new_tokens=0, target_forwards=0, draft_forwards=0)
+    problems = []
+    for s in stats_list:
+        for key in totals:
+            totals[key] += getattr(s, key)
+        for i, (a, d) in enumerate(zip(s.accepted_at, s.drafted_at)):
+            acc_at[i] += a
+            dr_at[i] += d
+        problems += check_acceptance(s)
+    return {
+        "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
+        "tokens_per_round": totals["committed"] / totals["rounds"] if totals["rounds"] else 0.0,
+        **totals,
+        "accepted_at": acc_at, "drafted_at": dr_at,
+        "curve": [a / d if d else 0.0 for a, d in zip(acc_at, dr_at)],
+        "consistent": not problems, "problems": problems[:5],
+    }
+
+
+def check_acceptance(stats) -> list[str]:
+    """Invariants of one call's counters; returns the violated ones (empty list = consistent).
+
+    accepted <= drafted; committed = accepted + rounds (one target token per round: the bonus token when all K
+    were accepted, else the correction, counted once); per-position counts sum to the totals and never exceed
+    each other; one target forward per round plus the prefill; new tokens <= committed + 1 (the prefill token).
+    """
+    out = []
+    if stats.accepted > stats.drafted:
+        out.append(f"accepted {stats.accepted} > drafted {stats.drafted}")
+    if stats.committed != stats.accepted + stats.rounds:
+        out.append(f"committed {stats.committed} != accepted {stats.accepted} + rounds {stats.rounds}")
+    if sum(stats.accepted_at) != stats.accepted or sum(stats.drafted_at) != stats.drafted:
+        out.append("per-position counts do not sum to accepted/drafted")
+    if any(a > d for a, d in zip(stats.accepted_at, stats.drafted_at)):
+        out.append("accepted_at[i] > drafted_at[i]")
+    if any(later > earlier for earlier, later in zip(stats.accepted_at, stats.accepted_at[1:])):
+        out.append("accepted_at not non-increasing (position i+1 accepted without position i)")
+    if stats.target_forwards != stats.rounds + 1:
+        out.append(f"target_forwards {stats.target_forwards} != rounds {stats.rounds} + 1 (prefill)")
+    if stats.new_tokens > stats.committed + 1:
+        out.append(f"new_tokens {stats.new_tokens} > committed {stats.committed} + 1")
+    return out
+
+
 @dataclass
 class GenerationResult:
     """What ``Generator.generate`` returns: the new text, its token ids (prompt excluded) and the statistics."""

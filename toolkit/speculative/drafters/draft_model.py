@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from toolkit.kv import ops as kv_ops
@@ -41,6 +43,9 @@ class DraftModel(Drafter):
 
     def reset(self) -> None:
         super().reset()
+        self.close()
+        self._scope = contextlib.ExitStack()
+        self._scope.enter_context(kv_ops.attached(self.policy, self.model))
         self.cache = kv_ops.new_cache(self.policy, self.model)
         self.cached = 0
         self._proposed_until = 0
@@ -73,6 +78,12 @@ class DraftModel(Drafter):
             if step + 1 < num_draft_tokens:
                 logits = self._forward(token.view(1, 1))
         return torch.stack(tokens).view(1, -1), torch.stack(all_logits)
+
+    def close(self) -> None:
+        """Undo what :meth:`reset` installed on the draft model (the policy's attention hook, if any)."""
+        scope, self._scope = getattr(self, "_scope", None), None
+        if scope is not None:
+            scope.close()
 
     def commit(self, num_accepted: int) -> None:
         """Roll the draft cache back to the committed prefix: everything after ``committed - 1`` tokens goes."""

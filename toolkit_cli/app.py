@@ -1,7 +1,9 @@
 """Command line: ``toolkit run | generate | eval | search | draft distill``.
 
-Every command takes recipes as YAML files (see README "Recipe format"). Errors in a recipe or an argument print one
-line naming the field and exit with status 2; nothing half-written is left behind.
+The command line sits above both the library (``toolkit``) and the measurement applications (``eval``); neither
+imports it. Every command takes a recipe as a YAML file or the name of a shipped one (``short``, ``short-ngram``,
+``long``, ``memory``, ...). Errors in a recipe or an argument print one line naming the field and exit with status
+2; nothing half-written is left behind. Outputs go to the working directory (or ``--out``).
 """
 
 from __future__ import annotations
@@ -26,18 +28,25 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(2)
 
 
+def _load(recipe: str):
+    """A recipe from a YAML path or a shipped name. Raises ConfigError / FileNotFoundError."""
+    from toolkit.recipe import Recipe
+    from toolkit.resources import resolve
+
+    return Recipe.load(resolve(recipe, "", "recipe"))
+
+
 @app.command()
-def run(recipe: Path = typer.Argument(..., exists=True, dir_okay=False, help="recipe YAML"),
+def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped recipe name"),
         compare: bool = typer.Option(False, "--compare", help="also run HF AR / assisted / prompt-lookup baselines"),
         repeats: int = typer.Option(3, min=1, help="timed repetitions per prompt and method (with --compare)"),
         max_new_tokens: Optional[int] = typer.Option(None, min=1, help="override generation.max_new_tokens"),
         out: Path = typer.Option(Path("results/run"), help="directory for the results JSON and Markdown")):
     """Run RECIPE over its prompt suite; print a Markdown table and write results JSON."""
-    from toolkit.recipe import Recipe
-    from toolkit.runner import markdown_table, run_recipe, write_results
+    from eval.run import markdown_table, run_recipe, write_results
 
     try:
-        loaded = Recipe.load(recipe)
+        loaded = _load(recipe)
         if max_new_tokens is not None:
             import dataclasses
 
@@ -52,7 +61,7 @@ def run(recipe: Path = typer.Argument(..., exists=True, dir_okay=False, help="re
 
 @app.command()
 def generate(prompt: str = typer.Argument(..., help="prompt text ('-' reads stdin)"),
-             recipe: Optional[Path] = typer.Option(None, exists=True, dir_okay=False, help="recipe YAML"),
+             recipe: Optional[str] = typer.Option(None, help="recipe YAML file or shipped name (default: short)"),
              chat: bool = typer.Option(True, help="wrap the prompt as a user message with the chat template"),
              max_new_tokens: Optional[int] = typer.Option(None, min=1),
              do_sample: Optional[bool] = typer.Option(None, "--do-sample/--greedy"),
@@ -60,13 +69,12 @@ def generate(prompt: str = typer.Argument(..., help="prompt text ('-' reads stdi
              stream: bool = typer.Option(True, help="print text as tokens commit")):
     """Generate one completion and print it, followed by the round statistics."""
     import toolkit
-    from toolkit.recipe import Recipe
 
     text = sys.stdin.read() if prompt == "-" else prompt
     overrides = {k: v for k, v in {"max_new_tokens": max_new_tokens, "do_sample": do_sample,
                                    "temperature": temperature}.items() if v is not None}
     try:
-        loaded = Recipe.load(recipe) if recipe else Recipe.load(Path(__file__).parent.parent / "recipes/short.yaml")
+        loaded = _load(recipe or "short")
         generator = toolkit.build(loaded)
         message = [{"role": "user", "content": text}] if chat else text
         if stream:
@@ -84,14 +92,15 @@ def generate(prompt: str = typer.Argument(..., help="prompt text ('-' reads stdi
 
 
 @app.command("eval")
-def eval_(recipe: Path = typer.Argument(..., exists=True, dir_okay=False, help="recipe YAML"),
+def eval_(recipe: str = typer.Argument(..., help="recipe YAML file or shipped recipe name"),
           force: bool = typer.Option(False, "--force", help="recompute even if results exist"),
-          fast: bool = typer.Option(False, "--fast", help="fewer prompts, tokens and repetitions")):
+          fast: bool = typer.Option(False, "--fast", help="fewer prompts, tokens and repetitions"),
+          out: Path = typer.Option(Path("results"), help="directory under which results/<name>-<hash>/ is written")):
     """Evaluate RECIPE: perplexity, acceptance, memory, latency, fidelity, baselines (results/<name>-<hash>/)."""
     from eval.cli import eval_command
 
     try:
-        eval_command(recipe, force=force, fast=fast)
+        eval_command(_load(recipe), force=force, fast=fast, results_root=out)
     except ToolkitError as exc:
         _fail(exc)
 
@@ -122,6 +131,9 @@ _register_distill()
 
 
 def main() -> None:
+    from toolkit.harness import thread_environment
+
+    thread_environment()  # before torch loads: idle OpenMP threads sleep instead of spinning on a shared machine
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     app()
 

@@ -1,0 +1,90 @@
+"""Runners for :func:`toolkit.harness.measure`: our decoder and the in-process HF baselines, on the same models.
+
+* ``ours`` — the recipe's :class:`~toolkit.generator.Generator` decode loop;
+* ``ar`` — the recipe's target with plain HF ``generate`` (autoregressive, uncompressed ``DynamicCache``);
+* ``assisted`` — HF assisted generation with the same target/draft pair (``draft_model`` and ``self`` drafters);
+* ``prompt_lookup`` — HF prompt lookup decoding (for the ``ngram`` drafter: the same drafting idea in HF);
+* ``ar_fp32`` — the fp32 uncompressed reference target with plain ``generate`` (only when the recipe's target is
+  not fp32): the quality/fidelity reference and the throughput bar of the memory scenario.
+
+Baselines go through :func:`toolkit.baselines.hf_generate`, which leaves the shared models as it found them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from toolkit.baselines import hf_generate
+from toolkit.harness import Call, Runner
+from toolkit.recipe import GenerationSpec, Recipe
+from toolkit.speculative.stats import GenerationStats
+from toolkit.timing import synchronize
+
+OURS = "ours"
+
+
+def baseline_methods(recipe: Recipe, has_reference: bool = False) -> list[str]:
+    """The HF baselines that make sense next to this recipe's drafter (``ar`` always; ``ar_fp32`` with a reference)."""
+    methods = ["ar"]
+    if recipe.spec.drafter in ("draft_model", "self"):
+        methods.append("assisted")
+    if recipe.spec.drafter == "ngram":
+        methods.append("prompt_lookup")
+    return methods + (["ar_fp32"] if has_reference else [])
+
+
+def ours_runner(generator, eos_ids: list[int], trajectory: bool = False) -> Runner:
+    """Our decode loop; with ``trajectory`` the call records ``[new_tokens, ms, kv_bytes_target, kv_bytes_draft]``
+    after every round."""
+
+    def run(input_ids: torch.Tensor, gen: GenerationSpec) -> Call:
+        stats = GenerationStats()
+        new_ids: list[int] = []
+        rows = [] if trajectory else None
+        device = next(generator.target.parameters()).device
+        synchronize(device)
+        start = time.perf_counter()
+        for chunk in generator.decoder(gen).decode(input_ids, gen, stats, eos_ids, None):
+            new_ids.extend(chunk)
+            if rows is not None:
+                rows.append([len(new_ids), (time.perf_counter() - start) * 1000, stats.kv_bytes_target,
+                             stats.kv_bytes_draft])
+        synchronize(device)
+        return Call(new_ids, stats, rows)
+
+    return run
+
+
+def baseline_runner(method: str, recipe: Recipe, eos_ids: list[int], *, target, draft_model=None,
+                    reference=None) -> Runner:
+    """A runner for HF baseline ``method``. Raises ``ValueError`` for an unknown method or a missing model."""
+    k = recipe.spec.num_draft_tokens
+    kwargs = {"ar": dict(model=target, method="ar"),
+              "ar_fp32": dict(model=reference, method="ar"),
+              "assisted": dict(model=target, method="assisted", assistant_model=draft_model, num_draft_tokens=k),
+              "prompt_lookup": dict(model=target, method="prompt_lookup", num_draft_tokens=k,
+                                    max_ngram=recipe.spec.max_ngram)}.get(method)
+    if kwargs is None:
+        raise ValueError(f"method: unknown baseline {method!r} (allowed: ar, ar_fp32, assisted, prompt_lookup)")
+    if kwargs["model"] is None:
+        raise ValueError(f"method: baseline {method!r} needs a loaded model")
+    model = kwargs.pop("model")
+
+    def run(input_ids: torch.Tensor, gen: GenerationSpec) -> Call:
+        return Call(*hf_generate(model, input_ids, gen, eos_ids, **kwargs))
+
+    return run
+
+
+def runners_for(generator, methods: list[str], eos_ids: list[int], reference=None, trajectory: bool = False) -> dict:
+    """``{method: runner}`` for ``ours`` and the named baselines of ``generator``'s recipe, in that order."""
+    out = {}
+    for method in methods:
+        if method == OURS:
+            out[method] = ours_runner(generator, eos_ids, trajectory)
+        else:
+            out[method] = baseline_runner(method, generator.recipe, eos_ids, target=generator.target,
+                                          draft_model=generator.draft_model, reference=reference)
+    return out

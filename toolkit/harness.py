@@ -1,0 +1,182 @@
+"""The one measurement harness: warm-up, interleaved repetitions, device sync, medians with min-max.
+
+Every timing in the project goes through :func:`measure` — ``toolkit run --compare``, ``toolkit eval``, the search
+and the benchmarks — so they all follow the protocol of ``../shared/DESIGN.md`` ("Benchmark hygiene"):
+
+* every method runs on the same prompts with the same :class:`~toolkit.recipe.GenerationSpec`;
+* ``warmup`` untimed calls per method first (allocator, kernels, lazy init);
+* ``repeats`` repetitions, methods **interleaved** within each repetition and prompt (slow drifts of a shared
+  machine hit every method alike); the device is synchronized around every timed call by the runners;
+* per repetition, throughput = all new tokens / all wall time over the prompts, TTFT and TPOT = means over the
+  prompts; reported as median [min-max] over repetitions (:meth:`Measurement.speed`).
+
+A *runner* is a callable ``(input_ids (1, prompt_len), gen) -> Call``; what it runs (our decoder, an HF baseline)
+is the caller's business. :func:`thread_environment` holds the OpenMP settings that keep a busy 2-core machine
+from stalling (set before torch is imported: by the CLI, the test suite and the Makefile).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from toolkit.recipe import GenerationSpec
+from toolkit.speculative.stats import GenerationStats
+from toolkit.timing import Summary
+
+#: OpenMP settings for shared machines: idle threads sleep instead of spinning (measured: ``make test`` took 17 min
+#: instead of 2.25 while another job ran with the default active wait policy).
+THREAD_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+
+
+def thread_environment() -> None:
+    """Apply :data:`THREAD_ENVIRONMENT` to ``os.environ`` unless the user set them; effective before torch loads."""
+    for key, value in THREAD_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+
+
+@dataclass
+class Call:
+    """One timed call of one method on one prompt.
+
+    Attributes:
+        token_ids: the new token ids (prompt excluded).
+        stats: counters and timings (ms, bytes) of the call.
+        trajectory: optional ``[[new_tokens, elapsed_ms, kv_bytes_target, kv_bytes_draft], ...]`` per round.
+        peak: optional peak-memory measurement of the call (see ``eval.metrics.PeakMemory``).
+    """
+
+    token_ids: list[int]
+    stats: GenerationStats
+    trajectory: list | None = None
+    peak: dict | None = None
+
+
+Runner = Callable[[torch.Tensor, GenerationSpec], Call]
+
+
+@dataclass
+class Prompt:
+    """A prompt ready to time: an id, a kind (chat, code, ...) and its token ids ``(1, prompt_len)``."""
+
+    id: str
+    kind: str
+    input_ids: torch.Tensor
+
+
+@dataclass
+class Measurement:
+    """Every call of :func:`measure`: ``calls[method][repetition][prompt]``."""
+
+    methods: list[str]
+    prompts: list[Prompt]
+    calls: dict[str, list[list[Call]]] = field(default_factory=dict)
+
+    def first(self, method: str) -> list[Call]:
+        """The first repetition's calls of ``method``, one per prompt (greedy outputs are the same in every one)."""
+        return self.calls[method][0]
+
+    def last(self, method: str) -> list[Call]:
+        return self.calls[method][-1]
+
+    def per_prompt(self, method: str, index: int) -> list[Call]:
+        """Every repetition's call of ``method`` on prompt ``index``."""
+        return [rep[index] for rep in self.calls[method]]
+
+    def speed(self, method: str) -> dict:
+        """Throughput (tok/s), TTFT and TPOT (ms) summaries over repetitions, plus the new-token count."""
+        throughput, ttft, tpot, tokens = [], [], [], []
+        for rep in self.calls[method]:
+            n = sum(c.stats.new_tokens for c in rep)
+            ms = sum(c.stats.total_ms for c in rep)
+            throughput.append(n / (ms / 1000) if ms > 0 else 0.0)
+            ttft.append(sum(c.stats.ttft_ms for c in rep) / len(rep))
+            tpot.append(sum(c.stats.tpot_ms for c in rep) / len(rep))
+            tokens.append(n)
+        return {"throughput": Summary.of(throughput).to_dict(), "ttft_ms": Summary.of(ttft).to_dict(),
+                "tpot_ms": Summary.of(tpot).to_dict(), "new_tokens": int(max(tokens) if tokens else 0),
+                "repeats": len(self.calls[method])}
+
+    def ratio(self, method: str, baseline: str) -> float | None:
+        """Median throughput of ``method`` over that of ``baseline`` (``None`` when either is missing)."""
+        if method not in self.calls or baseline not in self.calls:
+            return None
+        den = self.speed(baseline)["throughput"]["median"]
+        return self.speed(method)["throughput"]["median"] / den if den > 0 else None
+
+
+def measure(runners: dict[str, Runner], prompts: list[Prompt], gen: GenerationSpec, *, repeats: int = 3,
+            warmup: int = 1, warm_gen: GenerationSpec | None = None, meter: Callable | None = None,
+            progress: bool = True, desc: str = "measure") -> Measurement:
+    """Time every runner on every prompt with the protocol above; returns all calls.
+
+    Args:
+        runners: ``{method name: runner}``, in table order.
+        prompts: what to generate from (non-empty).
+        gen: generation settings of the timed calls (same for every method).
+        repeats / warmup: timed repetitions (>= 1) and untimed warm-up calls per method (>= 0, on prompt 0).
+        warm_gen: settings of the warm-up calls (default ``gen``).
+        meter: optional context-manager factory wrapped around each timed call whose ``.result`` becomes
+            ``Call.peak`` (peak memory).
+
+    Raises:
+        ValueError: no prompts, no runners, ``repeats < 1`` or ``warmup < 0``.
+    """
+    from tqdm.auto import tqdm
+
+    if not prompts or not runners:
+        raise ValueError("measure: needs at least one prompt and one runner")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"measure: repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    methods = list(runners)
+    result = Measurement(methods, list(prompts), {m: [] for m in methods})
+    total = len(methods) * (warmup + repeats * len(prompts))
+    bar = tqdm(total=total, desc=desc, unit="run", disable=not progress)
+    for method in methods:
+        for _ in range(warmup):
+            runners[method](prompts[0].input_ids, warm_gen or gen)
+            bar.update()
+    for _ in range(repeats):
+        for m in methods:
+            result.calls[m].append([])
+        for prompt in prompts:
+            for method in methods:
+                with (meter() if meter is not None else contextlib.nullcontext()) as watch:
+                    call = runners[method](prompt.input_ids, gen)
+                if meter is not None:
+                    call.peak = watch.result
+                result.calls[method][-1].append(call)
+                bar.set_postfix(prompt=prompt.id, method=method, tok_s=f"{call.stats.throughput:.1f}")
+                bar.update()
+    bar.close()
+    return result
+
+
+def environment() -> dict:
+    """Hardware and library versions, recorded with every result (runs, evaluations, found recipes)."""
+    import transformers
+
+    try:
+        cpu_count = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpu_count = os.cpu_count() or 1
+    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "platform": platform.platform(), "machine": platform.machine(), "cpu_count": cpu_count,
+            "torch_threads": torch.get_num_threads(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        import bitsandbytes
+
+        info["bitsandbytes"] = bitsandbytes.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    info["hardware"] = info.get("gpu") or f"{platform.processor() or platform.machine()} CPU x{cpu_count}"
+    return info

@@ -1,0 +1,45 @@
+"""Files shipped with the package: recipes, prompt suites and search spaces (the repository's ``recipes/``).
+
+``recipes/`` is installed as the package ``toolkit.recipes`` (a setuptools package-dir mapping, see ``setup.py``)
+and read through :mod:`importlib.resources`, so a regular ``pip install .`` works the same as an editable checkout.
+Nothing is ever written here: outputs go to the working directory or ``--out``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from toolkit.errors import ConfigError
+
+
+def recipes_root() -> Path:
+    """The directory of the shipped recipes (installed package data, or ``recipes/`` of a source checkout)."""
+    try:
+        from importlib.resources import files
+
+        root = Path(str(files("toolkit.recipes")))
+    except ModuleNotFoundError:  # a source tree on sys.path without an install
+        root = Path(__file__).resolve().parent.parent / "recipes"
+    return root
+
+
+def shipped(kind: str) -> Path:
+    """``recipes_root()`` for ``kind`` ``""`` (recipes), ``"prompts"`` (suites) or ``"search"`` (search spaces)."""
+    return recipes_root() / kind if kind else recipes_root()
+
+
+def resolve(name_or_path: str | Path, kind: str, field: str) -> Path:
+    """A YAML file by path, or by the name of a shipped one (``short`` -> ``<root>/<kind>/short.yaml``).
+
+    Raises:
+        ConfigError: neither an existing file nor a shipped name (the shipped names are listed).
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    if not path.suffix and len(path.parts) == 1:
+        candidate = shipped(kind) / f"{name_or_path}.yaml"
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.stem for p in shipped(kind).glob("*.yaml"))
+    raise ConfigError(field, f"no file or shipped name {str(name_or_path)!r}", known)

@@ -1,0 +1,138 @@
+"""A recipe compiled once: the plan (policies, cross-section checks, which models) and the loaded models.
+
+Building a recipe happens here and nowhere else::
+
+    plan = toolkit.session.plan(recipe)        # pure: no model loads; raises ConfigError for any invalid combination
+    pool = ModelPool()                         # loads each ModelSpec once, shares it between recipes
+    generator = toolkit.build(recipe, pool=pool)
+
+:func:`plan` applies the ``self``-drafter rule (the draft is the target's weights at ``draft.precision``) once,
+builds each KV policy once, and runs the checks that span recipe sections (a KV window must hold a whole verify
+forward of K + 1 tokens, ...). The evaluator, the search (which rejects invalid combinations with :func:`plan`
+before any model loads), the benchmarks and distillation all go through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from toolkit.kv import make_policy
+from toolkit.recipe import ModelSpec, Recipe
+
+MODEL_DRAFTERS = ("draft_model", "self")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a recipe needs, decided once, before any model is loaded.
+
+    Attributes:
+        recipe: the validated recipe.
+        target_policy / draft_policy: built KV policies (``None`` = uncompressed ``DynamicCache``).
+        draft_spec: the draft LM to load (``self`` drafter: the target's source at ``draft.precision``), or
+            ``None`` when the drafter needs no separate LM.
+        max_query_tokens: the most tokens one target forward appends during decoding (K + 1 for a chain).
+    """
+
+    recipe: Recipe
+    target_policy: Any
+    draft_policy: Any
+    draft_spec: ModelSpec | None
+    max_query_tokens: int
+
+
+def max_query_tokens(recipe: Recipe) -> int:
+    """Tokens of the widest verify forward: the last committed token plus the largest draft (K, k_max)."""
+    spec = recipe.spec
+    if spec.drafter == "none":
+        return 1
+    k = max(spec.num_draft_tokens, spec.k_max if spec.adaptive == "ema" else 0)
+    return k + 1
+
+
+def draft_spec(recipe: Recipe) -> ModelSpec | None:
+    """The draft LM a recipe loads: the draft section, or for ``self`` the target's source at draft precision."""
+    if recipe.spec.drafter not in MODEL_DRAFTERS:
+        return None
+    if recipe.spec.drafter == "self":
+        return dataclasses.replace(recipe.draft, source=recipe.target.source)
+    return recipe.draft
+
+
+def plan(recipe: Recipe) -> Plan:
+    """Validate ``recipe`` across sections and build its policies once; loads nothing.
+
+    Raises:
+        ConfigError: an invalid field or an invalid combination (the field is named).
+    """
+    recipe.validate()
+    widest = max_query_tokens(recipe)
+    policies = {}
+    for section in ("kv", "draft_kv"):
+        policy = make_policy(getattr(recipe, section), section)
+        if policy is not None:
+            policy.check_compatible(widest, section)
+        policies[section] = policy
+    return Plan(recipe, policies["kv"], policies["draft_kv"], draft_spec(recipe), widest)
+
+
+class ModelPool:
+    """Loads each :class:`ModelSpec` once and hands out the same ``(model, tokenizer)`` afterwards.
+
+    Models are keyed by every field of the spec, so ``fp32`` and ``bf16`` of one source are two entries. Sharing
+    is safe because nothing the toolkit does leaves a model changed (hooks are scoped to a generation).
+    """
+
+    def __init__(self):
+        self._models: dict[str, tuple] = {}
+
+    @staticmethod
+    def key(spec: ModelSpec) -> str:
+        return json.dumps(dataclasses.asdict(spec), sort_keys=True)
+
+    def get(self, spec: ModelSpec, field: str = "model") -> tuple:
+        """``(model, tokenizer)`` for ``spec``, loading it on first use. Raises ConfigError / ModelLoadError."""
+        key = self.key(spec)
+        if key not in self._models:
+            from toolkit.models import load_model
+
+            self._models[key] = load_model(spec, field)
+        return self._models[key]
+
+    def put(self, spec: ModelSpec, model, tokenizer) -> None:
+        """Register an already-loaded model for ``spec`` (e.g. one a caller built itself)."""
+        self._models[self.key(spec)] = (model, tokenizer)
+
+    def clear(self) -> None:
+        self._models.clear()
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+
+#: the process-wide pool of the evaluator and the search (which evaluate many recipes over the same models)
+SHARED_POOL = ModelPool()
+
+
+def load_models(p: Plan, pool: ModelPool | None = None, target=None, tokenizer=None, draft_model=None) -> tuple:
+    """``(target, tokenizer, draft_model | None)`` for a plan, from ``pool`` unless given.
+
+    Raises:
+        ModelLoadError: a source cannot be read.
+        TokenizerMismatchError: target and draft vocabularies differ.
+    """
+    from toolkit.models import check_same_vocab
+
+    pool = pool if pool is not None else ModelPool()
+    recipe = p.recipe
+    if target is None:
+        target, tokenizer = pool.get(recipe.target, "target")
+    if p.draft_spec is None:
+        return target, tokenizer, None
+    if draft_model is None:
+        draft_model, draft_tokenizer = pool.get(p.draft_spec, "draft")
+        check_same_vocab(tokenizer, draft_tokenizer, recipe.target.source, p.draft_spec.source)
+    return target, tokenizer, draft_model

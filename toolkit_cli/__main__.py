@@ -1,0 +1,3 @@
+from toolkit_cli.app import main
+
+main()
