@@ -16,10 +16,7 @@ Writes ``bench/results/kv_bench.json`` and ``bench/results/kv_bench.md``.
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,14 +24,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from eval.metrics import perplexity_through_cache  # noqa: E402
+from toolkit.harness import Call, Prompt, measure  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
-from toolkit.kv import make_policy, ops  # noqa: E402
+from toolkit.kv import make_policy  # noqa: E402
 from toolkit.models import load_model  # noqa: E402
 from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec  # noqa: E402
 from toolkit.speculative.adaptive import ConstantK  # noqa: E402
 from toolkit.speculative.decoder import SpeculativeDecoder  # noqa: E402
 from toolkit.speculative.drafters import NGramDrafter  # noqa: E402
 from toolkit.speculative.stats import GenerationStats  # noqa: E402
+from toolkit.timing import Summary  # noqa: E402
 
 PROMPT = ("Write a detailed, multi-chapter guide to learning the Python programming language, from installing it "
           "to writing tests, packaging and profiling. Use headings and code examples.")
@@ -47,43 +47,26 @@ PPL_POLICIES = {
 }
 
 
-def generate_once(model, prompt_ids, kv: KVSpec, new_tokens: int, k: int) -> dict:
-    stats = GenerationStats()
-    decoder = SpeculativeDecoder(model, NGramDrafter(3, 1), ConstantK(k), make_policy(kv))
-    ids = [t for c in decoder.decode(prompt_ids, GenerationSpec(max_new_tokens=new_tokens, ignore_eos=True), stats)
-           for t in c]
-    assert len(ids) == new_tokens
-    return {"throughput": stats.throughput, "acceptance_rate": stats.acceptance_rate,
-            "tokens_per_round": stats.tokens_per_round, "kv_bytes_final": stats.kv_bytes_target,
-            "kv_bytes_peak": stats.peak_kv_bytes_target, "compressions": stats.compressions_target,
-            "total_s": stats.total_ms / 1000}
+def runner(model, kv: KVSpec, k: int):
+    """A :mod:`toolkit.harness` runner: our decoder with the n-gram drafter and a cache of policy ``kv``."""
+    policy = make_policy(kv)
+
+    def run(prompt_ids: torch.Tensor, gen: GenerationSpec) -> Call:
+        stats = GenerationStats()
+        decoder = SpeculativeDecoder(model, NGramDrafter(3, 1), ConstantK(k), policy)
+        ids = [t for c in decoder.decode(prompt_ids, gen, stats) for t in c]
+        assert len(ids) == gen.max_new_tokens
+        return Call(ids, stats)
+
+    return run
 
 
-def summarize(runs: list[dict]) -> dict:
-    out = {}
-    for key in runs[0]:
-        values = [r[key] for r in runs]
-        out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
-    return out
-
-
-@torch.no_grad()
-def perplexity(model, ids: torch.Tensor, kv: KVSpec, chunk: int) -> dict:
-    """Teacher-forced NLL of ``ids`` ``(1, n)`` in chunks of ``chunk`` tokens through a cache of policy ``kv``."""
-    cache = ops.new_cache(make_policy(kv), model)
-    nll, count, n = 0.0, 0, ids.shape[1]
-    start_time = time.perf_counter()
-    for start in range(0, n - 1, chunk):
-        tokens = ids[:, start: min(start + chunk, n - 1)]
-        positions = torch.arange(start, start + tokens.shape[1])[None]
-        logits = model(input_ids=tokens, past_key_values=cache, use_cache=True,
-                       **ops.model_inputs(cache, positions)).logits[0].float()
-        targets = ids[0, start + 1: start + 1 + tokens.shape[1]]
-        nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
-        count += targets.numel()
-        ops.commit(cache)
-    return {"ppl": math.exp(nll / count), "tokens": count, "kv_bytes_final": ops.kv_bytes(cache),
-            "compressions": ops.compressions(cache), "seconds": time.perf_counter() - start_time}
+def summarize(calls: list[Call]) -> dict:
+    """Median (min-max) over repetitions of the generation metrics of one configuration."""
+    metrics = {"throughput": "throughput", "acceptance_rate": "acceptance_rate",
+               "tokens_per_round": "tokens_per_round", "kv_bytes_final": "kv_bytes_target",
+               "kv_bytes_peak": "peak_kv_bytes_target", "compressions": "compressions_target"}
+    return {key: Summary.of([getattr(c.stats, attr) for c in calls]).to_dict() for key, attr in metrics.items()}
 
 
 def main() -> None:
@@ -110,13 +93,11 @@ def main() -> None:
                                                    return_tensors="pt")
         prompt_ids = prompt_ids if torch.is_tensor(prompt_ids) else prompt_ids["input_ids"]
         configs = {"uncompressed": KVSpec("none"), "streaming 4+252": KVSpec("streaming", STREAMING)}
-        for kv in configs.values():  # warm-up
-            generate_once(model, prompt_ids, kv, 32, args.k)
-        runs: dict[str, list[dict]] = {name: [] for name in configs}
-        for rep in range(args.repeats):
-            for name, kv in configs.items():
-                runs[name].append(generate_once(model, prompt_ids, kv, args.new_tokens, args.k))
-                print(f"[gen] {name} run {rep}: {runs[name][-1]}", flush=True)
+        measured = measure({name: runner(model, kv, args.k) for name, kv in configs.items()},
+                           [Prompt("guide", "chat", prompt_ids)],
+                           GenerationSpec(max_new_tokens=args.new_tokens, ignore_eos=True), repeats=args.repeats,
+                           warmup=1, warm_gen=GenerationSpec(max_new_tokens=32, ignore_eos=True), desc="kv bench")
+        runs = {name: measured.per_prompt(name, 0) for name in configs}
         gen = {name: summarize(r) for name, r in runs.items()}
         base, comp = gen["uncompressed"], gen["streaming 4+252"]
         gen["ratios (streaming / uncompressed)"] = {
@@ -130,7 +111,9 @@ def main() -> None:
     result["ppl_text"] = f"{args.ppl_text}, first {ids.shape[1]} tokens, chunks of K+1={args.k + 1}"
     result["perplexity"] = {}
     for name, kv in PPL_POLICIES.items():
-        result["perplexity"][name] = perplexity(model, ids, kv, args.k + 1)
+        ppl = perplexity_through_cache(model, ids[0].tolist(), make_policy(kv), chunk=args.k + 1)
+        result["perplexity"][name] = {"ppl": ppl["value"], "tokens": ppl["tokens"],
+                                      "kv_bytes_peak": ppl["peak_kv_bytes"]}
         print(f"[ppl] {name}: {result['perplexity'][name]}", flush=True)
 
     out = Path(args.out)
@@ -157,10 +140,10 @@ def markdown(result: dict) -> str:
                          f"{g['kv_bytes_peak']['median']:,.0f} | {g['compressions']['median']:.0f} |")
         r = gen["ratios (streaming / uncompressed)"]
         lines += ["", "Streaming / uncompressed: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()), ""]
-    lines += [f"Perplexity: {result['ppl_text']}.", "", "| policy | PPL | KV bytes at end | compressions |",
-              "|---|---|---|---|"]
+    lines += [f"Perplexity: {result['ppl_text']} (eval.metrics.perplexity_through_cache).", "",
+              "| policy | PPL | KV bytes peak |", "|---|---|---|"]
     for name, p in result["perplexity"].items():
-        lines.append(f"| {name} | {p['ppl']:.3f} | {p['kv_bytes_final']:,} | {p['compressions']} |")
+        lines.append(f"| {name} | {p['ppl']:.3f} | {p['kv_bytes_peak']:,} |")
     return "\n".join(lines) + "\n"
 
 

@@ -36,7 +36,7 @@ from eval.runners import OURS, baseline_methods, runners_for
 from toolkit.io import atomic_write_json, atomic_write_text
 from toolkit.recipe import ModelSpec, Recipe
 from toolkit.session import SHARED_POOL, load_models, plan
-from toolkit.harness import Prompt, environment, measure
+from toolkit.harness import Prompt, environment, measure, spread
 
 log = logging.getLogger(__name__)
 
@@ -153,17 +153,7 @@ def _prompts(recipe: Recipe, prompts, generator, settings: EvalSettings) -> list
             out.append(Prompt(f"ids-{i}", "ids", p.view(1, -1).long()))
         else:
             out.append(Prompt(p.id, p.kind, generator.encode(p.prompt)))
-    if settings.num_prompts is not None and settings.num_prompts < len(out):
-        # a subset spread over the kinds (chat, summarize, code, ...) in suite order, not just the first N
-        by_kind: dict[str, list] = {}
-        for item in out:
-            by_kind.setdefault(item.kind, []).append(item)
-        picked = []
-        while len(picked) < settings.num_prompts:
-            for group in by_kind.values():
-                if group and len(picked) < settings.num_prompts:
-                    picked.append(group.pop(0))
-        out = picked
+    out = spread(out, settings.num_prompts)
     if not out:
         raise ValueError("prompts: no prompts to evaluate")
     return out

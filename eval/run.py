@@ -15,7 +15,7 @@ from pathlib import Path
 
 from eval.runners import OURS, baseline_methods, runners_for
 from toolkit.generator import Generator, build
-from toolkit.harness import Measurement, Prompt, environment, measure
+from toolkit.harness import Measurement, Prompt, environment, measure, spread
 from toolkit.io import atomic_write_json, atomic_write_text
 from toolkit.prompts import Prompt as SuitePrompt
 from toolkit.prompts import load_suite
@@ -79,9 +79,12 @@ class RunResult:
 
 
 def run_recipe(recipe: Recipe, compare: bool = False, repeats: int = 3, prompts: list[SuitePrompt] | None = None,
-               generator: Generator | None = None, progress: bool = True) -> RunResult:
-    """Run ``recipe`` (and, with ``compare``, its HF baselines) over its prompt suite."""
+               generator: Generator | None = None, progress: bool = True, num_prompts: int | None = None,
+               ) -> RunResult:
+    """Run ``recipe`` (and, with ``compare``, its HF baselines) over its prompt suite (``num_prompts`` of them,
+    spread over the suite's kinds, or all)."""
     prompts = prompts if prompts is not None else load_suite(recipe.prompts)  # fail fast, before loading models
+    prompts = spread(prompts, num_prompts)
     generator = generator or build(recipe)
     gen = recipe.generation
     eos = generator.eos_token_ids(gen)

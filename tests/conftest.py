@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+from toolkit.threads import thread_environment  # noqa: I001 (must run before torch loads OpenMP)
+
+thread_environment()  # idle OpenMP threads sleep: a busy machine does not stall the suite
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 

@@ -11,8 +11,8 @@ and the benchmarks — so they all follow the protocol of ``../shared/DESIGN.md`
   prompts; reported as median [min-max] over repetitions (:meth:`Measurement.speed`).
 
 A *runner* is a callable ``(input_ids (1, prompt_len), gen) -> Call``; what it runs (our decoder, an HF baseline)
-is the caller's business. :func:`thread_environment` holds the OpenMP settings that keep a busy 2-core machine
-from stalling (set before torch is imported: by the CLI, the test suite and the Makefile).
+is the caller's business. The test suite's thread settings (idle OpenMP threads sleep, so a busy 2-core machine
+does not stall it) are :func:`toolkit.threads.thread_environment`, applied before torch loads.
 """
 
 from __future__ import annotations
@@ -29,17 +29,6 @@ import torch
 from toolkit.recipe import GenerationSpec
 from toolkit.speculative.stats import GenerationStats
 from toolkit.timing import Summary
-
-#: OpenMP settings for shared machines: idle threads sleep instead of spinning (measured: ``make test`` took 17 min
-#: instead of 2.25 while another job ran with the default active wait policy).
-THREAD_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
-
-
-def thread_environment() -> None:
-    """Apply :data:`THREAD_ENVIRONMENT` to ``os.environ`` unless the user set them; effective before torch loads."""
-    for key, value in THREAD_ENVIRONMENT.items():
-        os.environ.setdefault(key, value)
-
 
 @dataclass
 class Call:
@@ -68,6 +57,24 @@ class Prompt:
     id: str
     kind: str
     input_ids: torch.Tensor
+
+
+def spread(prompts: list, count: int | None) -> list:
+    """``count`` prompts taken round-robin over their kinds (chat, summarize, code, ...) in suite order.
+
+    ``None`` or a count >= ``len(prompts)`` keeps them all. Works for any objects with a ``kind`` attribute.
+    """
+    if count is None or count >= len(prompts):
+        return list(prompts)
+    by_kind: dict[str, list] = {}
+    for item in prompts:
+        by_kind.setdefault(item.kind, []).append(item)
+    picked: list = []
+    while len(picked) < count:
+        for group in by_kind.values():
+            if group and len(picked) < count:
+                picked.append(group.pop(0))
+    return picked
 
 
 @dataclass

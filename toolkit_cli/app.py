@@ -41,6 +41,7 @@ def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped reci
         compare: bool = typer.Option(False, "--compare", help="also run HF AR / assisted / prompt-lookup baselines"),
         repeats: int = typer.Option(3, min=1, help="timed repetitions per prompt and method (with --compare)"),
         max_new_tokens: Optional[int] = typer.Option(None, min=1, help="override generation.max_new_tokens"),
+        num_prompts: Optional[int] = typer.Option(None, min=1, help="use N prompts of the suite, spread over kinds"),
         out: Path = typer.Option(Path("results/run"), help="directory for the results JSON and Markdown")):
     """Run RECIPE over its prompt suite; print a Markdown table and write results JSON."""
     from eval.run import markdown_table, run_recipe, write_results
@@ -51,7 +52,7 @@ def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped reci
             import dataclasses
 
             loaded = loaded.replace(generation=dataclasses.replace(loaded.generation, max_new_tokens=max_new_tokens))
-        results = run_recipe(loaded, compare=compare, repeats=repeats)
+        results = run_recipe(loaded, compare=compare, repeats=repeats, num_prompts=num_prompts)
     except ToolkitError as exc:
         _fail(exc)
     path = write_results(results, out)
@@ -131,9 +132,6 @@ _register_distill()
 
 
 def main() -> None:
-    from toolkit.harness import thread_environment
-
-    thread_environment()  # before torch loads: idle OpenMP threads sleep instead of spinning on a shared machine
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     app()
 
