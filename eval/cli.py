@@ -6,21 +6,8 @@ import sys
 from pathlib import Path
 
 
-def _summary_line(m: dict) -> str:
-    ours = m["methods"]["ours"]["throughput"]
-    parts = [f"PPL {m['perplexity']['configured']['value']:.2f}"]
-    if m["perplexity"]["ratio_to_fp32"] is not None:
-        parts.append(f"(x{m['perplexity']['ratio_to_fp32']:.3f} of fp32)")
-    parts.append(f"α {m['acceptance']['acceptance_rate']:.2f} τ {m['acceptance']['tokens_per_round']:.2f}")
-    parts.append(f"{ours['median']:.1f} tok/s [{ours['min']:.1f}-{ours['max']:.1f}]")
-    for key, value in m["ratios"].items():
-        parts.append(f"{key} {value:.2f}x")
-    parts.append(f"weights+KV {m['memory']['total_peak_bytes'] / 2**20:.1f} MiB")
-    return ", ".join(parts)
-
-
 def eval_command(recipe, force: bool = False, fast: bool = False, results_root: str | Path = "results",
-                 **settings) -> dict:
+                 **settings):
     """``toolkit eval RECIPE [--force] [--fast]``: evaluate a recipe (a Recipe or a YAML path), write
     ``<results_root>/<name>-<hash>/``.
 
@@ -33,11 +20,11 @@ def eval_command(recipe, force: bool = False, fast: bool = False, results_root: 
     recipe = recipe if isinstance(recipe, Recipe) else Recipe.load(recipe)
     cfg = EvalSettings.fast(**settings) if fast else EvalSettings(**settings)
     out = results_dir(recipe, cfg, results_root)
-    metrics = evaluate(recipe, settings=cfg, out_dir=out, force=force)
-    state = "existing results (use --force to recompute)" if metrics.get("skipped") else "results"
+    result = evaluate(recipe, settings=cfg, out_dir=out, force=force)
+    state = "existing results (use --force to recompute)" if result.skipped else "results"
     print(f"{recipe.name}: {state} in {out}/", file=sys.stderr)
-    print(_summary_line(metrics), file=sys.stderr)
-    return metrics
+    print(result.summary_line(), file=sys.stderr)
+    return result
 
 
 def search_command(scenario: str, budget_mb: float | None = None, trials: int | None = None,

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from eval import metrics as M
+from eval.results import EvalResult
 from eval.runners import OURS, baseline_methods, runners_for
 from toolkit.io import atomic_write_json, atomic_write_text
 from toolkit.recipe import ModelSpec, Recipe
@@ -184,8 +185,9 @@ def _downsample(rows: list, limit: int = 200) -> list:
 def evaluate(recipe: Recipe, *, settings: EvalSettings | None = None, out_dir: str | Path | None = None,
              results_root: str | Path = DEFAULT_RESULTS, force: bool = False, target=None, tokenizer=None,
              draft_model=None, reference_model=None, prompts=None, ppl_ids: list[int] | None = None,
-             progress: bool = True, write: bool = True, plots: bool = True) -> dict:
-    """Measure ``recipe`` and write its results; returns the metrics dict (see ``eval/metrics.schema.json``).
+             progress: bool = True, write: bool = True, plots: bool = True) -> EvalResult:
+    """Measure ``recipe`` and write its results; returns an :class:`~eval.results.EvalResult` (its ``to_dict()``
+    is the ``metrics.json`` document, see ``eval/metrics.schema.json``).
 
     Raises:
         ConfigError / ModelLoadError: from recipe validation and model loading.
@@ -205,7 +207,7 @@ def evaluate(recipe: Recipe, *, settings: EvalSettings | None = None, out_dir: s
             if cached.get("settings") == settings.to_dict():
                 log.info("results exist, skipped (use --force to recompute): %s", out)
                 cached["skipped"] = True
-                return cached
+                return EvalResult.from_dict(cached)
         except json.JSONDecodeError:
             log.warning("unreadable %s: recomputing", metrics_path)
 
@@ -367,7 +369,7 @@ def evaluate(recipe: Recipe, *, settings: EvalSettings | None = None, out_dir: s
         atomic_write_text(out / "config.yaml", recipe.to_yaml())
         result["files"] = write_report(result, out, plots=plots)
         atomic_write_json(metrics_path, result)  # last: its presence marks a finished run
-    return result
+    return EvalResult.from_dict(result)
 
 
 def validate_metrics(data: dict) -> None:

@@ -212,7 +212,7 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
         target_dir = results_dir(recipe, settings, out_dir)
         started = time.perf_counter()
         m = evaluate(recipe, settings=settings, out_dir=target_dir, prompts=prompts, ppl_ids=ppl_ids,
-                     progress=progress, **inject)
+                     progress=progress, **inject).to_dict()
         cons = constraints(m, sc)
         trial.set_user_attr("constraints", cons)
         trial.set_user_attr("summary", _summary(m))
@@ -232,7 +232,7 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
             inject = models_fn(recipe) if models_fn is not None else {}
             v_settings = dataclasses.replace(settings, reuse_baselines=False, mode="verify")
             return evaluate(recipe, settings=v_settings, out_dir=results_dir(recipe, v_settings, out_dir),
-                            prompts=prompts, ppl_ids=ppl_ids, progress=progress, **inject)
+                            prompts=prompts, ppl_ids=ppl_ids, progress=progress, **inject).to_dict()
     return finalize(study, sp, sc, out_dir, found_dir, settings, storage, verifier)
 
 

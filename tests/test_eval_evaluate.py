@@ -43,8 +43,12 @@ def inputs():
 def _evaluate(recipe, models, inputs, out, **kw):
     target, draft = models
     prompts, ppl_ids = inputs
-    return evaluate(recipe, settings=kw.pop("settings", SETTINGS), out_dir=out, target=target, tokenizer=None,
-                    draft_model=draft, prompts=prompts, ppl_ids=ppl_ids, progress=False, **kw)
+    result = evaluate(recipe, settings=kw.pop("settings", SETTINGS), out_dir=out, target=target, tokenizer=None,
+                      draft_model=draft, prompts=prompts, ppl_ids=ppl_ids, progress=False, **kw)
+    metrics = result.to_dict()  # the metrics.json document; the typed attributes read the same numbers
+    assert result.throughput.median == metrics["methods"]["ours"]["throughput"]["median"]
+    assert result.ppl == metrics["perplexity"]["configured"]["value"] and result.skipped == metrics["skipped"]
+    return metrics
 
 
 @pytest.fixture(scope="module")

@@ -152,11 +152,11 @@ def _check_resume(config: DistillConfig, out: Path) -> None:
 
 
 def _load_target(config: DistillConfig, device: torch.device, dtype: torch.dtype):
-    from toolkit.models import load_model
     from toolkit.recipe import ModelSpec
+    from toolkit.session import SHARED_POOL
 
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    return load_model(ModelSpec(source=config.target, precision=precision, device=device.type), field="target")
+    return SHARED_POOL.get(ModelSpec(source=config.target, precision=precision, device=device.type), "target")
 
 
 def _markdown(metrics: dict) -> str:
