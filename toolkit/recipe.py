@@ -204,7 +204,9 @@ class Recipe:
     def __post_init__(self) -> None:
         self.validate()
 
-    def validate(self) -> None:
+    def validate(self, kv: bool = True) -> None:
+        """Check every field (``kv=False``: all but the KV sections, which :func:`toolkit.session.plan` checks
+        while building their policies). Raises :class:`ConfigError` naming the field."""
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError("name", "must be a non-empty string")
         self.target.validate("target")
@@ -212,8 +214,9 @@ class Recipe:
             self.draft.validate("draft")
         if self.spec.drafter in ("draft_model", "self") and self.draft is None:
             raise ConfigError("draft", f"spec.drafter={self.spec.drafter!r} needs a draft section (its precision)")
-        self.kv.validate("kv")
-        self.draft_kv.validate("draft_kv")
+        if kv:
+            self.kv.validate("kv")
+            self.draft_kv.validate("draft_kv")
         self.spec.validate("spec")
         self.generation.validate("generation")
         if not isinstance(self.prompts, str) or not self.prompts:
