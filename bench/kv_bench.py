@@ -25,15 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from eval.metrics import perplexity_through_cache  # noqa: E402
+from eval.runners import ours_runner  # noqa: E402
+from toolkit.generator import build  # noqa: E402
 from toolkit.harness import Call, Prompt, measure  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from toolkit.kv import make_policy  # noqa: E402
-from toolkit.models import load_model  # noqa: E402
-from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec  # noqa: E402
-from toolkit.speculative.adaptive import ConstantK  # noqa: E402
-from toolkit.speculative.decoder import SpeculativeDecoder  # noqa: E402
-from toolkit.speculative.drafters import NGramDrafter  # noqa: E402
-from toolkit.speculative.stats import GenerationStats  # noqa: E402
+from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec, Recipe, SpecSpec  # noqa: E402
+from toolkit.session import ModelPool  # noqa: E402
 from toolkit.timing import Summary  # noqa: E402
 
 PROMPT = ("Write a detailed, multi-chapter guide to learning the Python programming language, from installing it "
@@ -47,18 +45,11 @@ PPL_POLICIES = {
 }
 
 
-def runner(model, kv: KVSpec, k: int):
-    """A :mod:`toolkit.harness` runner: our decoder with the n-gram drafter and a cache of policy ``kv``."""
-    policy = make_policy(kv)
-
-    def run(prompt_ids: torch.Tensor, gen: GenerationSpec) -> Call:
-        stats = GenerationStats()
-        decoder = SpeculativeDecoder(model, NGramDrafter(3, 1), ConstantK(k), policy)
-        ids = [t for c in decoder.decode(prompt_ids, gen, stats) for t in c]
-        assert len(ids) == gen.max_new_tokens
-        return Call(ids, stats)
-
-    return run
+def recipe(kv: KVSpec, k: int, new_tokens: int) -> Recipe:
+    """The benchmarked recipe: fp32 embedded target, n-gram drafter with constant K, greedy, EOS ignored."""
+    return Recipe(name=f"kv-bench-{kv.policy}", target=ModelSpec(source="embedded", precision="fp32", device="cpu"),
+                  draft=None, kv=kv, spec=SpecSpec(drafter="ngram", num_draft_tokens=k, max_ngram=3, min_ngram=1),
+                  generation=GenerationSpec(max_new_tokens=new_tokens, ignore_eos=True))
 
 
 def summarize(calls: list[Call]) -> dict:
@@ -84,7 +75,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model, tokenizer = load_model(ModelSpec(source="embedded", precision="fp32", device="cpu"))
+    pool = ModelPool()  # both recipes share one loaded target
+    model, tokenizer = pool.get(ModelSpec(source="embedded", precision="fp32", device="cpu"), "target")
     result = {"model": "embedded SmolLM2-135M-Instruct fp32", "device": "cpu", "threads": torch.get_num_threads(),
               "drafter": f"ngram (prompt lookup, max_ngram 3), K={args.k}", "new_tokens": args.new_tokens}
 
@@ -93,7 +85,8 @@ def main() -> None:
                                                    return_tensors="pt")
         prompt_ids = prompt_ids if torch.is_tensor(prompt_ids) else prompt_ids["input_ids"]
         configs = {"uncompressed": KVSpec("none"), "streaming 4+252": KVSpec("streaming", STREAMING)}
-        measured = measure({name: runner(model, kv, args.k) for name, kv in configs.items()},
+        generators = {name: build(recipe(kv, args.k, args.new_tokens), pool=pool) for name, kv in configs.items()}
+        measured = measure({name: ours_runner(g, []) for name, g in generators.items()},
                            [Prompt("guide", "chat", prompt_ids)],
                            GenerationSpec(max_new_tokens=args.new_tokens, ignore_eos=True), repeats=args.repeats,
                            warmup=1, warm_gen=GenerationSpec(max_new_tokens=32, ignore_eos=True), desc="kv bench")
