@@ -297,3 +297,14 @@ def test_speculative_equals_ar_on_embedded(embedded, bits):
     spec, stats, decoder = run(model, NGramDrafter(3, 1), pol(), prompt, 100, k=4)
     assert stats.compressions_target >= 1 and decoder.cache.layers[0].q_len >= 256
     assert spec == ar
+
+
+@pytest.mark.parametrize("name", ["memory-kvquant", "quantspec"])
+def test_shipped_quantized_recipes_validate(name):
+    from pathlib import Path
+
+    recipe = Recipe.load(Path(__file__).resolve().parents[1] / "recipes" / f"{name}.yaml")
+    section = recipe.kv if name == "memory-kvquant" else recipe.draft_kv
+    built = make_policy(section)
+    assert built.quant_bits == 4 and built.residual_length >= recipe.spec.num_draft_tokens + 1
+    assert isinstance(built.make_cache(tiny_llama(head_dim=64)), QuantizedKVCache)
