@@ -217,9 +217,9 @@ def speed_section(model, tokenizer, prompt_tokens, new_tokens, repeats, errors) 
 
 # ------------------------------------------------------------------------------------------------ 4. rollback
 @torch.no_grad()
-def rollback_section(model, tokenizer, errors) -> dict:
+def rollback_section(model, tokenizer, rounds, errors) -> dict:
     ids = heldout_ids(tokenizer, "code", 600)
-    start, rounds = 200, 150
+    start = 200
     out = {}
     for name, factory in caches().items():
         if name == "none (fp)":
@@ -258,11 +258,11 @@ def rollback_section(model, tokenizer, errors) -> dict:
             outs = []
             for drafter in (None, NGramDrafter(3, 1)):
                 decoder = SpeculativeDecoder(model, drafter, ConstantK(K), f())
-                outs.append([t for c in decoder.decode(prompt, GenerationSpec(max_new_tokens=160, ignore_eos=True),
+                outs.append([t for c in decoder.decode(prompt, GenerationSpec(max_new_tokens=rounds, ignore_eos=True),
                                                        GenerationStats()) for t in c])
             ar, spec = outs
             first = next((i for i, (a, b) in enumerate(zip(ar, spec)) if a != b), None)
-            return {"new_tokens": 160, "identical": ar == spec, "first_diverging_token": first}
+            return {"new_tokens": rounds, "identical": ar == spec, "first_diverging_token": first}
 
         row = {"crop_probe": attempt(probe, errors, f"rollback/{name}"),
                "speculative_vs_ar": attempt(spec_vs_ar, errors, f"rollback-spec/{name}")}
@@ -326,6 +326,8 @@ def selfspec_section(model, tokenizer, prompt_tokens, new_tokens, repeats, error
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ppl-tokens", type=int, default=4096)
+    parser.add_argument("--bytes-tokens", type=int, default=4096)
+    parser.add_argument("--rollback-rounds", type=int, default=100)
     parser.add_argument("--texts", default="prose,code")
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=96)
@@ -351,20 +353,30 @@ def main() -> None:
               "versions": versions, "group": GROUP, "residual": RESIDUAL, "k": K, "errors": {},
               "note": "timings on a shared 2-core CPU: noisy; compare ratios within this run"}
     errors = result["errors"]
+    out = Path(args.out)
+
+    def save() -> None:  # after every section, so a long run that is stopped keeps what it measured
+        atomic_write_json(out / "kv_quant_bench.json", result)
+        atomic_write_text(out / "kv_quant_bench.md", markdown(result))
+
     if "bytes" in sections:
-        result["bytes"] = bytes_section(tokenizer, args.ppl_tokens, errors)
+        result["bytes"] = bytes_section(tokenizer, args.bytes_tokens, errors)
+        save()
     if "ppl" in sections:
-        result["perplexity"] = perplexity_section(model, tokenizer, args.texts.split(","), args.ppl_tokens, errors)
+        result["perplexity"] = {}
+        for source in args.texts.split(","):
+            result["perplexity"].update(perplexity_section(model, tokenizer, [source], args.ppl_tokens, errors))
+            save()
+    if "rollback" in sections:
+        result["rollback"] = rollback_section(model, tokenizer, args.rollback_rounds, errors)
+        save()
     if "speed" in sections:
         result["speed"] = speed_section(model, tokenizer, args.prompt_tokens, args.new_tokens, args.repeats, errors)
-    if "rollback" in sections:
-        result["rollback"] = rollback_section(model, tokenizer, errors)
+        save()
     if "selfspec" in sections:
         result["self_speculation"] = selfspec_section(model, tokenizer, args.prompt_tokens, args.new_tokens,
                                                       max(1, args.repeats - 1), errors)
-    out = Path(args.out)
-    atomic_write_json(out / "kv_quant_bench.json", result)
-    atomic_write_text(out / "kv_quant_bench.md", markdown(result))
+        save()
     print(markdown(result))
 
 

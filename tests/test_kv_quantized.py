@@ -1,4 +1,4 @@
-"""KIVI quantized KV cache: packing, layout, exact bytes, exact rollback / keep_tail, config errors, speculative == AR."""
+"""KIVI quantized KV cache: packing, layout, exact bytes, exact rollback and keep_tail, config errors, spec == AR."""
 
 from __future__ import annotations
 

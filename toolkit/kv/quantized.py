@@ -43,7 +43,7 @@ from transformers.cache_utils import DynamicLayer
 
 from toolkit.checks import check_choice, check_int
 from toolkit.errors import ConfigError
-from toolkit.kv import QUANT_FIELDS, register, register_composed  # noqa: F401
+from toolkit.kv import register, register_composed
 from toolkit.kv.base import CompressedCache, KVPolicy
 from toolkit.kv.quant_pack import BITS, Packed, dequantize, quantize
 from toolkit.kv.streaming import StreamingLLM
