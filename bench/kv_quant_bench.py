@@ -104,10 +104,11 @@ def ours(bits: int) -> KVSpec:
     return KVSpec("quantized", {"quant_bits": bits, "quant_group_size": GROUP, "residual_length": RESIDUAL})
 
 
-def caches() -> dict:
-    """name -> a factory of a policy (``None`` = uncompressed) for every quantized cache compared."""
+def caches(eight_bit: bool = False) -> dict:
+    """name -> a factory of a policy (``None`` = uncompressed) for every quantized cache compared (ours at 8 bits
+    only where asked: HF's quanto backend has no 8-bit KV)."""
     out = {"none (fp)": lambda: None}
-    for bits in (8, 4, 2):
+    for bits in ((8, 4, 2) if eight_bit else (4, 2)):
         out[f"ours {bits}-bit"] = lambda b=bits: make_policy(ours(b))
     for backend in ("quanto", "hqq"):
         for bits in (4, 2):
@@ -165,7 +166,7 @@ def bytes_section(tokenizer, num_tokens, errors) -> dict:
     model, _ = load_model(ModelSpec(source="embedded", precision="bf16", device="cpu"))
     ids = torch.tensor([heldout_ids(tokenizer, "prose", num_tokens)])
     rows = {}
-    for name, factory in caches().items():
+    for name, factory in caches(eight_bit=True).items():
         def measure(f=factory):
             cache = ops.new_cache(f(), model)
             model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
