@@ -7,7 +7,7 @@ RECIPE ?= recipes/short.yaml
 SCENARIO ?= short
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup short long memory run eval search bench test test-fast distill clean
+.PHONY: setup short long memory run eval search bench bench-kvquant test test-fast distill clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,10 @@ bench: $(STAMP)
 	$(BIN)/toolkit run short --compare
 	$(BIN)/toolkit run short-draft --compare
 	$(BIN)/python bench/kv_bench.py
+
+## Quantized KV cache (ours vs HF QuantizedCache quanto/HQQ vs eviction at equal bytes, QuantSpec self-speculation).
+bench-kvquant: $(STAMP)
+	$(BIN)/pip install -q -e ".[kvquant-bench]" && $(BIN)/python bench/kv_quant_bench.py --threads 2
 
 distill: $(STAMP)
 	$(BIN)/toolkit draft distill --target embedded --layers 2 --out results/distill/smollm2-2l --max-minutes 20

@@ -5,6 +5,10 @@ from __future__ import annotations
 from toolkit.errors import ConfigError
 
 POLICIES: dict[str, type] = {}
+#: eviction policy name -> its class composed with KV quantization (chosen when a ``quant_*`` field is given)
+COMPOSED: dict[str, type] = {}
+#: the fields that switch an eviction policy to its quantized composition (``toolkit.kv.quantized``)
+QUANT_FIELDS = ("quant_bits", "quant_group_size", "residual_length")
 
 
 def register(name: str):
@@ -18,11 +22,26 @@ def register(name: str):
     return wrap
 
 
+def register_composed(name: str):
+    """Class decorator: ``cls`` is eviction policy ``name`` composed with quantization (evict, then quantize)."""
+
+    def wrap(cls):
+        COMPOSED[name] = cls
+        cls.name = name
+        return cls
+
+    return wrap
+
+
 def make_policy(spec, prefix: str = "kv"):
     """Build the policy named by ``spec.policy`` from ``spec.params``; ``None`` for ``policy: none``.
 
+    An eviction policy given any of :data:`QUANT_FIELDS` (``kv: {policy: streaming, window: 252, quant_bits: 4}``)
+    is built as its quantized composition from :data:`COMPOSED` (evict, then quantize what stays).
+
     Raises:
-        ConfigError: unknown policy, unknown parameter, or an invalid parameter value (the field is named).
+        ConfigError: unknown policy, unknown parameter, an invalid parameter value (the field is named), or
+            ``quant_*`` fields on a policy that does not compose with quantization.
     """
     _load_builtin_policies()
     if spec.policy == "none":
@@ -32,6 +51,13 @@ def make_policy(spec, prefix: str = "kv"):
     if spec.policy not in POLICIES:
         raise ConfigError(f"{prefix}.policy", f"unknown policy {spec.policy!r}", ["none", *sorted(POLICIES)])
     cls = POLICIES[spec.policy]
+    quant = [key for key in spec.params if key in QUANT_FIELDS]
+    if quant and spec.policy != "quantized":
+        if spec.policy not in COMPOSED:
+            raise ConfigError(f"{prefix}.{quant[0]}", f"policy {spec.policy!r} does not compose with KV "
+                              "quantization (score-based eviction breaks per-channel key groups)",
+                              ["quantized", *sorted(COMPOSED)])
+        cls = COMPOSED[spec.policy]
     import dataclasses
 
     fields = [f.name for f in dataclasses.fields(cls)]
@@ -49,7 +75,7 @@ def make_policy(spec, prefix: str = "kv"):
 def _load_builtin_policies() -> None:
     import importlib
 
-    for module in ("streaming", "l2norm", "head_aware"):
+    for module in ("streaming", "l2norm", "head_aware", "quantized"):
         try:
             importlib.import_module(f"toolkit.kv.{module}")
         except ModuleNotFoundError as exc:

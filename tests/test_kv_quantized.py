@@ -1,0 +1,310 @@
+"""KIVI quantized KV cache: packing, layout, exact bytes, exact rollback and keep_tail, config errors, spec == AR."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import perturbed_copy, tiny_llama, tiny_neox
+from toolkit.errors import ConfigError
+from toolkit.kv import make_policy, ops
+from toolkit.kv.quant_pack import dequantize, quantize
+from toolkit.kv.quantized import QuantizedKVCache, QuantizedLayer
+from toolkit.recipe import GenerationSpec, KVSpec, Recipe
+from toolkit.speculative.adaptive import ConstantK
+from toolkit.speculative.decoder import SpeculativeDecoder
+from toolkit.speculative.drafters import DraftModel, NGramDrafter
+from toolkit.speculative.stats import GenerationStats
+
+HEADS, DIM, LAYERS = 2, 16, 2  # tiny_llama: 2 KV heads of head_dim 16, 2 layers
+
+
+def policy(name="quantized", **params):
+    return make_policy(KVSpec(name, params))
+
+
+def token_kv(position: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Deterministic (key, value) ``(1, HEADS, 1, DIM)`` per layer, a function of the position."""
+    gen = torch.Generator().manual_seed(position)
+    return [(torch.randn(1, HEADS, 1, DIM, generator=gen) * (1 + position % 5),
+             torch.randn(1, HEADS, 1, DIM, generator=gen)) for _ in range(LAYERS)]
+
+
+def append(cache, start: int, count: int) -> None:
+    for p in range(start, start + count):
+        cache.forward_kwargs(torch.tensor([[p]]))
+        for layer, (k, v) in enumerate(token_kv(p)):
+            cache.update(k, v, layer)
+
+
+def state(cache) -> dict:
+    return {"len": cache.get_seq_length(), "held": cache.physical_length(), "bytes": cache.kv_bytes(),
+            "tensors": [t.clone() for layer in cache.layers for t in layer.tensors()]}
+
+
+# ---------------------------------------------------------------------------------------------------- packing
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_round_trip_error_is_at_most_half_a_step(bits):
+    x = torch.randn(2, 3, 7, 64) * 3
+    packed = quantize(x, bits, 16)
+    assert packed.data.dtype == torch.uint8 and packed.data.shape == (2, 3, 7, 64 * bits // 8)
+    assert packed.scale.shape == packed.zero.shape == (2, 3, 7, 4)
+    assert packed.nbytes() == 2 * 3 * 7 * (64 * bits // 8 + 4 * 2 * 2)  # codes + fp16 scale + fp16 zero
+    err = (dequantize(packed) - x).abs().view(2, 3, 7, 4, 16)
+    step = packed.scale.float().unsqueeze(-1)
+    assert bool((err <= step / 2 + 1e-3 * step + 1e-3).all())
+    assert float(err.max()) > 0  # it is lossy: the test can fail if nothing is quantized
+
+
+def test_pack_rejects_bad_bits_and_groups():
+    with pytest.raises(ValueError, match="bits"):
+        quantize(torch.zeros(4, 16), 3, 8)
+    with pytest.raises(ValueError, match="multiple of group"):
+        quantize(torch.zeros(4, 12), 4, 8)
+
+
+# ---------------------------------------------------------------------------------------------------- layout
+def test_kivi_layout_keys_per_channel_values_per_token_and_exact_bytes():
+    cache = ops.new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=10), tiny_llama())
+    append(cache, 0, 30)
+    cache.commit()  # boundary(30) = 8 * min(3, ceil(20 / 8) = 3) = 24 -> 24 quantized, 6 residual
+    layer: QuantizedLayer = cache.layers[0]
+    assert (layer.q_len, layer.residual, cache.physical_length(), cache.get_seq_length()) == (24, 6, 30, 30)
+    assert layer.qkeys.scale.shape == (1, HEADS, DIM, 24 // 8)  # per channel, groups of 8 tokens
+    assert layer.qvalues.scale.shape == (1, HEADS, 24, DIM // 8)  # per token, groups of 8 channels
+    codes = 2 * HEADS * 24 * DIM // 2  # k + v, 4 bits
+    meta = HEADS * DIM * 3 * 4 + HEADS * 24 * 2 * 4  # key (scale, zero) per channel-group, value per token-group
+    residual = 2 * HEADS * 6 * DIM * 4  # fp32
+    assert cache.kv_bytes() == LAYERS * (codes + meta + residual)
+    full = torch.cat([token_kv(p)[0][0] for p in range(30)], dim=2)
+    keys, _ = layer.update(*token_kv(30)[0])  # what attention reads: dequantized + residual + the new token
+    assert keys.shape == (1, HEADS, 31, DIM)
+    assert torch.equal(keys[:, :, 24:30], full[:, :, 24:])  # residual exact
+    err = (keys[:, :, :24] - full[:, :, :24]).abs()
+    assert 0 < float(err.max()) < 0.5 * float(full.abs().max())
+
+
+def test_quantization_only_at_commit_points():
+    cache = ops.new_cache(policy(quant_bits=2, quant_group_size=8, residual_length=8), tiny_llama())
+    append(cache, 0, 40)
+    assert cache.layers[0].q_len == 0 and cache.compressions == 0  # nothing before a commit
+    cache.commit()
+    assert (cache.layers[0].q_len, cache.layers[0].residual, cache.compressions) == (32, 8, 1)
+
+
+# ---------------------------------------------------------------------------------------------------- rollback
+@pytest.mark.parametrize("name,params", [
+    ("quantized", dict(quant_bits=4, quant_group_size=8, residual_length=6)),
+    ("quantized", dict(quant_bits=2, quant_group_size=16, residual_length=20)),
+    ("streaming", dict(sink_tokens=3, window=24, compress_interval=4, quant_bits=4, quant_group_size=8,
+                       residual_length=8)),
+])
+def test_rollback_is_exact(name, params):
+    """Rounds of append K+1 / crop(-rejected) / commit equal a cache that only ever saw the accepted tokens."""
+    model = tiny_llama()
+    seen, clean = ops.new_cache(policy(name, **params), model), ops.new_cache(policy(name, **params), model)
+    for cache in (seen, clean):
+        append(cache, 0, 10)
+        cache.commit()
+    pos, rng = 10, torch.Generator().manual_seed(0)
+    for _ in range(40):
+        k = 4
+        accepted = int(torch.randint(0, k + 1, (1,), generator=rng))
+        append(seen, pos, k + 1)
+        seen.crop(accepted - k)
+        append(clean, pos, accepted + 1)
+        pos += accepted + 1
+        seen.commit()
+        clean.commit()
+        a, b = state(seen), state(clean)
+        assert (a["len"], a["held"], a["bytes"]) == (b["len"], b["held"], b["bytes"]) and a["len"] == pos
+        assert len(a["tensors"]) == len(b["tensors"])
+        assert all(torch.equal(x, y) for x, y in zip(a["tensors"], b["tensors"]))
+    assert seen.compressions >= 5 and seen.layers[0].q_len > 0
+
+
+def test_crop_past_commit_point_raises():
+    cache = ops.new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=8), tiny_llama())
+    append(cache, 0, 20)
+    cache.commit()
+    append(cache, 20, 3)
+    with pytest.raises(ValueError, match="since the last commit"):
+        cache.crop(-4)
+    cache.crop(-3)
+    assert cache.get_seq_length() == 20
+
+
+def test_keep_tail_keeps_the_accepted_path_only():
+    """layer.keep_tail(pending, keep) == a cache that saw only the kept pending entries (token-tree contract)."""
+    model = tiny_llama()
+    tree = ops.new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=8), model)
+    path = ops.new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=8), model)
+    for cache in (tree, path):
+        append(cache, 0, 21)
+        cache.commit()
+    kv = [token_kv(100 + i) for i in range(6)]  # 6 pending tree nodes
+    for node in kv:
+        for layer, (k, v) in enumerate(node):
+            tree.update(k, v, layer)
+    keep = torch.tensor([0, 2, 5])
+    for layer in tree.layers:
+        layer.keep_tail(6, keep)
+    for i in keep.tolist():
+        for layer, (k, v) in enumerate(kv[i]):
+            path.update(k, v, layer)
+    for a, b in zip(tree.layers, path.layers):
+        assert a.max_length_held() == b.max_length_held() == 24
+        assert all(torch.equal(x, y) for x, y in zip(a.tensors(), b.tensors()))
+    with pytest.raises(ValueError, match="ascending"):
+        tree.layers[0].keep_tail(3, torch.tensor([2, 1]))
+
+
+# ---------------------------------------------------------------------------------------------------- config
+@pytest.mark.parametrize("params,field", [
+    (dict(quant_bits=3), "kv.quant_bits"),
+    (dict(quant_bits=16), "kv.quant_bits"),
+    (dict(quant_group_size=0), "kv.quant_group_size"),
+    (dict(quant_bits=2, quant_group_size=2), "kv.quant_group_size"),
+    (dict(residual_length=0), "kv.residual_length"),
+])
+def test_bad_fields_name_the_field(params, field):
+    with pytest.raises(ConfigError) as exc:
+        make_policy(KVSpec("quantized", params))
+    assert exc.value.field == field
+
+
+def test_group_must_divide_head_dim():
+    with pytest.raises(ConfigError) as exc:
+        policy(quant_group_size=12).make_cache(tiny_llama())  # head_dim 16
+    assert exc.value.field == "kv.quant_group_size" and 8 in exc.value.allowed and 16 in exc.value.allowed
+
+
+@pytest.mark.parametrize("section", ["kv", "draft_kv"])
+def test_residual_must_hold_a_verify_forward(section):
+    kv = {"policy": "quantized", "quant_bits": 4, "residual_length": 4}
+    base = {"target": {"source": "embedded"}, "spec": {"drafter": "draft_model", "num_draft_tokens": 4}}
+    with pytest.raises(ConfigError) as exc:
+        Recipe.from_dict({**base, section: kv})
+    assert exc.value.field == f"{section}.residual_length" and "5" in str(exc.value)
+    Recipe.from_dict({**base, section: {**kv, "residual_length": 5}})  # K + 1 is enough
+
+
+def test_composition_errors():
+    with pytest.raises(ConfigError) as exc:
+        make_policy(KVSpec("l2norm", {"keep_ratio": 0.5, "quant_bits": 4}))
+    assert exc.value.field == "kv.quant_bits" and "streaming" in exc.value.allowed
+    with pytest.raises(ConfigError) as exc:
+        make_policy(KVSpec("streaming", {"window": 64, "quant_bits": 4, "position_mode": "reindex"}))
+    assert exc.value.field == "kv.position_mode"
+    with pytest.raises(ConfigError) as exc:
+        make_policy(KVSpec("streaming", {"window": 64, "quant_bits": 4, "residual_length": 128}), "draft_kv")
+    assert exc.value.field == "draft_kv.residual_length"
+    composed = make_policy(KVSpec("streaming", {"window": 64, "quant_bits": 2, "residual_length": 32}))
+    assert composed.describe()["policy"] == "streaming" and composed.describe()["quant_bits"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------- decoding
+def run(model, drafter, pol, prompt, new_tokens, k=3):
+    stats = GenerationStats()
+    decoder = SpeculativeDecoder(model, drafter, ConstantK(k), pol)
+    ids = [t for chunk in decoder.decode(prompt, GenerationSpec(max_new_tokens=new_tokens, ignore_eos=True), stats)
+           for t in chunk]
+    return ids, stats, decoder
+
+
+QUANT_POLICIES = [
+    ("quantized", dict(quant_bits=2, quant_group_size=8, residual_length=12)),
+    ("quantized", dict(quant_bits=4, quant_group_size=16, residual_length=4)),  # R < G, R = K + 1
+    ("streaming", dict(sink_tokens=4, window=24, compress_interval=4, quant_bits=2, quant_group_size=8,
+                       residual_length=8)),
+]
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_neox])
+@pytest.mark.parametrize("name,params", QUANT_POLICIES)
+def test_speculative_equals_ar_under_quantized_cache(make, name, params):
+    target = make()
+    prompt = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(3))
+    ar, ar_stats, _ = run(target, None, policy(name, **params), prompt, 90)
+    draft = DraftModel(perturbed_copy(target, scale=0.3), policy(name, **params))  # quantized draft cache too
+    spec, stats, decoder = run(target, draft, policy(name, **params), prompt, 90)
+    assert spec == ar
+    assert 1.0 < stats.tokens_per_round  # drafts were accepted: K+1 verify forwards straddled boundaries
+    assert stats.compressions_target >= 3 and stats.compressions_draft >= 3 and ar_stats.compressions_target >= 3
+    plain, _, _ = run(target, None, None, prompt, 90)
+    assert plain != ar or params["quant_bits"] > 2  # 2-bit keys change a random model's greedy output
+    held = decoder.cache.physical_length()
+    if name == "streaming":
+        assert held <= 4 + 24 + 4 + params["quant_group_size"] + 3
+    else:
+        assert held == decoder.cache.get_seq_length()
+
+
+def test_shadow_mask_gives_each_query_its_autoregressive_view():
+    """One forward over many positions == the same positions fed one at a time with a commit after each."""
+    model = tiny_llama()
+    pol = policy(quant_bits=2, quant_group_size=8, residual_length=8)
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(5))
+    cache = ops.new_cache(pol, model)
+    logits_one = []
+    for p in range(60):
+        out = model(input_ids=ids[:, p:p + 1], past_key_values=cache,
+                    **ops.model_inputs(cache, torch.tensor([[p]])))
+        logits_one.append(out.logits[0, -1])
+        cache.commit()
+    cache = ops.new_cache(pol, model)
+    model(input_ids=ids[:, :20], past_key_values=cache, **ops.model_inputs(cache, torch.arange(20)[None]))
+    cache.commit()
+    out = model(input_ids=ids[:, 20:60], past_key_values=cache, **ops.model_inputs(cache, torch.arange(20, 60)[None]))
+    torch.testing.assert_close(out.logits[0], torch.stack(logits_one[20:]), atol=1e-4, rtol=1e-4)
+    assert isinstance(cache, QuantizedKVCache) and cache._shadow == (0, 0)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_neox])
+def test_same_cache_in_hf_generate(make):
+    """model.generate(past_key_values=cache) quantizes too (auto-commit) and matches the toolkit's AR loop."""
+    model = make()
+    params = dict(quant_bits=4, quant_group_size=8, residual_length=8)
+    prompt = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(1))  # prompt < residual
+    cache = policy(**params).make_cache(model)
+    out = model.generate(prompt, past_key_values=cache, max_new_tokens=60, min_new_tokens=60, do_sample=False)
+    assert cache.compressions >= 3 and cache.layers[0].q_len >= 48
+    ours, _, _ = run(model, None, policy(**params), prompt, 60, k=1)
+    assert out[0, 6:].tolist() == ours
+
+
+def test_8bit_is_close_to_full_precision():
+    """Held-out PPL through the cache: 8-bit within 1% of uncompressed on a tiny model, 2-bit measurably worse."""
+    from eval.metrics import perplexity_through_cache
+
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(7)).tolist()
+    base = perplexity_through_cache(model, ids, None)["value"]
+    q8 = perplexity_through_cache(model, ids, policy(quant_bits=8, quant_group_size=8, residual_length=8))
+    q2 = perplexity_through_cache(model, ids, policy(quant_bits=2, quant_group_size=8, residual_length=8))
+    assert abs(q8["value"] / base - 1) < 0.01
+    assert q2["value"] != q8["value"] and q8["peak_kv_bytes"] < 200 * 2 * 2 * HEADS * DIM * 4 * 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [4, 2])
+def test_speculative_equals_ar_on_embedded(embedded, bits):
+    model, tokenizer = embedded
+    text = open("/usr/share/common-licenses/Apache-2.0").read()[:1500]
+    prompt = tokenizer(text, return_tensors="pt").input_ids
+    pol = lambda: policy(quant_bits=bits, quant_group_size=64, residual_length=32)  # noqa: E731
+    ar, _, _ = run(model, None, pol(), prompt, 100)
+    spec, stats, decoder = run(model, NGramDrafter(3, 1), pol(), prompt, 100, k=4)
+    assert stats.compressions_target >= 1 and decoder.cache.layers[0].q_len >= 256
+    assert spec == ar
+
+
+@pytest.mark.parametrize("name", ["memory-kvquant", "quantspec"])
+def test_shipped_quantized_recipes_validate(name):
+    from pathlib import Path
+
+    recipe = Recipe.load(Path(__file__).resolve().parents[1] / "recipes" / f"{name}.yaml")
+    section = recipe.kv if name == "memory-kvquant" else recipe.draft_kv
+    built = make_policy(section)
+    assert built.quant_bits == 4 and built.residual_length >= recipe.spec.num_draft_tokens + 1
+    assert isinstance(built.make_cache(tiny_llama(head_dim=64)), QuantizedKVCache)

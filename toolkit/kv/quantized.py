@@ -1,0 +1,388 @@
+"""KIVI-style quantized KV cache with exact rollback (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization
+for KV Cache", ICML 2024), standing alone (``policy: quantized``) or composed with StreamingLLM eviction
+(``policy: streaming`` plus the ``quant_*`` fields: evict, then quantize what stays).
+
+Layout of one layer (all layers alike), oldest to newest::
+
+    [ sinks: full precision | quantized groups | residual: full precision, newest tokens ]
+
+* **keys per channel**: each channel of each KV head is quantized in groups of ``quant_group_size`` consecutive
+  tokens; **values per token**: each token's vector in groups of ``quant_group_size`` channels. Asymmetric, one
+  float16 scale + one float16 zero point (the group minimum) per group, codes packed into ``uint8``
+  (:mod:`toolkit.kv.quant_pack`).
+* **commit points only**: tokens enter the residual on ``update``; at :meth:`CompressedCache.commit` with ``n``
+  committed tokens, the oldest whole key groups move from the residual into the quantized part up to position
+  :meth:`QuantizedKVCache.boundary` ``(n) = S + G * min(floor((n - S) / G), ceil((n - S - R) / G))`` (``S`` sinks,
+  ``G`` group, ``R`` ``residual_length``; never negative), so after a commit the residual holds at most
+  ``max(R, G - 1)`` tokens. Tokens appended since the last commit always sit at the residual's tail, so
+  ``crop(-n)`` and ``keep_tail`` are exact slices and quantized data never needs restoring.
+* **per-query semantics, exactly as autoregressive decoding**: a query at absolute position ``p`` sees the tokens
+  before ``boundary(p)`` quantized and the later ones at full precision — what it would see if every token had been
+  decoded one at a time with a commit after each. A verify forward over K + 1 positions may straddle a boundary;
+  the tokens that become quantized inside it are appended once more as dequantized *shadow* entries and a 4D
+  additive mask (:meth:`QuantizedKVCache.forward_kwargs`) shows each query the shadow or the full-precision copy.
+  Hence greedy speculative output under this cache equals AR under this cache, as for the other policies.
+  (``model.generate`` passes no such mask: there only the prefill forward differs, seeing the prompt at full
+  precision, as HF's ``QuantizedCache`` does.)
+* **attention** dequantizes the quantized part of a layer once per forward (dequantize-then-concat).
+* **bytes** (:meth:`CompressedCache.kv_bytes`): packed codes + scales + zero points + sinks + residual, exactly.
+
+Composition with StreamingLLM (``sink_tokens`` fp sinks, ``window``): when a layer holds more than
+``sink_tokens + window + compress_interval`` entries at a commit, the oldest whole quantized key groups that lie
+entirely before the last ``window`` committed tokens are dropped. With ``exact_window`` the band mask makes outputs
+independent of when that happens. Only StreamingLLM composes: score-based eviction (L2, head-aware) picks single
+tokens per head, which would break the per-channel key groups (a group of G tokens shares one scale per channel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from toolkit.checks import check_choice, check_int
+from toolkit.errors import ConfigError
+from toolkit.kv import register, register_composed
+from toolkit.kv.base import CompressedCache, KVPolicy
+from toolkit.kv.quant_pack import BITS, Packed, dequantize, quantize
+from toolkit.kv.streaming import StreamingLLM
+
+
+
+
+def check_quant_fields(bits, group, residual) -> None:
+    """Field checks shared by :class:`QuantizedKV` and :class:`QuantizedStreamingLLM` (raise :class:`ConfigError`)."""
+    check_choice("quant_bits", bits, BITS)
+    check_int("quant_group_size", group, low=1)
+    if (group * bits) % 8:
+        raise ConfigError("quant_group_size", f"quant_group_size * quant_bits must be a multiple of 8 (a group "
+                          f"fills whole bytes), got {group} * {bits}")
+    check_int("residual_length", residual, low=1)
+
+
+def check_quant_compatible(policy, spec, prefix: str) -> None:
+    """``residual_length >= K + 1`` (K = the largest draft length): a verify forward's tokens stay full precision."""
+    if spec.drafter == "none":
+        return
+    k = spec.k_max if spec.adaptive != "constant" else spec.num_draft_tokens
+    if policy.residual_length < k + 1:
+        raise ConfigError(f"{prefix}.residual_length", f"must be >= num_draft_tokens + 1 = {k + 1} (the tokens "
+                          f"of a verify forward stay in the full-precision residual), got {policy.residual_length}")
+
+
+def check_quant_model(policy, model, prefix: str) -> None:
+    """``quant_group_size`` must divide the model's head_dim (values are grouped along the channel axis)."""
+    config = model.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim % policy.quant_group_size:
+        divisors = [d for d in range(1, head_dim + 1) if head_dim % d == 0 and (d * policy.quant_bits) % 8 == 0]
+        raise ConfigError(f"{prefix}.quant_group_size", f"must divide head_dim={head_dim} of model type "
+                          f"{config.model_type!r}, got {policy.quant_group_size}", divisors)
+
+
+@register("quantized")
+@dataclass
+class QuantizedKV(KVPolicy):
+    """KIVI quantized KV cache (no eviction): keys per channel, values per token, full-precision residual.
+
+    Attributes:
+        quant_bits: bits per code: 2, 4 or 8.
+        quant_group_size: elements per quantization group (tokens for keys, channels for values); must divide
+            head_dim, and ``quant_group_size * quant_bits`` must be a multiple of 8.
+        residual_length: newest tokens kept at full precision (R; the residual holds at most ``max(R, G - 1)``
+            after a commit); must be >= K + 1.
+        compress_interval: unused here (quantization runs at every commit point that completes a group).
+
+    Raises:
+        ConfigError: a field is invalid (named); ``residual_length < K + 1`` (:meth:`check_compatible`);
+            ``quant_group_size`` not dividing the model's head_dim (:meth:`check_model`).
+    """
+
+    quant_bits: int = 4
+    quant_group_size: int = 64
+    residual_length: int = 128
+
+    sink_tokens = 0  # class attributes, not fields: the standalone cache has no sinks and no window
+    window = None
+    exact_window = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_quant_fields(self.quant_bits, self.quant_group_size, self.residual_length)
+
+    def check_compatible(self, spec, prefix: str = "kv") -> None:
+        check_quant_compatible(self, spec, prefix)
+
+    def check_model(self, model, prefix: str = "kv") -> None:
+        check_quant_model(self, model, prefix)
+
+    def new_layers(self, model) -> list[DynamicLayer]:
+        return [QuantizedLayer(self.quant_bits, self.quant_group_size)
+                for _ in range(model.config.get_text_config(decoder=True).num_hidden_layers)]
+
+    def make_cache(self, model) -> QuantizedKVCache:
+        self.check_model(model, getattr(self, "_prefix", "kv"))
+        return QuantizedKVCache(self, model)
+
+    def compress_layer(self, cache: QuantizedKVCache, layer_idx: int, layer: QuantizedLayer) -> bool:
+        n = cache.get_seq_length()
+        evict_before = None
+        if self.window is not None and layer.max_length_held() > self.sink_tokens + self.window + \
+                self.compress_interval:
+            evict_before = n - self.window
+        return layer.commit(self.sink_tokens, cache.boundary(n), evict_before)
+
+
+@register_composed("streaming")
+@dataclass
+class QuantizedStreamingLLM(StreamingLLM):
+    """StreamingLLM eviction composed with KIVI quantization: sinks at full precision, the window quantized except
+    its newest ``residual_length`` tokens. Fields: StreamingLLM's plus ``quant_bits``, ``quant_group_size``,
+    ``residual_length`` (see :class:`QuantizedKV`).
+
+    Raises:
+        ConfigError: as :class:`QuantizedKV` and :class:`~toolkit.kv.streaming.StreamingLLM`; also
+            ``position_mode: reindex`` (quantized keys cannot be re-rotated) and ``residual_length > window``.
+    """
+
+    quant_bits: int = 4
+    quant_group_size: int = 64
+    residual_length: int = 128
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_quant_fields(self.quant_bits, self.quant_group_size, self.residual_length)
+        if self.position_mode != "absolute":
+            raise ConfigError("position_mode", "a quantized window keeps absolute positions (quantized keys "
+                              "cannot be re-rotated)", ["absolute"])
+        if self.residual_length > self.window:
+            raise ConfigError("residual_length", f"must be <= window={self.window} (the full-precision residual "
+                              f"is the newest part of the window), got {self.residual_length}")
+
+    def check_compatible(self, spec, prefix: str = "kv") -> None:
+        super().check_compatible(spec, prefix)
+        check_quant_compatible(self, spec, prefix)
+
+    def check_model(self, model, prefix: str = "kv") -> None:
+        check_quant_model(self, model, prefix)
+
+    new_layers = QuantizedKV.new_layers
+    compress_layer = QuantizedKV.compress_layer
+
+    def make_cache(self, model) -> QuantizedKVCache:
+        self.check_model(model, getattr(self, "_prefix", "kv"))
+        return QuantizedKVCache(self, model)
+
+
+class QuantizedLayer(DynamicLayer):
+    """One layer of a quantized cache: fp sinks, packed groups, fp residual (``self.keys`` / ``self.values``).
+
+    Shapes: sinks and residual ``(batch, kv_heads, tokens, head_dim)`` in the model's dtype; quantized keys a
+    :class:`~toolkit.kv.quant_pack.Packed` of ``(batch, kv_heads, head_dim, tokens)`` (groups along tokens), values
+    of ``(batch, kv_heads, tokens, head_dim)`` (groups along channels). Absolute positions: sinks ``[0, sinks)``,
+    quantized ``[q_start, q_start + q_len)``, residual ``[res_start, res_start + residual)``.
+    """
+
+    def __init__(self, bits: int, group: int):
+        super().__init__()
+        self.bits, self.group = bits, group
+        self.sink_keys = self.sink_values = None
+        self.qkeys: Packed | None = None
+        self.qvalues: Packed | None = None
+        self.q_start = self.res_start = 0
+        self.shadow: tuple[int, int] = (0, 0)  # absolute positions appended again, quantized, in this forward
+
+    # ------------------------------------------------------------------------------------------------ sizes
+    @property
+    def sinks(self) -> int:
+        return 0 if self.sink_keys is None else self.sink_keys.shape[-2]
+
+    @property
+    def q_len(self) -> int:
+        return 0 if self.qkeys is None else self.qkeys.length
+
+    @property
+    def residual(self) -> int:
+        return self.keys.shape[-2] if self.is_initialized and self.keys.dim() == 4 else 0
+
+    def max_length_held(self) -> int:
+        return self.sinks + self.q_len + self.residual
+
+    def get_seq_length(self) -> int:
+        return self.max_length_held()
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [t for t in (self.sink_keys, self.sink_values) if t is not None]
+        for packed in (self.qkeys, self.qvalues):
+            if packed is not None:
+                out += packed.tensors()
+        if self.residual:
+            out += [self.keys, self.values]
+        return out
+
+    # ------------------------------------------------------------------------------------------------ forward
+    def quantize_keys(self, keys: torch.Tensor) -> Packed:
+        """``(b, h, tokens, d)`` -> packed per-channel groups of ``group`` tokens."""
+        return quantize(keys.transpose(-1, -2), self.bits, self.group)
+
+    def quantize_values(self, values: torch.Tensor) -> Packed:
+        """``(b, h, tokens, d)`` -> packed per-token groups of ``group`` channels."""
+        return quantize(values, self.bits, self.group)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append ``(b, h, q, d)`` states to the residual; return the keys/values attention reads:
+        ``[sinks, dequantized groups, shadow groups, residual]`` ``(b, h, sinks + q_len + shadow + residual, d)``."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.residual:
+            self.keys = torch.cat((self.keys, key_states), dim=-2)
+            self.values = torch.cat((self.values, value_states), dim=-2)
+        else:
+            self.keys, self.values = key_states, value_states
+        parts_k, parts_v = [], []
+        if self.sink_keys is not None:
+            parts_k.append(self.sink_keys)
+            parts_v.append(self.sink_values)
+        if self.qkeys is not None:
+            parts_k.append(dequantize(self.qkeys, self.dtype).transpose(-1, -2))
+            parts_v.append(dequantize(self.qvalues, self.dtype))
+        first, last = self.shadow
+        if last > first:
+            lo, hi = first - self.res_start, last - self.res_start
+            parts_k.append(dequantize(self.quantize_keys(self.keys[:, :, lo:hi]), self.dtype).transpose(-1, -2))
+            parts_v.append(dequantize(self.quantize_values(self.values[:, :, lo:hi]), self.dtype))
+        if not parts_k:
+            return self.keys, self.values
+        return torch.cat((*parts_k, self.keys), dim=-2), torch.cat((*parts_v, self.values), dim=-2)
+
+    # ------------------------------------------------------------------------------------------------ rollback
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the newest ``|tokens_to_remove|`` entries (all in the residual: only uncommitted tokens go)."""
+        n = abs(tokens_to_remove)
+        if n == 0 or not self.is_initialized:
+            return
+        if n > self.residual:
+            raise ValueError(f"cannot crop {n} tokens: the full-precision residual holds {self.residual}")
+        self.keys, self.values = self.keys[:, :, :-n], self.values[:, :, :-n]
+
+    def keep_tail(self, pending: int, keep: torch.LongTensor) -> None:
+        """Keep, of the ``pending`` newest entries (appended since the last commit point), only those at offsets
+        ``keep`` (ascending, in ``[0, pending)``) — the accepted path of a token tree. Committed entries stay.
+
+        Raises:
+            ValueError: ``pending`` exceeds the residual, or ``keep`` is out of range / not ascending.
+        """
+        if not self.is_initialized:
+            return
+        if pending > self.residual:
+            raise ValueError(f"pending={pending} exceeds the full-precision residual ({self.residual} entries)")
+        keep = keep.to(device=self.keys.device, dtype=torch.long).flatten()
+        if keep.numel() and (int(keep.min()) < 0 or int(keep.max()) >= pending or bool((keep.diff() <= 0).any())):
+            raise ValueError(f"keep must be ascending offsets in [0, {pending}), got {keep.tolist()}")
+        base = self.residual - pending
+        index = torch.cat((torch.arange(base, device=keep.device), base + keep))
+        self.keys, self.values = self.keys.index_select(2, index), self.values.index_select(2, index)
+
+    # ------------------------------------------------------------------------------------------------ commit
+    def commit(self, sink_tokens: int, boundary: int, evict_before: int | None) -> bool:
+        """Commit point: fill the sinks, quantize the residual's oldest tokens up to absolute position ``boundary``
+        (whole groups), then drop whole quantized groups lying entirely before ``evict_before``. Returns whether
+        anything was quantized or evicted."""
+        changed = False
+        if self.sinks < sink_tokens and self.residual:
+            take = min(sink_tokens - self.sinks, self.residual)
+            k, v = self.keys[:, :, :take], self.values[:, :, :take]
+            self.sink_keys = k if self.sink_keys is None else torch.cat((self.sink_keys, k), dim=-2)
+            self.sink_values = v if self.sink_values is None else torch.cat((self.sink_values, v), dim=-2)
+            self.keys, self.values = self.keys[:, :, take:], self.values[:, :, take:]
+            self.res_start += take
+            self.q_start = self.res_start
+        flush = boundary - self.res_start
+        if flush > 0:
+            qk = self.quantize_keys(self.keys[:, :, :flush])
+            qv = self.quantize_values(self.values[:, :, :flush])
+            self.qkeys = qk if self.qkeys is None else self.qkeys.cat(qk, -1)
+            self.qvalues = qv if self.qvalues is None else self.qvalues.cat(qv, -2)
+            self.keys, self.values = self.keys[:, :, flush:].contiguous(), self.values[:, :, flush:].contiguous()
+            self.res_start += flush
+            changed = True
+        if evict_before is not None and self.q_len:
+            groups = min(self.q_len, max(0, evict_before - self.q_start)) // self.group
+            if groups:
+                self.qkeys = self.qkeys.drop_tokens(groups * self.group, -1)
+                self.qvalues = self.qvalues.drop_tokens(groups * self.group, -2)
+                self.q_start += groups * self.group
+                if not self.q_len:
+                    self.qkeys = self.qvalues = None
+                changed = True
+        return changed
+
+
+class QuantizedKVCache(CompressedCache):
+    """The cache of :class:`QuantizedKV` / :class:`QuantizedStreamingLLM` (see the module docstring)."""
+
+    def __init__(self, policy, model):
+        super().__init__(policy, model)
+        self._shadow: tuple[int, int] = (0, 0)
+
+    def boundary(self, n: int) -> int:
+        """Absolute position before which a query at position ``n`` (or a commit of ``n`` tokens) sees tokens
+        quantized (sinks excepted): ``S + G * min(floor((n - S) / G), ceil((n - S - R) / G))``, at least ``S``."""
+        policy = self.policy
+        s, g, r = policy.sink_tokens, policy.quant_group_size, policy.residual_length
+        if n - s - r <= 0:
+            return s
+        return s + g * min((n - s) // g, -(-(n - s - r) // g))
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx == 0:
+            self._maybe_auto_commit()
+            self._length += key_states.shape[-2]
+            self._pending += key_states.shape[-2]
+        layer = self.layers[layer_idx]
+        layer.shadow = self._shadow
+        if layer_idx == len(self.layers) - 1:
+            self._shadow = (0, 0)  # the mask of forward_kwargs is for one forward only
+        return layer.update(key_states, value_states)
+
+    def forward_kwargs(self, position_ids: torch.Tensor) -> dict:
+        """``position_ids`` ``(1, q)`` absolute (contiguous, starting at the logical length) -> the additive mask
+        ``(1, 1, q, held + shadow + q)`` that gives every query exactly its autoregressive view (see the module
+        docstring), or ``None`` when the model's causal mask already does.
+
+        Raises:
+            ValueError: ``position_ids`` do not continue the cache.
+        """
+        self._maybe_auto_commit()
+        policy = self.policy
+        q = position_ids.shape[-1]
+        start = int(position_ids[0, 0])
+        if start != self._length:
+            raise ValueError(f"position_ids start at {start} but the quantized cache holds {self._length} tokens")
+        first, last = self.boundary(start), self.boundary(start + q - 1)
+        self._shadow = (first, last)
+        if last == first and not policy.exact_window:
+            return {"position_ids": position_ids, "attention_mask": None}
+        device = position_ids.device
+        layer: QuantizedLayer = self.layers[0]
+        held_pos = [torch.arange(layer.sinks), torch.arange(layer.q_start, layer.q_start + layer.q_len)]
+        if not layer.is_initialized:
+            held_pos = []
+        residual_pos = torch.arange(layer.res_start if layer.is_initialized else 0, start + q)
+        shadow_pos = torch.arange(first, last)
+        key_pos = torch.cat((*held_pos, shadow_pos, residual_pos)).to(device)
+        kind = torch.cat((torch.zeros(sum(p.numel() for p in held_pos), dtype=torch.long),
+                          torch.ones(shadow_pos.numel(), dtype=torch.long),
+                          torch.full((residual_pos.numel(),), 2, dtype=torch.long))).to(device)
+        query_pos = position_ids[0].to(device)
+        bound = torch.tensor([self.boundary(int(p)) for p in query_pos.tolist()], device=device)[:, None]
+        kp, kd = key_pos[None, :], kind[None, :]
+        visible = kp <= query_pos[:, None]
+        visible &= (kd != 1) | (kp < bound)  # shadow: quantized copy, seen once the query is past its boundary
+        visible &= (kd != 2) | (kp >= bound) | (kp < policy.sink_tokens)  # residual copy: before the boundary
+        if policy.exact_window:
+            visible &= (kp < policy.sink_tokens) | (kp > query_pos[:, None] - policy.window)
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
+        mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[None, None]
+        return {"position_ids": position_ids, "attention_mask": mask}
