@@ -11,6 +11,7 @@ from toolkit.kv import make_policy, ops
 from toolkit.kv.quant_pack import dequantize, quantize
 from toolkit.kv.quantized import QuantizedKVCache, QuantizedLayer
 from toolkit.recipe import GenerationSpec, KVSpec, Recipe
+from toolkit.session import plan
 from toolkit.speculative.adaptive import ConstantK
 from toolkit.speculative.decoder import SpeculativeDecoder
 from toolkit.speculative.drafters import DraftModel, NGramDrafter
@@ -184,9 +185,9 @@ def test_residual_must_hold_a_verify_forward(section):
     kv = {"policy": "quantized", "quant_bits": 4, "residual_length": 4}
     base = {"target": {"source": "embedded"}, "spec": {"drafter": "draft_model", "num_draft_tokens": 4}}
     with pytest.raises(ConfigError) as exc:
-        Recipe.from_dict({**base, section: kv})
+        plan(Recipe.from_dict({**base, section: kv}))  # a cross-section check: made when the recipe is planned
     assert exc.value.field == f"{section}.residual_length" and "5" in str(exc.value)
-    Recipe.from_dict({**base, section: {**kv, "residual_length": 5}})  # K + 1 is enough
+    plan(Recipe.from_dict({**base, section: {**kv, "residual_length": 5}}))  # K + 1 is enough
 
 
 def test_composition_errors():

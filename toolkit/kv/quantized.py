@@ -61,14 +61,12 @@ def check_quant_fields(bits, group, residual) -> None:
     check_int("residual_length", residual, low=1)
 
 
-def check_quant_compatible(policy, spec, prefix: str) -> None:
-    """``residual_length >= K + 1`` (K = the largest draft length): a verify forward's tokens stay full precision."""
-    if spec.drafter == "none":
-        return
-    k = spec.k_max if spec.adaptive != "constant" else spec.num_draft_tokens
-    if policy.residual_length < k + 1:
-        raise ConfigError(f"{prefix}.residual_length", f"must be >= num_draft_tokens + 1 = {k + 1} (the tokens "
-                          f"of a verify forward stay in the full-precision residual), got {policy.residual_length}")
+def check_quant_compatible(policy, max_query_tokens: int, prefix: str) -> None:
+    """``residual_length >= max_query_tokens`` (K + 1 for a chain): a verify forward's tokens stay full precision."""
+    if policy.residual_length < max_query_tokens:
+        raise ConfigError(f"{prefix}.residual_length", f"must be >= num_draft_tokens + 1 = {max_query_tokens} (the "
+                          f"tokens of a verify forward stay in the full-precision residual), got "
+                          f"{policy.residual_length}")
 
 
 def check_quant_model(policy, model, prefix: str) -> None:
@@ -111,8 +109,8 @@ class QuantizedKV(KVPolicy):
         super().__post_init__()
         check_quant_fields(self.quant_bits, self.quant_group_size, self.residual_length)
 
-    def check_compatible(self, spec, prefix: str = "kv") -> None:
-        check_quant_compatible(self, spec, prefix)
+    def check_compatible(self, max_query_tokens: int, prefix: str = "kv") -> None:
+        check_quant_compatible(self, max_query_tokens, prefix)
 
     def check_model(self, model, prefix: str = "kv") -> None:
         check_quant_model(self, model, prefix)
@@ -160,9 +158,9 @@ class QuantizedStreamingLLM(StreamingLLM):
             raise ConfigError("residual_length", f"must be <= window={self.window} (the full-precision residual "
                               f"is the newest part of the window), got {self.residual_length}")
 
-    def check_compatible(self, spec, prefix: str = "kv") -> None:
-        super().check_compatible(spec, prefix)
-        check_quant_compatible(self, spec, prefix)
+    def check_compatible(self, max_query_tokens: int, prefix: str = "kv") -> None:
+        super().check_compatible(max_query_tokens, prefix)
+        check_quant_compatible(self, max_query_tokens, prefix)
 
     def check_model(self, model, prefix: str = "kv") -> None:
         check_quant_model(self, model, prefix)
