@@ -76,10 +76,13 @@ class StreamingLLM(KVPolicy):
         return self.sink_tokens + self.window
 
     def check_compatible(self, spec, prefix: str = "kv") -> None:
-        """``window`` must hold a whole verify forward: ``window >= K + 1`` (K = the largest draft length)."""
+        """``window`` must hold a whole verify forward: ``window >= K + 1`` (K = the largest draft length, or
+        ``tree_depth`` under tree speculation)."""
         if spec.drafter == "none":
             return
         k = spec.k_max if spec.adaptive != "constant" else spec.num_draft_tokens
+        if getattr(spec, "tree", False):  # a tree round accepts at most tree_depth tokens
+            k = max(k, spec.tree_depth)
         if self.window < k + 1:
             raise ConfigError(f"{prefix}.window", f"must be >= num_draft_tokens + 1 = {k + 1} (a verify forward "
                               f"covers K + 1 = {k + 1} positions), got {self.window}")
