@@ -288,3 +288,21 @@ def test_draft_cache_holds_the_committed_prefix_after_every_tree_round():
             assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
         checked += 1
     assert checked >= 2
+
+
+def test_tree_sampling_in_the_decoder_is_reproducible_and_exact_in_length():
+    target = tiny_llama(seed=0, **INIT)
+    draft = perturbed_copy(target, scale=0.1, seed=1)
+    prompt = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+
+    def run(seed):
+        stats = GenerationStats()
+        decoder = SpeculativeDecoder(target, DraftModel(draft), ConstantK(3), None, tree=TreeShape(8, 4, 2))
+        spec = GenerationSpec(max_new_tokens=25, ignore_eos=True, do_sample=True, temperature=0.8, seed=seed)
+        return [t for c in decoder.decode(prompt, spec, stats, []) for t in c], stats
+
+    a, stats = run(3)
+    b, _ = run(3)
+    c, _ = run(4)
+    assert a == b and a != c and len(a) == 25
+    assert stats.rounds >= 2 and stats.accepted > 0

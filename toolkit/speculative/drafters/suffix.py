@@ -11,8 +11,10 @@ Two suffix tries (:mod:`toolkit.speculative.drafters.suffix_trie`):
 Each round the longest suffix of the committed sequence found in a trie (``m`` tokens, at most ``depth // 2``)
 selects a node; its observed continuations, with empirical probabilities ``count(child) / sum(counts of the
 children)`` multiplied along a path, grow a speculation tree best-first (highest path probability first) while a
-path probability stays >= ``min_token_prob``, up to ``ceil(max_spec_factor * m)`` nodes (the paper's adaptive
-speculation length: long matches are trusted with long drafts) and the round's node budget. Of the request and
+path probability stays >= ``min_token_prob``, at most ``ceil(max_spec_factor * m)`` tokens deep (the paper's
+adaptive speculation length: long matches are trusted with long drafts) and within the round's node budget (the
+chain of :meth:`propose` is that many tokens; a tree spends its extra nodes on alternative branches, so it contains
+the chain). Of the request and
 global candidates, the tree with the larger expected number of accepted tokens (sum of its path probabilities, the
 paper's score) is proposed. ``propose`` returns the tree's most probable chain (linear speculation).
 """
@@ -37,7 +39,7 @@ class SuffixDrafter(Drafter):
     """Suffix-trie drafter with a bounded memory of earlier requests (see the module docstring).
 
     Args:
-        max_spec_factor: speculation length = ``ceil(max_spec_factor * match length)`` nodes (> 0).
+        max_spec_factor: speculation length = ``ceil(max_spec_factor * match length)`` tokens per path (> 0).
         min_token_prob: smallest path probability of a proposed node, in [0, 1].
         max_cached_requests: earlier requests kept in the global trie (0 = no memory across requests).
         depth: longest indexed substring in tokens (>= 4); matches use at most ``depth // 2`` tokens.
@@ -96,7 +98,7 @@ class SuffixDrafter(Drafter):
     def _grow(self, node: TrieNode, match: int, max_nodes: int, max_depth: int, chain: bool) -> tuple[list, float]:
         """Best-first speculation tree below ``node`` (only the likeliest child per node if ``chain``):
         ``([(token, parent index, path probability)], score = sum of path probabilities)``."""
-        limit = min(max_nodes, math.ceil(self.max_spec_factor * match))
+        max_depth = min(max_depth, math.ceil(self.max_spec_factor * match))
         out, score = [], 0.0
         heap: list = []
         counter = 0
@@ -116,7 +118,7 @@ class SuffixDrafter(Drafter):
                     counter += 1
 
         push(node, -1, 1.0, 1)
-        while heap and len(out) < limit:
+        while heap and len(out) < max_nodes:
             neg, _, token, child, parent, depth = heapq.heappop(heap)
             out.append((token, parent, -neg))
             score -= neg
