@@ -47,9 +47,9 @@ from toolkit.prompts import load_suite  # noqa: E402
 from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec  # noqa: E402
 from toolkit.runner import environment  # noqa: E402
 
-SUFFIX_K = 8
-SUFFIX = {"drafter": "suffix", "max_spec_factor": 1.0, "min_token_prob": 0.1, "max_cached_requests": 16}
-TREE = {"tree_budget": 12, "tree_depth": 8, "tree_topk": 4}
+SUFFIX_K = 16
+SUFFIX = {"drafter": "suffix", "max_spec_factor": 2.0, "min_token_prob": 0.05, "max_cached_requests": 16}
+TREE = {"tree_budget": 12, "tree_depth": 16, "tree_topk": 4}
 WARMUP = [{"role": "user", "content": "Describe the water cycle in three sentences."}]
 
 
@@ -63,8 +63,8 @@ def method_specs(draft_model: bool) -> dict[str, SpecSpec | str]:
     }
     if draft_model:
         methods["self-linear"] = SpecSpec(drafter="self", num_draft_tokens=4)
-        methods["self-tree"] = SpecSpec(drafter="self", num_draft_tokens=4, tree=True, tree_budget=12,
-                                        tree_depth=4, tree_topk=3)
+        methods["self-tree"] = SpecSpec(drafter="self", num_draft_tokens=4, tree=True, tree_budget=16,
+                                        tree_depth=5, tree_topk=4)
     return methods
 
 
