@@ -306,3 +306,22 @@ def test_tree_sampling_in_the_decoder_is_reproducible_and_exact_in_length():
     c, _ = run(4)
     assert a == b and a != c and len(a) == 25
     assert stats.rounds >= 2 and stats.accepted > 0
+
+
+# ------------------------------------------------------------------------------------------ embedded model (slow)
+@pytest.mark.slow
+def test_embedded_greedy_tree_matches_ar(embedded, embedded_int4):
+    """fp32 embedded model, real prompts: EAGLE-2 trees from the NF4 self-draft and suffix trees == HF greedy."""
+    from test_decoder import _real_prompts, hf_greedy
+
+    model, tokenizer = embedded
+    suffix = SuffixDrafter(max_spec_factor=2.0, min_token_prob=0.05)
+    taus = []
+    for name, prompt in _real_prompts(tokenizer).items():
+        reference = hf_greedy(model, prompt, 48)
+        for drafter, shape in ((DraftModel(embedded_int4[0]), TreeShape(12, 4, 3)), (suffix, TreeShape(12, 16, 4))):
+            ids, stats = decode(model, drafter, prompt, tree=shape, new=48)
+            assert ids == reference, (name, type(drafter).__name__)
+            assert stats.rounds >= 2
+            taus.append(stats.tokens_per_round)
+    assert max(taus) > 1.5
