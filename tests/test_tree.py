@@ -325,3 +325,24 @@ def test_embedded_greedy_tree_matches_ar(embedded, embedded_int4):
             assert stats.rounds >= 2
             taus.append(stats.tokens_per_round)
     assert max(taus) > 1.5
+
+
+@pytest.mark.parametrize("name", ["l2norm", "head_aware"])
+def test_tree_rounds_under_compressing_policies_keep_exact_lengths(name):
+    """Per-layer (L2 skip_layers) and per-tier (head-aware) lengths under tree masks, through many compressions:
+    after every round the target cache represents exactly the committed sequence minus its last token."""
+    target = tiny_llama(seed=0, **INIT)
+    draft = perturbed_copy(target, scale=0.1, seed=1)
+    prompt = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    policy = make_policy(CACHES[name])
+    decoder = SpeculativeDecoder(target, DraftModel(draft), ConstantK(3), policy, tree=TreeShape(8, 4, 2))
+    factor = max(policy.plan(target)[1][1]) if name == "head_aware" else 1.0
+    bound = round(factor * 14) + 2  # the compressed layer's largest (tier) budget + compress_interval
+    stats = GenerationStats()
+    committed = prompt.shape[1]
+    for chunk in decoder.decode(prompt, GenerationSpec(max_new_tokens=60, ignore_eos=True), stats, []):
+        committed += len(chunk)
+        assert decoder.cache.get_seq_length() == committed - 1
+        assert decoder.cache.physical_length(0) == committed - 1  # skip layer: every committed entry, nothing else
+        assert decoder.cache.physical_length(1) <= min(bound, committed - 1)
+    assert stats.new_tokens == 60 and stats.compressions_target >= 3 and 0 < stats.accepted < stats.drafted
