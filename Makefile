@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/toolkit run short --compare
 	$(BIN)/toolkit run short-draft --compare
 	$(BIN)/python bench/kv_bench.py
+	$(BIN)/python bench/tree_bench.py
 
 ## Quantized KV cache (ours vs HF QuantizedCache quanto/HQQ vs eviction at equal bytes, QuantSpec self-speculation).
 bench-kvquant: $(STAMP)

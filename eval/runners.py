@@ -30,7 +30,7 @@ def baseline_methods(recipe: Recipe, has_reference: bool = False) -> list[str]:
     methods = ["ar"]
     if recipe.spec.drafter in ("draft_model", "self"):
         methods.append("assisted")
-    if recipe.spec.drafter == "ngram":
+    if recipe.spec.drafter in ("ngram", "suffix"):  # model-free drafters: HF prompt lookup
         methods.append("prompt_lookup")
     return methods + (["ar_fp32"] if has_reference else [])
 

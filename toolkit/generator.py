@@ -23,6 +23,8 @@ from toolkit.session import ModelPool, Plan, load_models, plan
 from toolkit.speculative.adaptive import make_controller
 from toolkit.speculative.decoder import SpeculativeDecoder
 from toolkit.speculative.drafters import DraftModel, NGramDrafter
+from toolkit.speculative.drafters.suffix import SuffixDrafter
+from toolkit.speculative.tree import TreeShape
 from toolkit.speculative.stats import GenerationResult, GenerationStats
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ class Generator:
         self.target_policy, self.draft_policy = plan.target_policy, plan.draft_policy
         self.weight_bytes = {"target": weight_bytes(target),
                              "draft": weight_bytes(draft_model) if draft_model is not None else 0}
+        self._suffix = None  # ONE suffix drafter per Generator: its memory of earlier requests persists
 
     # -------------------------------------------------------------------------------------------- preparation
     def encode(self, prompt: str | list[dict]) -> torch.Tensor:
@@ -81,6 +84,11 @@ class Generator:
         spec = self.recipe.spec
         if spec.drafter == "ngram":
             return NGramDrafter(spec.max_ngram, spec.min_ngram)
+        if spec.drafter == "suffix":
+            if self._suffix is None:
+                self._suffix = SuffixDrafter(spec.max_spec_factor, spec.min_token_prob, spec.max_cached_requests,
+                                             spec.suffix_depth)
+            return self._suffix
         if spec.drafter in ("draft_model", "self"):
             device = next(self.draft_model.parameters()).device
             generator = torch.Generator(device=device).manual_seed(gen.seed + 1) if gen.do_sample else None
@@ -91,8 +99,9 @@ class Generator:
 
     def decoder(self, gen: GenerationSpec) -> SpeculativeDecoder:
         """A fresh decode loop for one call (drafter and controller state are per call)."""
-        return SpeculativeDecoder(self.target, self._drafter(gen), make_controller(self.recipe.spec),
-                                  self.target_policy)
+        spec = self.recipe.spec
+        tree = TreeShape(spec.tree_budget, spec.tree_depth, spec.tree_topk) if spec.tree else None
+        return SpeculativeDecoder(self.target, self._drafter(gen), make_controller(spec), self.target_policy, tree)
 
     # -------------------------------------------------------------------------------------------- generation
     def _stop_check(self, gen: GenerationSpec):

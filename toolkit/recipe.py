@@ -32,7 +32,8 @@ PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
 DEVICES = ("auto", "cpu", "cuda")
 COMPUTE_DTYPES = ("fp32", "fp16", "bf16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
-DRAFTERS = ("draft_model", "ngram", "self", "none")
+DRAFTERS = ("draft_model", "ngram", "self", "suffix", "none")
+TREE_DRAFTERS = ("draft_model", "self", "suffix")
 ADAPTIVE = ("constant", "ema")
 
 
@@ -106,7 +107,8 @@ class SpecSpec:
 
     Attributes:
         drafter: ``draft_model`` (the recipe's draft), ``ngram`` (prompt lookup, no model), ``self`` (the target's
-            own weights at ``draft.precision``), or ``none`` (plain autoregressive decoding).
+            own weights at ``draft.precision``), ``suffix`` (SuffixDecoding: suffix tries over the request and over
+            earlier requests' outputs, no model), or ``none`` (plain autoregressive decoding).
         num_draft_tokens: draft length K (tokens proposed per round); with ``adaptive: ema`` the starting K.
         adaptive: ``constant`` K, or ``ema``: an acceptance-EMA controller that shrinks K when the EMA < 0.5 and
             grows it when > 0.85, within ``[k_min, k_max]``.
@@ -114,6 +116,15 @@ class SpecSpec:
         confidence_threshold: stop drafting a round early when the draft's top probability falls below this
             (HF dynamic speculation); ``null`` disables it.
         max_ngram / min_ngram: n-gram sizes the prompt-lookup drafter tries, longest first.
+        tree: verify a token tree per round (SpecInfer / EAGLE-2) instead of one chain of K tokens; drafters
+            ``draft_model``, ``self`` (EAGLE-2 dynamic trees) and ``suffix`` (frequency-scored trees).
+        tree_budget: most tree nodes per round (the target verifies ``tree_budget + 1`` tokens), 1..256.
+        tree_depth: most levels of a tree (the most draft tokens a round can accept), 1..64.
+        tree_topk: children per expanded node and nodes expanded per level (EAGLE-2 dynamic trees), 1..64.
+        max_spec_factor: suffix drafter: at most ``ceil(max_spec_factor * match length)`` draft tokens (> 0).
+        min_token_prob: suffix drafter: smallest path probability of a drafted token, in [0, 1].
+        max_cached_requests: suffix drafter: earlier requests kept in memory (0 = none), 0..100000.
+        suffix_depth: suffix drafter: longest indexed substring in tokens (matches use at most half), 4..1024.
     """
 
     drafter: str = "draft_model"
@@ -125,6 +136,14 @@ class SpecSpec:
     confidence_threshold: float | None = None
     max_ngram: int = 3
     min_ngram: int = 1
+    tree: bool = False
+    tree_budget: int = 16
+    tree_depth: int = 5
+    tree_topk: int = 4
+    max_spec_factor: float = 1.0
+    min_token_prob: float = 0.1
+    max_cached_requests: int = 16
+    suffix_depth: int = 48
 
     def validate(self, prefix: str) -> None:
         check_choice(f"{prefix}.drafter", self.drafter, DRAFTERS)
@@ -137,6 +156,18 @@ class SpecSpec:
             check_float(f"{prefix}.confidence_threshold", self.confidence_threshold, low=0.0, high=1.0)
         check_int(f"{prefix}.min_ngram", self.min_ngram, low=1)
         check_int(f"{prefix}.max_ngram", self.max_ngram, low=self.min_ngram)
+        if not isinstance(self.tree, bool):
+            raise ConfigError(f"{prefix}.tree", f"must be true or false, got {self.tree!r}")
+        if self.tree and self.drafter not in TREE_DRAFTERS:
+            raise ConfigError(f"{prefix}.tree", f"tree speculation needs a tree drafter, got drafter="
+                              f"{self.drafter!r}", TREE_DRAFTERS)
+        check_int(f"{prefix}.tree_budget", self.tree_budget, low=1, high=256)
+        check_int(f"{prefix}.tree_depth", self.tree_depth, low=1, high=64)
+        check_int(f"{prefix}.tree_topk", self.tree_topk, low=1, high=64)
+        check_float(f"{prefix}.max_spec_factor", self.max_spec_factor, low=0.0, low_open=True)
+        check_float(f"{prefix}.min_token_prob", self.min_token_prob, low=0.0, high=1.0)
+        check_int(f"{prefix}.max_cached_requests", self.max_cached_requests, low=0, high=100000)
+        check_int(f"{prefix}.suffix_depth", self.suffix_depth, low=4, high=1024)
 
 
 @dataclass

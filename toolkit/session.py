@@ -45,11 +45,15 @@ class Plan:
 
 
 def max_query_tokens(recipe: Recipe) -> int:
-    """Tokens of the widest verify forward: the last committed token plus the largest draft (K, k_max)."""
+    """Tokens a verify forward leaves in a cache after its commit point: the last committed token plus the longest
+    draft that can be accepted (K, ``k_max`` with adaptive K, ``tree_depth`` under tree speculation; a tree's
+    rejected branches are dropped by ``keep_tail`` before any policy compresses)."""
     spec = recipe.spec
     if spec.drafter == "none":
         return 1
     k = max(spec.num_draft_tokens, spec.k_max if spec.adaptive == "ema" else 0)
+    if spec.tree:
+        k = max(k, spec.tree_depth)
     return k + 1
 
 

@@ -10,7 +10,8 @@ mask at all, and this function derives the causal mask from the shapes: every ca
 last ``q`` keys are the current queries, so key ``j`` is visible to query ``i`` iff ``j <= i + kv_len - q``.
 
 Supported: batch inputs without padding (the decoder's batch size 1, ``model.generate`` on one prompt); a 4D
-additive mask passed explicitly is honoured. The math is ``torch.nn.functional.scaled_dot_product_attention``.
+additive mask passed explicitly is honoured; one narrower than a layer's keys covers the *last* keys and is
+right-aligned (:func:`align_mask`: token-tree masks, whose committed part is all visible). The math is ``torch.nn.functional.scaled_dot_product_attention``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor | None:
     return torch.arange(kv_len, device=device)[None, :] <= rows
 
 
+def align_mask(mask: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """An additive ``(..., q, t)`` mask over the last ``t`` keys widened to ``kv_len`` keys (earlier keys visible)."""
+    missing = kv_len - mask.shape[-1]
+    if missing <= 0:
+        return mask
+    return torch.cat((mask.new_zeros(mask.shape[:-1] + (missing,)), mask), dim=-1)
+
+
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, scaling) -> torch.Tensor:
     """Attention of ``query`` ``(b, q_heads, q, d)`` over ``key``/``value`` ``(b, kv_heads, kv, d)`` (GQA aware)."""
     if mask is None:
@@ -48,12 +57,14 @@ def compressed_attention(module, query, key, value, attention_mask, scaling=None
     :class:`toolkit.kv.head_aware.TieredLayer`), which computes attention per budget tier.
     """
     if hasattr(key, "attend"):
-        out = key.attend(query, scaling)
+        out = key.attend(query, scaling, attention_mask)
     else:
         mask = attention_mask
-        if mask is not None and mask.shape[-1] != key.shape[-2]:
+        if mask is not None and mask.shape[-1] > key.shape[-2]:
             raise ValueError(f"attention mask covers {mask.shape[-1]} keys but layer {module.layer_idx} holds "
                              f"{key.shape[-2]}; pass no mask (causal) to a cache with per-layer lengths")
+        if mask is not None:  # a mask over the last t keys (token trees) is right-aligned: earlier keys visible
+            mask = align_mask(mask, key.shape[-2])
         out = sdpa(query, key, value, mask, scaling)
     return out.transpose(1, 2).contiguous(), None
 

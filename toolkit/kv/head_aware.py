@@ -24,7 +24,7 @@ from transformers.cache_utils import DynamicLayer
 
 from toolkit.errors import ConfigError
 from toolkit.kv import register
-from toolkit.kv.attention import causal_mask
+from toolkit.kv.attention import align_mask, causal_mask
 from toolkit.kv.base import gather_seq
 from toolkit.kv.l2norm import L2Norm
 from toolkit.checks import check_int
@@ -57,16 +57,21 @@ class TieredLayer(DynamicLayer):
             self.tier_values[t] = torch.cat((self.tier_values[t], value_states.index_select(1, g)), dim=2)
         return self, self
 
-    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Attention ``(batch, q_heads, q, head_dim)`` of ``query`` ``(batch, q_heads, q, head_dim)``, per tier."""
+    def attend(self, query: torch.Tensor, scaling: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention ``(batch, q_heads, q, head_dim)`` of ``query`` ``(batch, q_heads, q, head_dim)``, per tier.
+
+        ``mask``: ``None`` (causal) or an additive ``(1, 1, q, t)`` mask over the last ``t`` keys (token trees),
+        right-aligned to each tier's length (:func:`toolkit.kv.attention.align_mask`).
+        """
         groups = query.shape[1] // self.num_kv_heads
         out = query.new_empty(query.shape[:-1] + (self.tier_values[0].shape[-1],))
         offsets = torch.arange(groups, device=query.device)
         for g, keys, values in zip(self.groups, self.tier_keys, self.tier_values):
             heads = (g[:, None] * groups + offsets).flatten()
-            mask = causal_mask(query.shape[-2], keys.shape[-2], query.device)
+            tier_mask = (causal_mask(query.shape[-2], keys.shape[-2], query.device) if mask is None
+                         else align_mask(mask, keys.shape[-2]))
             out[:, heads] = torch.nn.functional.scaled_dot_product_attention(
-                query[:, heads], keys, values, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+                query[:, heads], keys, values, attn_mask=tier_mask, scale=scaling, enable_gqa=groups > 1)
         return out
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -75,6 +80,13 @@ class TieredLayer(DynamicLayer):
         n = abs(tokens_to_remove)
         self.tier_keys = [k[:, :, :-n] for k in self.tier_keys]
         self.tier_values = [v[:, :, :-n] for v in self.tier_values]
+
+    def keep_tail(self, pending: int, keep: list[int]) -> None:
+        """Keep only the last-``pending`` entries at offsets ``keep`` in every tier (token-tree commit)."""
+        from toolkit.kv.ops import gather_tail
+
+        self.tier_keys = [gather_tail(k, pending, keep) for k in self.tier_keys]
+        self.tier_values = [gather_tail(v, pending, keep) for v in self.tier_values]
 
     def tensors(self) -> list[torch.Tensor]:
         return self.tier_keys + self.tier_values

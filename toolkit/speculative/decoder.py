@@ -12,6 +12,13 @@ Invariant between rounds: the committed sequence has n tokens and the target cac
 them; the last committed token is the first input of the next verify forward. Positions are absolute
 (``position_ids`` = n - 1 ... n - 1 + k), so a compressed cache that is physically shorter still sees the right
 rotary phases. With ``drafter=None`` the same loop is plain autoregressive decoding (k = 0 every round).
+
+Tree rounds (``tree`` settings given and the drafter has ``propose_tree``): the drafter proposes a
+:class:`~toolkit.speculative.tree.TokenTree` of n nodes below the last committed token; ONE target forward scores
+``[x_last, nodes]`` under the tree attention mask at positions ``n_committed - 1 + depth``; verification accepts one
+root-to-node path (:mod:`toolkit.speculative.tree_verify`); the target cache keeps exactly the root's and the path's
+entries (:func:`toolkit.kv.ops.keep_tail`, a gather over the appended tail) and the drafter is told the path
+(``commit_tree``). A chain never goes through this code: linear drafting stays on the loop above.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from toolkit.recipe import GenerationSpec
 from toolkit.speculative.adaptive import ConstantK
 from toolkit.speculative.drafters.base import Drafter
 from toolkit.speculative.stats import GenerationStats
+from toolkit.speculative.tree import TreeShape
+from toolkit.speculative.tree_verify import greedy_tree_accept, tree_speculative_sample
 from toolkit.speculative.verify import greedy_accept, process_logits, sample_token, speculative_sample
 
 
@@ -42,11 +51,18 @@ class SpeculativeDecoder:
         drafter: a :class:`~toolkit.speculative.drafters.Drafter`, or ``None`` for autoregressive decoding.
         controller: draft-length controller with ``next_k()`` / ``update(drafted, accepted)``.
         target_policy: KV compression policy of the target cache (``None`` = uncompressed).
+        tree: :class:`~toolkit.speculative.tree.TreeShape` (node budget, depth, top-k) for tree speculation with a
+            drafter that implements ``propose_tree``; ``None`` = linear drafting.
     """
 
-    def __init__(self, target, drafter: Drafter | None = None, controller=None, target_policy=None):
+    def __init__(self, target, drafter: Drafter | None = None, controller=None, target_policy=None,
+                 tree: TreeShape | None = None):
         self.target = target
         self.drafter = drafter
+        self.tree = tree if drafter is not None and hasattr(drafter, "propose_tree") else None
+        self.dtype = next(target.parameters()).dtype
+        if not self.dtype.is_floating_point:
+            self.dtype = torch.float32
         self.controller = controller or ConstantK(4)
         self.target_policy = target_policy
         self.device = next(target.parameters()).device
@@ -62,6 +78,32 @@ class SpeculativeDecoder:
         out = self.target(input_ids=tokens, past_key_values=self.cache, use_cache=True,
                           logits_to_keep=logits_to_keep, **kv_ops.model_inputs(self.cache, positions))
         return out.logits[0]
+
+    def _tree_round(self, sequence: torch.Tensor, depth: int, gen, generator, stats) -> list[int]:
+        """One tree round (see the module docstring); returns the committed ids (path tokens + the next token)."""
+        committed = sequence.shape[1]
+        shape = self.tree
+        tree = self.drafter.propose_tree(sequence, budget=shape.budget, depth=depth, topk=shape.topk)
+        n = len(tree)
+        tokens = tree.tokens.to(self.device)
+        verify_input = torch.cat([sequence[:, -1:], tokens.view(1, -1)], dim=1)
+        positions = tree.positions(committed - 1, self.device)
+        inputs = kv_ops.model_inputs(self.cache, positions, tree_mask=tree.mask(self.device), dtype=self.dtype)
+        out = self.target(input_ids=verify_input, past_key_values=self.cache, use_cache=True,
+                          logits_to_keep=n + 1, **inputs)
+        target_logits = out.logits[0]
+        stats.target_forwards += 1
+        if gen.do_sample:
+            p = process_logits(target_logits, gen.temperature, gen.top_k, gen.top_p)
+            path, next_id = tree_speculative_sample(tree, p, generator)
+        else:
+            path, next_id = greedy_tree_accept(tree, target_logits)
+        kv_ops.keep_tail(self.cache, [0] + [i + 1 for i in path])
+        kv_ops.commit(self.cache)
+        self.drafter.commit_tree(path)
+        stats.record_round(n, len(path))
+        tokens = tree.token_list()
+        return [tokens[i] for i in path] + [next_id]
 
     def _track_memory(self, stats: GenerationStats) -> None:
         stats.kv_bytes_target = kv_ops.kv_bytes(self.cache)
@@ -125,6 +167,17 @@ class SpeculativeDecoder:
         yield new_ids[:]
         while not finished:
             committed = sequence.shape[1]
+            if self.tree is not None:
+                depth = min(self.tree.depth, limit - len(new_ids) - 1)
+                round_ids = self._tree_round(sequence, depth, gen, generator, stats) if depth > 0 else None
+                if round_ids is not None:
+                    sequence = torch.cat([sequence, sequence.new_tensor([round_ids])], dim=1)
+                    before = len(new_ids)
+                    new_ids.extend(round_ids)
+                    finished = self._finish(new_ids, before, limit, eos, should_stop, stats)
+                    self._track_memory(stats)
+                    yield new_ids[before:]
+                    continue
             num_draft = min(self.controller.next_k(), limit - len(new_ids) - 1) if self.drafter else 0
             draft_tokens, draft_logits = (sequence.new_empty((1, 0)), None)
             if num_draft > 0:

@@ -8,6 +8,8 @@ import torch
 
 from toolkit.kv import ops as kv_ops
 from toolkit.speculative.drafters.base import Drafter
+from toolkit.speculative.tree import TokenTree, TreeShape
+from toolkit.speculative.tree_dynamic import build_dynamic_tree
 from toolkit.speculative.verify import process_logits, sample_token
 
 
@@ -22,6 +24,11 @@ class DraftModel(Drafter):
         confidence_threshold: stop the round early once the draft's top probability falls below it (HF dynamic
             speculation); ``None`` drafts all K.
         generator: ``torch.Generator`` on the draft's device used for sampling.
+
+    Tree proposals (:meth:`propose_tree`): an EAGLE-2 dynamic tree (:mod:`toolkit.speculative.tree_dynamic`), one
+    draft forward per level over the expanded nodes under a tree attention mask; :meth:`commit_tree` keeps the
+    accepted path's draft entries with :func:`toolkit.kv.ops.keep_tail`. Tree children are the top-k of q (chosen,
+    not sampled), so sampling verification treats them as one-hot drafts (lossless).
 
     Cache bookkeeping: ``cached`` is the number of sequence tokens represented in the draft cache. ``propose`` feeds
     the committed tokens the cache has not seen (one or two per round), then drafts; ``commit`` crops the cache
@@ -93,3 +100,57 @@ class DraftModel(Drafter):
             self.cache.crop(keep - self.cached)
             self.cached = keep
         kv_ops.commit(self.cache)
+
+    # ------------------------------------------------------------------------------------------------ trees
+    @torch.no_grad()
+    def propose_tree(self, input_ids: torch.Tensor, budget: int, depth: int, topk: int) -> TokenTree:
+        """EAGLE-2 dynamic tree after ``input_ids`` ``(1, n)``: at most ``budget`` nodes, ``depth`` levels.
+
+        Draft forwards: one over the committed tokens the cache has not seen, then one per level below the first
+        over the (at most ``topk``) expanded nodes. Expanded nodes' entries stay in the draft cache until
+        :meth:`commit_tree`.
+        """
+        committed = input_ids.shape[1]
+        self._committed_before = committed
+        fresh = input_ids[:, self.cached:].to(self.device)
+        self._fresh = fresh.shape[1]
+        root = self._forward(fresh)
+        fed: list[int] = []  # candidate indices whose entries were appended to the draft cache, in order
+        offset_of: dict[int, int] = {}
+        parent_of: dict[int, int] = {}
+
+        def expand(nodes: list[int], tokens: list[int], parents: list[int], depths: list[int]) -> torch.Tensor:
+            m, t = len(nodes), len(fed) + len(nodes)
+            visible = torch.zeros(m, t, dtype=torch.bool)
+            for row, parent in enumerate(parents):
+                while parent >= 0:  # every ancestor of an expanded node was expanded (fed) before
+                    visible[row, offset_of[parent]] = True
+                    parent = parent_of[parent]
+                visible[row, len(fed) + row] = True
+            positions = (committed - 1 + torch.tensor(depths, device=self.device)).unsqueeze(0)
+            inputs = kv_ops.model_inputs(self.cache, positions, tree_mask=visible.to(self.device),
+                                         dtype=self._dtype())
+            out = self.model(input_ids=torch.tensor([tokens], device=self.device), past_key_values=self.cache,
+                             use_cache=True, logits_to_keep=m, **inputs)
+            self.forwards += 1
+            for node, parent in zip(nodes, parents):
+                offset_of[node], parent_of[node] = len(fed), parent
+                fed.append(node)
+            return torch.log_softmax(out.logits[0].float(), dim=-1)
+
+        tree, kept = build_dynamic_tree(torch.log_softmax(root.float(), dim=-1), expand,
+                                        TreeShape(budget, depth, topk), depth)
+        self._tree_fed = {new: offset_of[old] for new, old in enumerate(kept) if old in offset_of}
+        return tree
+
+    def commit_tree(self, accepted_nodes: list[int]) -> None:
+        """Keep the committed tokens fed this round and the accepted path's expanded nodes; drop the rest."""
+        path_fed = [self._tree_fed[node] for node in accepted_nodes if node in self._tree_fed]
+        keep = list(range(self._fresh)) + [self._fresh + off for off in path_fed]
+        kv_ops.keep_tail(self.cache, keep)
+        self.cached = self._committed_before + len(path_fed)
+        kv_ops.commit(self.cache)
+
+    def _dtype(self) -> torch.dtype:
+        dtype = next(self.model.parameters()).dtype
+        return dtype if dtype.is_floating_point else torch.float32

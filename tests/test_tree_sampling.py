@@ -1,0 +1,129 @@
+"""Lossless sampling over a token tree (toolkit/speculative/tree_verify.py): chi-square tests on a toy vocabulary.
+
+A toy target over V = 6 tokens: p(x1) and p(x2 | x1) fixed random tables. Each draw runs one tree round from the
+root (the first committed token) and reads the first two output tokens (when the round commits only one, the
+second comes from the target itself, as the next round would). Their joint distribution must be p(x1) p(x2 | x1)
+over all 36 cells (chi-square, >= 10^5 draws), for
+
+* a deterministic tree (one-hot drafts: top-k children, suffix continuations);
+* a tree whose root children are drawn *without replacement* from a draft q (Jeon et al. 2024) and whose second
+  level children i.i.d. from q (SpecInfer), with the matching ``draft_probs`` rows.
+
+A sampler with a planted bug (no residual after a rejection: the next sibling is judged against p itself) must be
+rejected by the same test.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from toolkit.speculative import tree_verify
+from toolkit.speculative.tree import TokenTree
+from toolkit.speculative.tree_verify import tree_speculative_sample
+
+V = 6
+DRAWS = 100_000
+
+
+@pytest.fixture(scope="module")
+def tables():
+    g = torch.Generator().manual_seed(0)
+    p1 = torch.softmax(torch.randn(V, generator=g) * 1.2, -1)
+    p2 = torch.softmax(torch.randn(V, V, generator=g) * 1.2, -1)  # p2[x1] = p(x2 | x1)
+    p3 = torch.softmax(torch.randn(V, V, V, generator=g) * 1.2, -1)
+    q1 = torch.softmax(torch.randn(V, generator=g), -1)
+    q2 = torch.softmax(torch.randn(V, V, generator=g), -1)
+    return p1, p2, p3, q1, q2
+
+
+def target_rows(tree: TokenTree, p1, p2, p3) -> torch.Tensor:
+    rows = [p1]
+    tokens, parents = tree.token_list(), tree.parent_list()
+    for i, parent in enumerate(parents):
+        rows.append(p2[tokens[i]] if parent < 0 else p3[tokens[parent], tokens[i]])
+    return torch.stack(rows)
+
+
+def first_two(path_tokens: list[int], nxt: int, p2, rng: np.random.Generator) -> tuple[int, int]:
+    out = path_tokens + [nxt]
+    if len(out) == 1:
+        out.append(int(rng.choice(V, p=p2[out[0]].double().numpy() / float(p2[out[0]].double().sum()))))
+    return out[0], out[1]
+
+
+def deterministic_tree() -> TokenTree:
+    # root children 0, 2, 4; below 0: 1, 3; below 2: 5
+    return TokenTree(torch.tensor([0, 2, 4, 1, 3, 5]), torch.tensor([-1, -1, -1, 0, 0, 1]))
+
+
+def stochastic_tree(q1, q2, g: torch.Generator) -> TokenTree:
+    """Two root children without replacement from q1, two i.i.d. children from q2[x] below the first one."""
+    first = int(torch.multinomial(q1, 1, generator=g))
+    rest = q1.clone()
+    rest[first] = 0
+    rest = rest / rest.sum()
+    second = int(torch.multinomial(rest, 1, generator=g))
+    below = torch.multinomial(q2[first], 2, replacement=True, generator=g).tolist()
+    probs = torch.stack([q1, rest, q2[first], q2[first]])
+    return TokenTree(torch.tensor([first, second] + below), torch.tensor([-1, -1, 0, 0]), draft_probs=probs)
+
+
+def run(tables, make_tree, draws: int = DRAWS) -> np.ndarray:
+    p1, p2, p3, q1, q2 = tables
+    g = torch.Generator().manual_seed(1)
+    rng = np.random.default_rng(2)
+    counts = np.zeros((V, V))
+    fixed = None
+    for _ in range(draws):
+        tree = make_tree(q1, q2, g)
+        if fixed is None or tree is not fixed:
+            rows = target_rows(tree, p1, p2, p3)
+        fixed = tree
+        path, nxt = tree_speculative_sample(tree, rows, g)
+        tokens = tree.token_list()
+        a, b = first_two([tokens[i] for i in path], nxt, p2, rng)
+        counts[a, b] += 1
+    return counts
+
+
+def p_value(tables, counts: np.ndarray) -> float:
+    p1, p2 = tables[0], tables[1]
+    expected = (p1[:, None] * p2).double().numpy().ravel()
+    expected = expected / expected.sum() * counts.sum()
+    return float(chisquare(counts.ravel(), expected).pvalue)
+
+
+@pytest.fixture(scope="module")
+def det_tree():
+    return deterministic_tree()
+
+
+def test_deterministic_tree_sampling_is_lossless(tables, det_tree):
+    counts = run(tables, lambda q1, q2, g: det_tree)
+    assert p_value(tables, counts) > 1e-3
+
+
+@pytest.mark.slow  # ~40 s: a new tree and its target rows every draw
+def test_stochastic_tree_sampling_is_lossless(tables):
+    counts = run(tables, stochastic_tree)
+    assert p_value(tables, counts) > 1e-3
+
+
+def test_a_sampler_without_the_residual_is_detected(tables, det_tree, monkeypatch):
+    monkeypatch.setattr(tree_verify, "residual", lambda p, q: p)
+    counts = run(tables, lambda q1, q2, g: det_tree)
+    assert p_value(tables, counts) < 1e-6
+
+
+def test_identical_draft_accepts_the_first_child():
+    """p == q at the root: the first root child is always accepted (acceptance probability 1)."""
+    p = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(5)), -1)
+    tree = TokenTree(torch.tensor([3, 1]), torch.tensor([-1, -1]), draft_probs=torch.stack([p, p]))
+    g = torch.Generator().manual_seed(0)
+    rows = torch.stack([p, p, p])
+    for _ in range(200):
+        path, _ = tree_speculative_sample(tree, rows, g)
+        assert path == [0]

@@ -1,0 +1,158 @@
+"""SuffixDecoding (Oliaro et al., "SuffixDecoding: Extreme Speculative Decoding for Emerging AI Applications",
+NeurIPS 2025; vLLM's ``suffix`` method): a model-free drafter with memory across requests.
+
+Two suffix tries (:mod:`toolkit.speculative.drafters.suffix_trie`):
+
+* the *request* trie indexes the current prompt and output as they grow;
+* the *global* trie indexes earlier requests' outputs (each preceded by the last ``PROMPT_CONTEXT`` prompt tokens,
+  so the first output tokens can match the chat template's assistant header); at most ``max_cached_requests`` of
+  them, the oldest removed first when a new one is added.
+
+Each round the longest suffix of the committed sequence found in a trie (``m`` tokens, at most ``depth // 2``)
+selects a node; its observed continuations, with empirical probabilities ``count(child) / sum(counts of the
+children)`` multiplied along a path, grow a speculation tree best-first (highest path probability first) while a
+path probability stays >= ``min_token_prob``, at most ``ceil(max_spec_factor * m)`` tokens deep (the paper's
+adaptive speculation length: long matches are trusted with long drafts) and within the round's node budget (the
+chain of :meth:`propose` is that many tokens; a tree spends its extra nodes on alternative branches, so it contains
+the chain). Of the request and
+global candidates, the tree with the larger expected number of accepted tokens (sum of its path probabilities, the
+paper's score) is proposed. ``propose`` returns the tree's most probable chain (linear speculation).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+
+import torch
+
+from toolkit.speculative.drafters.base import Drafter
+from toolkit.speculative.drafters.suffix_trie import SuffixTrie, TrieNode
+from toolkit.speculative.tree import TokenTree
+
+#: prompt tokens stored before each earlier output in the global trie
+PROMPT_CONTEXT = 8
+
+
+class SuffixDrafter(Drafter):
+    """Suffix-trie drafter with a bounded memory of earlier requests (see the module docstring).
+
+    Args:
+        max_spec_factor: speculation length = ``ceil(max_spec_factor * match length)`` tokens per path (> 0).
+        min_token_prob: smallest path probability of a proposed node, in [0, 1].
+        max_cached_requests: earlier requests kept in the global trie (0 = no memory across requests).
+        depth: longest indexed substring in tokens (>= 4); matches use at most ``depth // 2`` tokens.
+
+    One instance serves many ``generate`` calls: ``reset()`` (start of a generation) moves the previous request
+    into the global trie.
+    """
+
+    def __init__(self, max_spec_factor: float = 1.0, min_token_prob: float = 0.1, max_cached_requests: int = 16,
+                 depth: int = 48):
+        self.max_spec_factor, self.min_token_prob = max_spec_factor, min_token_prob
+        self.max_cached_requests, self.depth = max_cached_requests, depth
+        self.global_trie = SuffixTrie(depth)
+        self.cached_requests: OrderedDict[int, list[int]] = OrderedDict()
+        self._next_id = 0
+        self._tokens: list[int] = []
+        self._prompt_len = None
+        self._request = None
+
+    # ------------------------------------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Archive the previous request (if any) in the global trie; start an empty request trie."""
+        super().reset()
+        self._archive()
+        self._tokens, self._prompt_len = [], None
+        self._request = SuffixTrie(self.depth)
+        self._request_cursor = self._request.cursor()
+        self._global_cursor = self.global_trie.matcher()
+
+    def _archive(self) -> None:
+        if self._prompt_len is None or self.max_cached_requests == 0:
+            return
+        stored = self._tokens[max(0, self._prompt_len - PROMPT_CONTEXT):]
+        if len(stored) <= PROMPT_CONTEXT:
+            return
+        self.global_trie.insert(stored)
+        self.cached_requests[self._next_id] = stored
+        self._next_id += 1
+        while len(self.cached_requests) > self.max_cached_requests:
+            _, old = self.cached_requests.popitem(last=False)
+            self.global_trie.remove(old)
+
+    def _sync(self, input_ids: torch.Tensor) -> None:
+        """Feed the committed tokens not seen yet to both cursors (the prompt on the first call)."""
+        if self._request is None:
+            self.reset()
+        ids = input_ids[0, len(self._tokens):].tolist()
+        if self._prompt_len is None:
+            self._prompt_len = max(0, input_ids.shape[1] - 1)  # the decoder's first call: prompt + first token
+        for token in ids:
+            self._request_cursor.append(token)
+            self._global_cursor.append(token)
+        self._tokens.extend(ids)
+
+    # ------------------------------------------------------------------------------------------------ drafting
+    def _grow(self, node: TrieNode, match: int, max_nodes: int, max_depth: int, chain: bool) -> tuple[list, float]:
+        """Best-first speculation tree below ``node`` (only the likeliest child per node if ``chain``):
+        ``([(token, parent index, path probability)], score = sum of path probabilities)``."""
+        max_depth = min(max_depth, math.ceil(self.max_spec_factor * match))
+        out, score = [], 0.0
+        heap: list = []
+        counter = 0
+
+        def push(trie_node: TrieNode, parent: int, prob: float, depth: int) -> None:
+            nonlocal counter
+            if depth > max_depth or not trie_node.children:
+                return
+            total = sum(child.count for child in trie_node.children.values())
+            items = trie_node.children.items()
+            if chain:
+                items = [max(items, key=lambda item: item[1].count)]
+            for token, child in items:
+                p = prob * child.count / total
+                if p >= self.min_token_prob:
+                    heapq.heappush(heap, (-p, counter, token, child, parent, depth))
+                    counter += 1
+
+        push(node, -1, 1.0, 1)
+        while heap and len(out) < max_nodes:
+            neg, _, token, child, parent, depth = heapq.heappop(heap)
+            out.append((token, parent, -neg))
+            score -= neg
+            push(child, len(out) - 1, -neg, depth + 1)
+        return out, score
+
+    def _best(self, max_nodes: int, max_depth: int, chain: bool = False) -> list:
+        best, best_score = [], 0.0
+        max_match = self.depth // 2
+        for cursor, min_count in ((self._request_cursor, 2), (self._global_cursor, 1)):
+            node, match = cursor.longest_match(max_match, min_count)
+            if node is None:
+                continue
+            nodes, score = self._grow(node, match, max_nodes, max_depth, chain)
+            if score > best_score:
+                best, best_score = nodes, score
+        return best
+
+    def propose_tree(self, input_ids: torch.Tensor, budget: int, depth: int, topk: int = 0) -> TokenTree:
+        """A frequency-scored speculation tree of at most ``budget`` nodes and ``depth`` levels (``topk`` unused)."""
+        self._sync(input_ids)
+        nodes = self._best(budget, depth)
+        return TokenTree(torch.tensor([t for t, _, _ in nodes], dtype=torch.long),
+                         torch.tensor([p for _, p, _ in nodes], dtype=torch.long))
+
+    def commit_tree(self, accepted_nodes: list[int]) -> None:
+        """Nothing to roll back: the tries index committed tokens only."""
+
+    def propose(self, input_ids: torch.Tensor, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The most probable chain of the speculation tree, at most ``num_draft_tokens`` tokens."""
+        self._sync(input_ids)
+        nodes = self._best(num_draft_tokens, num_draft_tokens, chain=True)
+        return torch.tensor([[t for t, _, _ in nodes]], dtype=torch.long).view(1, -1), None
+
+    def memory_nodes(self) -> int:
+        """Trie nodes held (global + request): the drafter's memory in nodes."""
+        return self.global_trie.nodes + (self._request.nodes if self._request is not None else 0)
