@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from toolkit.kv import ops as kv_ops
-from toolkit.recipe import GenerationSpec
+from toolkit.speculative.params import DecodeParams
 from toolkit.speculative.adaptive import ConstantK
 from toolkit.speculative.drafters.base import Drafter
 from toolkit.speculative.stats import GenerationStats
@@ -114,7 +114,7 @@ class SpeculativeDecoder:
             stats.peak_kv_bytes_draft = max(stats.peak_kv_bytes_draft, stats.kv_bytes_draft)
 
     # ------------------------------------------------------------------------------------------------ the loop
-    def decode(self, input_ids: torch.Tensor, gen: GenerationSpec, stats: GenerationStats,
+    def decode(self, input_ids: torch.Tensor, gen: DecodeParams, stats: GenerationStats,
                eos_token_ids: list[int] = (), should_stop: Callable[[list[int]], int | None] | None = None,
                ) -> Iterator[list[int]]:
         """Generate after ``input_ids`` ``(1, prompt_len)``; yields the newly committed token ids of every round.
