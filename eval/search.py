@@ -230,6 +230,9 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
         found_dir = out
     rdb, storage, shared = _storage(storage, out_dir, heartbeat_s)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    import warnings
+
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # TPE 'group'
 
     def constraints_func(trial) -> list[float]:
         cons = trial.user_attrs.get("constraints")
