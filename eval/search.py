@@ -158,9 +158,20 @@ def _storage(url: str | None, out_dir: Path, heartbeat_s: float | None):
         url = f"sqlite:///{(out_dir / 'study.db').resolve()}"
         return optuna.storages.RDBStorage(url), url, False
     hb = heartbeat_s or 30.0
-    storage = optuna.storages.RDBStorage(url, heartbeat_interval=max(1, int(round(hb))), grace_period=int(3 * hb) + 1,
+    storage = optuna.storages.RDBStorage(_driver_url(url), heartbeat_interval=max(1, int(round(hb))), grace_period=int(3 * hb) + 1,
                                          failed_trial_callback=RetryFailedTrialCallback(max_retry=1))
     return storage, url, True
+
+
+def _driver_url(url: str) -> str:
+    """``postgresql://`` with the driver that is installed: SQLAlchemy 2.1 defaults to psycopg 3, the toolkit
+    depends on psycopg2 (``psycopg2-binary``)."""
+    if url.startswith(("postgresql://", "postgres://")):
+        import importlib.util
+
+        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
+            return "postgresql+psycopg2://" + url.split("://", 1)[1]
+    return url
 
 
 def _worker_command(scenario: str, space_arg, storage: str, study_name: str, n_total: int, timeout: float | None,
@@ -353,6 +364,8 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
             print(f"search {scenario}: worker {child.pid} exited with status {code}", file=sys.stderr)
     if not finalize_results:
         return {"scenario": scenario, "study": name, "counts": _counts(study)}
+    if shared:
+        _settle(study, rdb)
     confirm = None
     if heldout:
         def confirm(recipe, suite_recipe=None):
@@ -366,6 +379,21 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
             return evaluate(r, settings=h_settings, out_dir=results_dir(r, h_settings, out_dir / "heldout"),
                             prompts=heldout_prompts, ppl_ids=ppl_ids, progress=progress, **inject)
     return finalize(study, sp, sc, out_dir, found_dir, settings, storage, confirm, base=out)
+
+
+def _settle(study, rdb) -> None:
+    """Before choosing: wait (at most two grace periods) for RUNNING trials of workers that died to be marked
+    FAIL by the heartbeat, so the study the outputs describe holds no stale trial; live workers are not waited for
+    beyond that."""
+    import optuna
+
+    grace = rdb.get_heartbeat_interval() and rdb.grace_period or 0
+    deadline = time.monotonic() + 2 * grace
+    while time.monotonic() < deadline:
+        optuna.storages.fail_stale_trials(study)
+        if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            return
+        time.sleep(1.0)
 
 
 # ------------------------------------------------------------------------------------------------- outputs
@@ -622,7 +650,7 @@ def write_found_recipe(path: Path, best: dict, rows: list[dict], sp: SearchSpace
         f"# Hardware: {env['hardware']} ({env['platform']}, {env['torch_threads']} torch threads)",
         f"# Versions: python {env['python']}, torch {env['torch']}, transformers {env['transformers']}, "
         f"optuna {optuna.__version__}" + (f", bitsandbytes {env['bitsandbytes']}" if "bitsandbytes" in env else ""),
-        f"# Space: {sp.source}; params: {best['params']}; scenario bounds: {bounds}",
+        f"# Space: {_relative(sp.source, here)}; params: {best['params']}; scenario bounds: {bounds}",
     ]
     if counts:
         header.append(f"# {_counts_line(counts)}")
