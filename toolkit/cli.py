@@ -19,6 +19,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Speculative decoding with quantized weights and compressed KV caches.")
 draft_app = typer.Typer(no_args_is_help=True, help="Build draft models for a target.")
 app.add_typer(draft_app, name="draft")
+from toolkit.cli_export import export_app  # noqa: E402  (toolkit export vllm|sglang)
+
+app.add_typer(export_app, name="export")
 
 
 def _fail(exc: Exception) -> None:
