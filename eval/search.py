@@ -158,7 +158,8 @@ def _storage(url: str | None, out_dir: Path, heartbeat_s: float | None):
         url = f"sqlite:///{(out_dir / 'study.db').resolve()}"
         return optuna.storages.RDBStorage(url), url, False
     hb = heartbeat_s or 30.0
-    storage = optuna.storages.RDBStorage(_driver_url(url), heartbeat_interval=max(1, int(round(hb))), grace_period=int(3 * hb) + 1,
+    storage = optuna.storages.RDBStorage(_driver_url(url), heartbeat_interval=max(1, int(round(hb))),
+                                         grace_period=int(3 * hb) + 1,
                                          failed_trial_callback=RetryFailedTrialCallback(max_retry=1))
     return storage, url, True
 
@@ -239,6 +240,8 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
     out_dir.mkdir(parents=True, exist_ok=True)
     if found_dir is _SAME_DIR:
         found_dir = out
+    if storage is None and workers > 1:  # several local workers share the SQLite file, with heartbeats
+        storage = f"sqlite:///{(out_dir / 'study.db').resolve()}"
     rdb, storage, shared = _storage(storage, out_dir, heartbeat_s)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     import warnings
@@ -334,7 +337,8 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
     def stop_before_deadline(study_, trial) -> None:
         """Stop when one more trial (plus the held-out confirmation) would overrun the budget."""
         if durations:
-            reserve = max(durations) * (2 if finalize_results and heldout else 1)
+            confirmations = 1 + len(sp.heldout.get("compare", [])) if finalize_results and heldout else 0
+            reserve = max(durations) * (1 + confirmations)
             if time.monotonic() - started + reserve > budget_s:
                 print(f"search {scenario}: stopping: the {budget_s:.0f} s budget leaves no room for another trial",
                       file=sys.stderr)
@@ -355,7 +359,8 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
               f"{[c.pid for c in children]}", file=sys.stderr)
     if remaining:
         # completed trials count toward --trials; invalid / duplicate ones are cheap but capped all the same
-        study.optimize(objective, n_trials=remaining * 20 + 50, timeout=max(1.0, budget_s - (time.monotonic() - started)),
+        left = max(1.0, budget_s - (time.monotonic() - started))
+        study.optimize(objective, n_trials=remaining * 20 + 50, timeout=left,
                        callbacks=[MaxTrialsCallback(n_total, states=(TS.COMPLETE,)), stop_before_deadline],
                        gc_after_trial=False, show_progress_bar=False)
     for child in children:

@@ -49,18 +49,15 @@ _SOURCE_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 def data_path(*parts: str) -> Path:
     """Path of a data file shipped under ``recipes/`` (search spaces, prompt suites, recipes).
 
-    The one place that knows where package data lives: the package ``toolkit.recipes`` once the wheel maps
-    ``recipes/`` there (setuptools package-dir), else the source tree's ``recipes/``.
+    The one place that knows where package data lives: the ``recipes/`` next to this code when running from a
+    checkout (so a work tree reads its own files), else the package ``toolkit.recipes`` that the wheel maps
+    ``recipes/`` to (setuptools package-dir).
     """
-    try:
-        from importlib.resources import files
+    if _SOURCE_RECIPES.is_dir():
+        return _SOURCE_RECIPES.joinpath(*parts)
+    from importlib.resources import files
 
-        root = Path(str(files("toolkit.recipes")))
-        if root.is_dir():
-            return root.joinpath(*parts)
-    except (ModuleNotFoundError, TypeError):
-        pass
-    return _SOURCE_RECIPES.joinpath(*parts)
+    return Path(str(files("toolkit.recipes"))).joinpath(*parts)
 
 
 def data_name(path: Path) -> str:
