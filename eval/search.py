@@ -337,8 +337,10 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
     def stop_before_deadline(study_, trial) -> None:
         """Stop when one more trial (plus the held-out confirmation) would overrun the budget."""
         if durations:
+            # a confirmation measures more prompts than a trial and times every baseline afresh: ~1.5x per prompt
             confirmations = 1 + len(sp.heldout.get("compare", [])) if finalize_results and heldout else 0
-            reserve = max(durations) * (1 + confirmations)
+            scale = 1.5 * max(1.0, (sp.heldout.get("num_prompts") or 1) / (settings.num_prompts or 1))
+            reserve = max(durations) * (1 + confirmations * scale)
             if time.monotonic() - started + reserve > budget_s:
                 print(f"search {scenario}: stopping: the {budget_s:.0f} s budget leaves no room for another trial",
                       file=sys.stderr)
