@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MB = 1024 * 1024
+from eval.results import MB, EvalResult
+
 
 OBJECTIVES = ("throughput", "ppl", "memory_mb")
 DIRECTIONS = ("maximize", "minimize", "minimize")
@@ -49,38 +50,23 @@ SCENARIOS = {
 }
 
 
-def objectives(m: dict) -> list[float]:
-    """``[throughput tok/s, perplexity (configured), memory MiB (weights + peak KV)]`` of a metrics dict."""
-    return [m["methods"]["ours"]["throughput"]["median"], m["perplexity"]["configured"]["value"],
-            m["memory"]["total_peak_bytes"] / MB]
+def objectives(r: EvalResult) -> list[float]:
+    """``[throughput tok/s, perplexity (configured), memory MiB (weights + peak KV)]`` of an evaluation."""
+    return [r.throughput.median, r.ppl, r.memory_mb]
 
 
-def ar_reference_throughput(m: dict) -> float | None:
-    """Median throughput of AR on the fp32 uncompressed target (``ar_fp32``, else ``ar`` of an fp32 target)."""
-    methods = m["methods"]
-    if "ar_fp32" in methods:
-        return methods["ar_fp32"]["throughput"]["median"]
-    if "ar" in methods and m["recipe"]["config"]["target"]["precision"] == "fp32":
-        return methods["ar"]["throughput"]["median"]
-    return methods.get("ar", {}).get("throughput", {}).get("median")
-
-
-def constraints(m: dict, sc: Scenario) -> dict[str, float]:
+def constraints(r: EvalResult, sc: Scenario) -> dict[str, float]:
     """Constraint values (feasible iff every value <= 0), named, for Optuna's ``constraints_func``."""
     out: dict[str, float] = {}
     if sc.ppl_ratio_max is not None:
-        ratio = m["perplexity"]["ratio_to_fp32"]
-        out["ppl_ratio"] = (ratio if ratio is not None else float("inf")) - sc.ppl_ratio_max
+        out["ppl_ratio"] = (r.ppl_ratio if r.ppl_ratio is not None else float("inf")) - sc.ppl_ratio_max
     if sc.budget_mb is not None:
-        out["budget_mb"] = m["memory"]["total_peak_bytes"] / MB - sc.budget_mb
+        out["budget_mb"] = r.memory_mb - sc.budget_mb
     if sc.kv_budget_mb is not None:
-        kv = m["memory"]["kv_bytes"]
-        out["kv_budget_mb"] = (kv["target_peak"] + kv["draft_peak"]) / MB - sc.kv_budget_mb
+        out["kv_budget_mb"] = r.kv_peak_bytes / MB - sc.kv_budget_mb
     if sc.min_speedup_vs_ar is not None:
-        ar = ar_reference_throughput(m)
-        ours = m["methods"]["ours"]["throughput"]["median"]
-        out["speedup_vs_ar"] = sc.min_speedup_vs_ar - (ours / ar if ar else 0.0)
+        ar = r.ar_reference_throughput
+        out["speedup_vs_ar"] = sc.min_speedup_vs_ar - (r.throughput.median / ar if ar else 0.0)
     if sc.min_fidelity is not None:
-        fid = m["fidelity"].get("vs_ar", {}).get("match_rate", 0.0)
-        out["fidelity"] = sc.min_fidelity - fid
+        out["fidelity"] = sc.min_fidelity - (r.fidelity_vs_ar or 0.0)
     return out

@@ -1,31 +1,35 @@
 """Automated configuration search per scenario (Optuna, multi-objective, constrained), recipes as output.
 
-    toolkit search --scenario short [--budget-mb N] [--trials N] [--storage URL]
+    toolkit search --scenario short [--trials N] [--timeout S] [--out DIR] [--storage URL] [--workers N]
 
-Every trial builds a recipe from the scenario's space (``recipes/search/<scenario>.yaml``, see :mod:`eval.space`),
-runs the evaluator on it (fast settings from the space file) and reports three objectives — throughput (max),
-perplexity (min), memory = weights + peak KV in MiB (min) — plus the scenario's constraints through Optuna's
-``constraints_func`` (feasible iff every value <= 0; :mod:`eval.scenarios`). The winner is the feasible trial best on
-the scenario's primary objective (ties: lower perplexity); infeasible trials are never chosen, and when no trial is
-feasible no recipe is written.
+Every trial walks the scenario's space (``recipes/search/<scenario>.yaml``, conditional dimensions, see
+:mod:`eval.space`), builds the recipe — a combination that makes no valid recipe is pruned with its reason before
+any model loads, counted and never evaluated — runs the evaluator on it (fast settings from the space file) and
+reports three objectives: throughput (max), perplexity (min), memory = weights + peak KV in MiB (min), plus the
+scenario's constraints through Optuna's ``constraints_func`` (feasible iff every value <= 0; :mod:`eval.scenarios`).
+The sampler is multi-objective TPE with constraints (multivariate, grouped for conditional spaces); a space small
+enough for the trial budget is run as an exhaustive grid instead. The winner is the feasible trial best on the
+scenario's primary objective (ties: lower perplexity); infeasible trials are never chosen.
 
-Storage and resuming: the default storage is a SQLite file ``results/search/<scenario>.db``; a study is resumed
-by name (``search-<scenario>``) and ``--trials N`` is the total the study should reach, so re-running after an
-interrupt only runs the missing trials (trials left RUNNING by a killed local run are marked FAIL and redone;
-finished ones are never repeated). Evaluations are cached on disk by recipe config hash
-(``results/search/<scenario>/<name>-<hash>-...``) and inside the study, so a repeated point costs nothing.
+Budget and resuming: ``--trials N`` is the number of *completed* trials the study should reach and ``--timeout S``
+the wall-clock budget of this run (default ``timeout_s`` of the space file, <= 30 min on a 2-core CPU); the run stops
+starting trials when one more trial plus the held-out confirmation would overrun it. A study is resumed by name
+(``search-<scenario>``): re-running runs only the missing trials; finished ones are never repeated, and an identical
+recipe is never evaluated twice (a finished one is reused, one running in another worker is skipped).
 
-Scaling past one machine: pass any Optuna RDB URL as ``--storage`` and start the same command on several machines;
-they share one study (Optuna heartbeats fail trials of crashed workers after a grace period)::
+Held-out confirmation: the winner is measured again on a prompt suite no trial saw (``heldout.prompts`` in the
+space file, e.g. ``recipes/prompts/short-heldout.yaml``), every baseline timed afresh in the same run, and so is each
+shipped recipe named in ``heldout.compare``; the found recipe records the search and the held-out numbers.
 
-    # once: createdb optuna; pip install psycopg2-binary
-    toolkit search --scenario long --trials 24 --storage postgresql://user:pass@db-host:5432/optuna   # machine A
-    toolkit search --scenario long --trials 24 --storage postgresql://user:pass@db-host:5432/optuna   # machine B
+Many workers, one study: ``--storage postgresql://...`` (or any Optuna RDB URL) and ``--workers N`` starts N worker
+processes on the study (or start the same command on several machines with ``--no-finalize`` and the same
+``--study-name``). Workers send heartbeats; the trial of a worker that dies is marked FAIL after the grace period
+and re-queued once (``RetryFailedTrialCallback``).
 
-Outputs (``results/search/<scenario>/``): ``pareto.png`` (throughput vs memory, perplexity as colour, Pareto front
-and winner marked), ``pareto.md`` (every trial: params, objectives, constraints, Pareto/feasible flags),
-``trials.json``; and ``recipes/found/<scenario>.yaml`` with provenance (hardware, library versions, date, metrics) and
-a "why it won" line, runnable with ``toolkit run``.
+Outputs go to the working directory, ``--out`` (default ``./found``): ``<scenario>.yaml`` (the runnable winner, with
+provenance and "why it won"; paths relative to the file), ``<scenario>/`` with ``pareto.png`` (every measured trial:
+throughput vs memory, perplexity as colour, Pareto front and winner marked), ``pareto.md``, ``trials.json``, the
+per-trial evaluation results and the default SQLite study ``study.db``.
 """
 
 from __future__ import annotations
@@ -34,22 +38,25 @@ import dataclasses
 import datetime
 import json
 import logging
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
+from eval.results import EvalResult
 from eval.scenarios import DIRECTIONS, OBJECTIVES, SCENARIOS, Scenario, constraints, objectives
-from eval.space import SearchSpace, load_space
+from eval.space import SearchSpace, data_path, load_space
 from toolkit.errors import ConfigError
 from toolkit.io import atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent
-FOUND_DIR = ROOT / "recipes" / "found"
-SEARCH_ROOT = Path("results") / "search"
-
+DEFAULT_OUT = Path("found")
+DEFAULT_TIMEOUT_S = 1800.0
+_SAME_DIR = object()  # found_dir default: the --out directory
 
 # ------------------------------------------------------------------------------------------------- selection
 def is_feasible(cons: dict | None) -> bool:
@@ -93,6 +100,31 @@ def _rows(study) -> list[dict]:
     return rows
 
 
+def _counts(study) -> dict:
+    """Trials by outcome: completed (measured or reused), invalid (pruned before loading), duplicate, failed."""
+    import optuna
+
+    TS = optuna.trial.TrialState
+    out = {"complete": 0, "invalid": 0, "duplicate": 0, "failed": 0, "running": 0, "reused": 0}
+    reasons: dict[str, int] = {}
+    for t in study.get_trials(deepcopy=False):
+        if t.state == TS.COMPLETE:
+            out["complete"] += 1
+            out["reused"] += "cached_from" in t.user_attrs
+        elif t.state == TS.PRUNED and "invalid" in t.user_attrs:
+            out["invalid"] += 1
+            key = t.user_attrs["invalid"].split(":", 1)[0]
+            reasons[key] = reasons.get(key, 0) + 1
+        elif t.state == TS.PRUNED:
+            out["duplicate"] += 1
+        elif t.state == TS.FAIL:
+            out["failed"] += 1
+        elif t.state == TS.RUNNING:
+            out["running"] += 1
+    out["invalid_by_field"] = reasons
+    return out
+
+
 # ------------------------------------------------------------------------------------------------- the search
 def _scenario(space: SearchSpace, budget_mb: float | None) -> Scenario:
     base = SCENARIOS.get(space.scenario, Scenario(space.scenario, primary="throughput"))
@@ -102,98 +134,169 @@ def _scenario(space: SearchSpace, budget_mb: float | None) -> Scenario:
     return sc
 
 
-def _summary(m: dict) -> dict:
-    ours = m["methods"]["ours"]["throughput"]
-    kv = m["memory"]["kv_bytes"]
-    return {"throughput": ours["median"], "throughput_min": ours["min"], "throughput_max": ours["max"],
-            "ppl": m["perplexity"]["configured"]["value"], "ppl_ratio": m["perplexity"]["ratio_to_fp32"],
-            "memory_mb": m["memory"]["total_peak_bytes"] / 2**20,
-            "kv_peak_mb": (kv["target_peak"] + kv["draft_peak"]) / 2**20,
-            "weights_mb": m["memory"]["weight_bytes"]["total"] / 2**20,
-            "alpha": m["acceptance"]["acceptance_rate"], "tau": m["acceptance"]["tokens_per_round"],
-            "ratios": m["ratios"], "ttft_ms": m["methods"]["ours"]["ttft_ms"]["median"],
-            "fidelity_vs_ar": m["fidelity"].get("vs_ar", {}).get("match_rate"),
-            "fidelity_vs_fp32": m["fidelity"].get("vs_fp32", {}).get("match_rate"),
-            "peak_memory": m["memory"]["peak"], "elapsed_s": m["elapsed_s"]}
+def _summary(r: EvalResult) -> dict:
+    """What a trial records of its evaluation (JSON-able, stored in the study)."""
+    return {"throughput": r.throughput.median, "throughput_min": r.throughput.min,
+            "throughput_max": r.throughput.max, "ppl": r.ppl, "ppl_ratio": r.ppl_ratio, "memory_mb": r.memory_mb,
+            "kv_peak_mb": r.kv_peak_bytes / 2**20, "weights_mb": r.weight_bytes / 2**20,
+            "alpha": r.acceptance_rate, "tau": r.tokens_per_round, "ratios": r.ratios, "ttft_ms": r.ttft_ms.median,
+            "fidelity_vs_ar": r.fidelity_vs_ar, "fidelity_vs_fp32": r.fidelity_vs_fp32,
+            "peak_memory": r.document["memory"]["peak"], "elapsed_s": r.elapsed_s}
+
+
+def _storage(url: str | None, out_dir: Path, heartbeat_s: float | None):
+    """``(RDBStorage, url, shared)``: the default is a local SQLite file (one writer); a given URL is shared by
+    workers, so it runs with heartbeats and re-queues the trial of a dead worker once."""
+    import optuna
+    from optuna.storages import RetryFailedTrialCallback
+
+    if url is None:
+        url = f"sqlite:///{(out_dir / 'study.db').resolve()}"
+        return optuna.storages.RDBStorage(url), url, False
+    hb = heartbeat_s or 30.0
+    storage = optuna.storages.RDBStorage(_driver_url(url), heartbeat_interval=max(1, int(round(hb))),
+                                         grace_period=int(3 * hb) + 1,
+                                         failed_trial_callback=RetryFailedTrialCallback(max_retry=1))
+    return storage, url, True
+
+
+def _driver_url(url: str) -> str:
+    """``postgresql://`` with the driver that is installed: SQLAlchemy 2.1 defaults to psycopg 3, the toolkit
+    depends on psycopg2 (``psycopg2-binary``)."""
+    if url.startswith(("postgresql://", "postgres://")):
+        import importlib.util
+
+        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
+            return "postgresql+psycopg2://" + url.split("://", 1)[1]
+    return url
+
+
+def _worker_command(scenario: str, space_arg, storage: str, study_name: str, n_total: int, timeout: float | None,
+                    out: Path, enable: list[str], budget_mb, heartbeat_s) -> list[str]:
+    cmd = [sys.executable, "-m", "toolkit_cli", "search", "--scenario", scenario, "--storage", storage,
+           "--study-name", study_name, "--trials", str(n_total), "--out", str(out), "--workers", "1",
+           "--no-finalize"]
+    if space_arg is not None:
+        cmd += ["--space", str(space_arg)]
+    if timeout is not None:
+        cmd += ["--timeout", str(timeout)]
+    for item in enable:
+        cmd += ["--enable", item]
+    if budget_mb is not None:
+        cmd += ["--budget-mb", str(budget_mb)]
+    if heartbeat_s is not None:
+        cmd += ["--heartbeat", str(heartbeat_s)]
+    return cmd
 
 
 def run_search(scenario: str, budget_mb: float | None = None, trials: int | None = None,
                storage: str | None = None, *, space: str | Path | dict | None = None,
-               results_root: str | Path = SEARCH_ROOT, found_dir: str | Path | None = FOUND_DIR,
-               models_fn: Callable | None = None, prompts=None, ppl_ids=None, progress: bool = True,
-               eval_overrides: dict | None = None, study_name: str | None = None, verify: bool = True) -> dict:
-    """Run (or resume) the search of ``scenario``; returns a summary dict (best row, Pareto front, file paths).
+               out: str | Path = DEFAULT_OUT, found_dir=_SAME_DIR, timeout: float | None = None,
+               workers: int = 1, enable: list[str] | None = None, finalize_results: bool = True,
+               heartbeat_s: float | None = None, models_fn: Callable | None = None, prompts=None, ppl_ids=None,
+               heldout_prompts=None, progress: bool = True, eval_overrides: dict | None = None,
+               study_name: str | None = None, heldout: bool = True) -> dict:
+    """Run (or resume) the search of ``scenario``; returns a summary dict (best row, Pareto front, counts, files).
 
-    ``space`` defaults to ``recipes/search/<scenario>.yaml``. Test injection: ``models_fn(recipe) -> dict`` with
-    ``target``, ``tokenizer``, ``draft_model``, ``reference_model``; ``prompts`` / ``ppl_ids`` as in
-    :func:`eval.evaluate.evaluate`. ``found_dir=None`` writes no recipe. ``verify`` re-evaluates the winner with
-    every baseline timed again in the same run (trials reuse baseline timings across trials when the space's eval
-    settings say ``reuse_baselines``) and records those numbers in the recipe's provenance.
+    Args:
+        space: the space file (default ``recipes/search/<scenario>.yaml``), a path or a dict.
+        out: output directory (relative to the working directory): ``<out>/<scenario>.yaml`` and ``<out>/<scenario>/``.
+        found_dir: where the found recipe goes (default ``out``); ``None`` writes none.
+        trials: completed trials the study should reach (default: the space's ``trials``).
+        timeout: wall-clock budget of this run in seconds (default: the space's ``timeout_s``, else 1800).
+        workers: worker processes on this study (this process + ``workers - 1`` started with the same arguments).
+        enable: dimensions / labels kept off in the space file to search too (``["drafter.suffix"]``).
+        finalize_results: choose the winner and write outputs (workers started elsewhere pass ``False``).
+        heartbeat_s: heartbeat interval of a shared storage (grace period 3x); default 30 s.
+        models_fn / prompts / ppl_ids / heldout_prompts: test injection (``models_fn(recipe) -> dict`` with
+            ``target``, ``tokenizer``, ``draft_model``, ``reference_model``; prompts as in :func:`eval.evaluate.evaluate`).
+        heldout: confirm the winner on the held-out prompts (and the shipped recipes of ``heldout.compare``).
 
     Raises:
-        ConfigError: unknown scenario / malformed space file.
+        ConfigError: unknown scenario, malformed space file, or a bad ``--enable`` name.
     """
     import optuna
+    from optuna.study import MaxTrialsCallback
 
     from eval.evaluate import EvalSettings, evaluate, results_dir
 
+    started = time.monotonic()
     if space is None and scenario not in SCENARIOS:
         raise ConfigError("scenario", f"unknown scenario {scenario!r}", sorted(SCENARIOS))
     sp = load_space(space if space is not None else scenario)
     if sp.scenario != scenario:
         sp = dataclasses.replace(sp, scenario=scenario)
+    sp.enable(list(enable or []))
     sc = _scenario(sp, budget_mb)
     settings = EvalSettings(**{"mode": "search", **sp.eval, **(eval_overrides or {})})
     n_total = trials if trials is not None else sp.trials
-    out_dir = Path(results_root) / scenario
+    budget_s = timeout if timeout is not None else (sp.timeout_s or DEFAULT_TIMEOUT_S)
+    out = Path(out)
+    out_dir = out / scenario
     out_dir.mkdir(parents=True, exist_ok=True)
-    default_storage = storage is None
-    if default_storage:
-        storage = f"sqlite:///{(Path(results_root) / f'{scenario}.db').resolve()}"
-    rdb = optuna.storages.RDBStorage(storage, heartbeat_interval=30, grace_period=120) \
-        if not default_storage else optuna.storages.RDBStorage(storage)
+    if found_dir is _SAME_DIR:
+        found_dir = out
+    if storage is None and workers > 1:  # several local workers share the SQLite file, with heartbeats
+        storage = f"sqlite:///{(out_dir / 'study.db').resolve()}"
+    rdb, storage, shared = _storage(storage, out_dir, heartbeat_s)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    import warnings
+
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # TPE 'group'
 
     def constraints_func(trial) -> list[float]:
         cons = trial.user_attrs.get("constraints")
         return list(cons.values()) if cons else [1.0]
 
-    grid = sp.grid_size <= n_total
-    if grid:  # every point is queued explicitly (see below); the sampler only fills in past the queue
+    points = sp.points(limit=n_total)
+    grid = len(points) <= n_total
+    if grid:  # every valid point is queued explicitly (see below); the sampler only fills in past the queue
         sampler = optuna.samplers.RandomSampler(seed=0)
-        sampler_name = f"exhaustive grid ({sp.grid_size} points)"
+        sampler_name = f"exhaustive grid ({len(points)} points)"
     else:
-        sampler = optuna.samplers.TPESampler(seed=0, constraints_func=constraints_func, multivariate=True,
-                                             n_startup_trials=min(6, n_total))
-        sampler_name = f"TPE with constraints_func ({sp.grid_size} points, {n_total} trials)"
-    study = optuna.create_study(study_name=study_name or f"search-{scenario}", storage=rdb,
-                                directions=list(DIRECTIONS), sampler=sampler, load_if_exists=True)
-    if default_storage:  # a local file has one writer: RUNNING trials are leftovers of an interrupted run
-        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-            rdb.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
-    finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-    done = len(study.get_trials(deepcopy=False, states=finished))
+        sampler = optuna.samplers.TPESampler(seed=None if shared else 0, constraints_func=constraints_func,
+                                             multivariate=True, group=True, n_startup_trials=min(8, n_total),
+                                             warn_independent_sampling=False)
+        sampler_name = f"TPE with constraints_func (more than {n_total} points, {n_total} trials)"
+    name = study_name or f"search-{scenario}"
+    study = optuna.create_study(study_name=name, storage=rdb, directions=list(DIRECTIONS), sampler=sampler,
+                                load_if_exists=True)
+    TS = optuna.trial.TrialState
+    if not shared:  # a local file has one writer: RUNNING trials are leftovers of an interrupted run
+        for t in study.get_trials(deepcopy=False, states=(TS.RUNNING,)):
+            rdb.set_trial_state_values(t._trial_id, TS.FAIL)
+    done = len(study.get_trials(deepcopy=False, states=(TS.COMPLETE,)))
+    invalid_points = 0
     if grid:
-        # Exhaustive grid: queue every point that no finished, running or queued trial covers (a point whose trial
-        # failed or was interrupted is queued again); finished points are never repeated.
-        TS = optuna.trial.TrialState
+        # Exhaustive grid: queue every valid point that no finished, running or queued trial covers (a point whose
+        # trial failed or was interrupted is queued again); invalid points are counted, never queued.
         covered = {json.dumps(t.params, sort_keys=True) for t in study.get_trials(
             deepcopy=False, states=(TS.COMPLETE, TS.PRUNED, TS.RUNNING, TS.WAITING))}
         budget = n_total - done - len(study.get_trials(deepcopy=False, states=(TS.WAITING,)))
-        for point in sp.points():
-            if budget <= 0:
-                break
-            if json.dumps(point, sort_keys=True) not in covered:
+        for point in points:
+            try:
+                sp.recipe(point)
+            except ConfigError:
+                invalid_points += 1
+                continue
+            if budget > 0 and json.dumps(point, sort_keys=True) not in covered:
                 study.enqueue_trial(point)
                 budget -= 1
     remaining = max(0, n_total - done)
     if grid:
-        remaining = min(remaining, len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))))
-    print(f"search {scenario}: {done} finished trial(s) in the study, running {remaining} more "
-          f"({sampler_name}; storage {storage})", file=sys.stderr)
+        remaining = min(remaining, len(study.get_trials(deepcopy=False, states=(TS.WAITING,))))
+    print(f"search {scenario}: {done} completed trial(s) in study {name}, up to {remaining} more "
+          f"({sampler_name}; budget {budget_s:.0f} s; storage {_safe_url(storage)}; worker pid {os.getpid()})",
+          file=sys.stderr)
+
+    durations: list[float] = []
 
     def objective(trial) -> list[float]:
-        params = {d.name: trial.suggest_categorical(d.name, d.labels) for d in sp.dimensions}
+        params: dict = {}
+        for d in sp.dimensions:
+            if d.active(params):
+                params[d.name] = trial.suggest_categorical(d.name, d.searched)
+        trial.set_user_attr("worker_pid", os.getpid())
         try:
             recipe = sp.recipe(params)
         except ConfigError as exc:
@@ -202,77 +305,151 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
         h = recipe.config_hash()
         trial.set_user_attr("config_hash", h)
         trial.set_user_attr("recipe", recipe.to_dict())
-        for old in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        for old in study.get_trials(deepcopy=False, states=(TS.COMPLETE,)):
             if old.user_attrs.get("config_hash") == h and old.user_attrs.get("constraints") is not None:
                 for key in ("constraints", "summary", "results_dir"):
                     trial.set_user_attr(key, old.user_attrs.get(key))
                 trial.set_user_attr("cached_from", old.number)
                 return list(old.values)
+        for other in study.get_trials(deepcopy=False, states=(TS.RUNNING,)):
+            if other.number < trial.number and other.user_attrs.get("config_hash") == h:
+                raise optuna.TrialPruned(f"duplicate of trial {other.number}, running in another worker")
         inject = models_fn(recipe) if models_fn is not None else {}
-        target_dir = results_dir(recipe, settings, out_dir)
-        started = time.perf_counter()
+        target_dir = results_dir(recipe, settings, out_dir / "trials")
+        t0 = time.perf_counter()
         m = evaluate(recipe, settings=settings, out_dir=target_dir, prompts=prompts, ppl_ids=ppl_ids,
-                     progress=progress, **inject).to_dict()
+                     progress=progress, **inject)
         cons = constraints(m, sc)
         trial.set_user_attr("constraints", cons)
         trial.set_user_attr("summary", _summary(m))
-        trial.set_user_attr("results_dir", str(target_dir))
+        trial.set_user_attr("results_dir", target_dir.relative_to(out).as_posix())  # relative to --out
         values = objectives(m)
+        durations.append(time.perf_counter() - t0)
         print(f"  trial {trial.number}: {params} -> {values[0]:.1f} tok/s, PPL {values[1]:.2f}, "
               f"{values[2]:.1f} MiB, {'feasible' if is_feasible(cons) else 'infeasible ' + str(cons)} "
-              f"({time.perf_counter() - started:.0f} s{', cached' if m.get('skipped') else ''})", file=sys.stderr)
+              f"({durations[-1]:.0f} s{', cached' if m.skipped else ''})", file=sys.stderr)
         return values
 
+    def stop_before_deadline(study_, trial) -> None:
+        """Stop when one more trial (plus the held-out confirmation) would overrun the budget."""
+        if durations:
+            # a confirmation measures more prompts than a trial and times every baseline afresh: ~1.5x per prompt
+            confirmations = 1 + len(sp.heldout.get("compare", [])) if finalize_results and heldout else 0
+            scale = 1.5 * max(1.0, (sp.heldout.get("num_prompts") or 1) / (settings.num_prompts or 1))
+            reserve = max(durations) * (1 + confirmations * scale)
+            if time.monotonic() - started + reserve > budget_s:
+                print(f"search {scenario}: stopping: the {budget_s:.0f} s budget leaves no room for another trial",
+                      file=sys.stderr)
+                study_.stop()
+
+    children: list[subprocess.Popen] = []
+    if workers > 1:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        space_arg = space if isinstance(space, (str, Path)) else None
+        if isinstance(space, dict):
+            raise ConfigError("workers", "worker processes need a space file (pass a path), not a dict")
+        timeout_left = max(1.0, budget_s - (time.monotonic() - started))
+        for _ in range(workers - 1):
+            cmd = _worker_command(scenario, space_arg, storage, name, n_total, timeout_left, out, list(enable or []),
+                                  budget_mb, heartbeat_s)
+            children.append(subprocess.Popen(cmd, env=env))
+        print(f"search {scenario}: started {len(children)} more worker(s): pids "
+              f"{[c.pid for c in children]}", file=sys.stderr)
     if remaining:
-        study.optimize(objective, n_trials=remaining, gc_after_trial=False, show_progress_bar=False)
-    verifier = None
-    if verify:
-        def verifier(recipe):
-            """Re-measure the winner with every baseline timed interleaved in this run (no reuse)."""
+        # completed trials count toward --trials; invalid / duplicate ones are cheap but capped all the same
+        left = max(1.0, budget_s - (time.monotonic() - started))
+        study.optimize(objective, n_trials=remaining * 20 + 50, timeout=left,
+                       callbacks=[MaxTrialsCallback(n_total, states=(TS.COMPLETE,)), stop_before_deadline],
+                       gc_after_trial=False, show_progress_bar=False)
+    for child in children:
+        code = child.wait()
+        if code != 0:
+            print(f"search {scenario}: worker {child.pid} exited with status {code}", file=sys.stderr)
+    if not finalize_results:
+        return {"scenario": scenario, "study": name, "counts": _counts(study)}
+    if shared:
+        _settle(study, rdb)
+    confirm = None
+    if heldout:
+        def confirm(recipe, suite_recipe=None):
+            """Measure ``recipe`` on the held-out prompts with every baseline timed again in this run."""
             inject = models_fn(recipe) if models_fn is not None else {}
-            v_settings = dataclasses.replace(settings, reuse_baselines=False, mode="verify")
-            return evaluate(recipe, settings=v_settings, out_dir=results_dir(recipe, v_settings, out_dir),
-                            prompts=prompts, ppl_ids=ppl_ids, progress=progress, **inject).to_dict()
-    return finalize(study, sp, sc, out_dir, found_dir, settings, storage, verifier)
+            h_settings = dataclasses.replace(settings, reuse_baselines=False, mode="heldout",
+                                             num_prompts=sp.heldout.get("num_prompts", settings.num_prompts))
+            if heldout_prompts is None and not sp.heldout.get("prompts"):
+                raise ConfigError("search.heldout.prompts", "no held-out prompt suite in the space file")
+            r = recipe if heldout_prompts is not None else recipe.replace(prompts=sp.heldout["prompts"])
+            return evaluate(r, settings=h_settings, out_dir=results_dir(r, h_settings, out_dir / "heldout"),
+                            prompts=heldout_prompts, ppl_ids=ppl_ids, progress=progress, **inject)
+    return finalize(study, sp, sc, out_dir, found_dir, settings, storage, confirm, base=out)
+
+
+def _settle(study, rdb) -> None:
+    """Before choosing: wait (at most two grace periods) for RUNNING trials of workers that died to be marked
+    FAIL by the heartbeat, so the study the outputs describe holds no stale trial; live workers are not waited for
+    beyond that."""
+    import optuna
+
+    grace = rdb.get_heartbeat_interval() and rdb.grace_period or 0
+    deadline = time.monotonic() + 2 * grace
+    while time.monotonic() < deadline:
+        optuna.storages.fail_stale_trials(study)
+        if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            return
+        time.sleep(1.0)
 
 
 # ------------------------------------------------------------------------------------------------- outputs
-def finalize(study, sp: SearchSpace, sc: Scenario, out_dir: Path, found_dir, settings, storage: str,
-             verifier: Callable | None = None) -> dict:
-    """Write the Pareto plot/table and trials.json, choose the winner, write its recipe; return the summary.
+def _shipped(sp: SearchSpace) -> list:
+    """The shipped recipes ``heldout.compare`` names (``recipes/<name>.yaml``)."""
+    from toolkit.recipe import Recipe
 
-    ``verifier(recipe) -> metrics`` re-evaluates the winner with freshly timed, interleaved baselines (trials may
-    reuse baseline timings from earlier trials); its numbers and constraint values go into the provenance."""
+    return [Recipe.load(data_path(f"{n}.yaml")) for n in sp.heldout.get("compare", [])]
+
+
+def finalize(study, sp: SearchSpace, sc: Scenario, out_dir: Path, found_dir, settings, storage: str,
+             confirm: Callable | None = None, base: Path | None = None) -> dict:
+    """Write the Pareto plot/table and trials.json, choose the winner, confirm it, write its recipe.
+
+    ``confirm(recipe) -> metrics`` measures a recipe on the held-out prompts with freshly timed, interleaved
+    baselines; it runs on the winner and on every shipped recipe of ``heldout.compare``, and the numbers go into the
+    found recipe's provenance."""
     rows = _rows(study)
+    counts = _counts(study)
     front = pareto_front(rows)
     best = choose(rows, sc)
     for r in rows:
         r["pareto"] = any(r is f for f in front)
         r["chosen"] = r is best
-    if verifier is not None and best is not None:
+    if confirm is not None and best is not None:
         from toolkit.recipe import Recipe
 
-        vm = verifier(Recipe.from_dict(best["recipe"]))
-        best["verified"] = {"summary": _summary(vm), "constraints": constraints(vm, sc),
-                            "feasible": is_feasible(constraints(vm, sc))}
-        if not best["verified"]["feasible"]:
-            print(f"search {sc.name}: WARNING: the winner misses a constraint when re-measured with fresh "
-                  f"baselines: {best['verified']['constraints']}", file=sys.stderr)
+        vm = confirm(Recipe.from_dict(best["recipe"]))
+        best["heldout"] = {"summary": _summary(vm), "constraints": constraints(vm, sc),
+                           "feasible": is_feasible(constraints(vm, sc)), "prompts": sp.heldout.get("prompts")}
+        if not best["heldout"]["feasible"]:
+            print(f"search {sc.name}: WARNING: the winner misses a constraint on the held-out prompts: "
+                  f"{best['heldout']['constraints']}", file=sys.stderr)
+        best["shipped"] = []
+        for shipped in _shipped(sp):
+            sm = confirm(shipped)
+            best["shipped"].append({"name": shipped.name, "summary": _summary(sm),
+                                    "constraints": constraints(sm, sc), "feasible": is_feasible(constraints(sm, sc))})
     files = {"trials": str(out_dir / "trials.json"), "table": str(out_dir / "pareto.md"),
              "plot": str(out_dir / "pareto.png")}
     atomic_write_json(out_dir / "trials.json", {"scenario": dataclasses.asdict(sc), "storage": _safe_url(storage),
-                                                "study": study.study_name, "rows": rows})
-    atomic_write_text(out_dir / "pareto.md", _table(rows, sc, best))
+                                                "study": study.study_name, "counts": counts, "rows": rows})
+    atomic_write_text(out_dir / "pareto.md", _table(rows, sc, best, counts))
     if rows:
-        _plot(rows, sc, out_dir / "pareto.png")
+        _plot(rows, sc, out_dir / "pareto.png", counts)
     result = {"scenario": sc.name, "trials": len(rows), "feasible": sum(r["feasible"] for r in rows),
-              "best": best, "pareto": front, "files": files, "recipe_path": None}
+              "counts": counts, "best": best, "pareto": front, "files": files, "recipe_path": None}
     if best is None:
         print(f"search {sc.name}: no feasible trial among {len(rows)}; no recipe written", file=sys.stderr)
         return result
     if found_dir is not None:
         path = Path(found_dir) / f"{sc.name}.yaml"
-        write_found_recipe(path, best, rows, sp, sc, settings, study.study_name, storage)
+        write_found_recipe(path, best, rows, sp, sc, settings, study.study_name, storage, counts, base)
         result["recipe_path"] = str(path)
         files["recipe"] = str(path)
     s = best["summary"]
@@ -297,12 +474,13 @@ def _fmt_cons(cons: dict | None) -> str:
     return ", ".join(f"{k} {'ok' if v <= 0 else f'+{v:.3g}'}" for k, v in cons.items())
 
 
-def _table(rows: list[dict], sc: Scenario, best: dict | None) -> str:
+def _table(rows: list[dict], sc: Scenario, best: dict | None, counts: dict | None = None) -> str:
     bounds = {k: v for k, v in dataclasses.asdict(sc).items() if k not in ("name", "primary") and v is not None}
     lines = [f"# Search: {sc.name}", "",
              f"Primary objective: {sc.primary}; constraints: {bounds}. Objectives of every trial: throughput "
              "(tok/s, median of the repetitions, up), perplexity (recipe's target through its cache, down), memory "
              "(weights + peak KV of target and draft, exact bytes, MiB, down).", "",
+             _counts_line(counts), "",
              "| # | params | tok/s [min–max] | vs AR fp32 | PPL (×fp32) | memory MiB | KV MiB | α | τ | constraints | "
              "feasible | Pareto | chosen |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["number"]):
@@ -319,7 +497,16 @@ def _table(rows: list[dict], sc: Scenario, best: dict | None) -> str:
     return "\n".join(lines)
 
 
-def _plot(rows: list[dict], sc: Scenario, path: Path) -> None:
+def _counts_line(counts: dict | None) -> str:
+    if not counts:
+        return ""
+    by = ", ".join(f"{k}: {v}" for k, v in sorted(counts.get("invalid_by_field", {}).items()))
+    return (f"Trials: {counts['complete']} completed ({counts['reused']} reused an identical earlier evaluation), "
+            f"{counts['invalid']} invalid combinations rejected before loading any model{f' ({by})' if by else ''}, "
+            f"{counts['duplicate']} duplicates of a running trial skipped, {counts['failed']} failed.")
+
+
+def _plot(rows: list[dict], sc: Scenario, path: Path, counts: dict | None = None) -> None:
     import os
     import tempfile
 
@@ -353,7 +540,8 @@ def _plot(rows: list[dict], sc: Scenario, path: Path) -> None:
                        label="chosen", zorder=5)
     ax.set_xlabel("memory: weights + peak KV (MiB)")
     ax.set_ylabel("throughput (tokens/s)")
-    ax.set_title(f"Search '{sc.name}': throughput vs memory (primary: {sc.primary})")
+    extra = f"; {counts['invalid']} invalid not run" if counts and counts.get("invalid") else ""
+    ax.set_title(f"Search '{sc.name}': all {len(rows)} measured trials (primary: {sc.primary}{extra})", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
@@ -364,6 +552,14 @@ def _plot(rows: list[dict], sc: Scenario, path: Path) -> None:
     finally:
         Path(tmp).unlink(missing_ok=True)
         plt.close(fig)
+
+
+def _primary_value(summary: dict, sc: Scenario) -> float:
+    return {"throughput": summary["throughput"], "ppl": summary["ppl"], "memory_mb": summary["memory_mb"]}[sc.primary]
+
+
+def _fmt_primary(value: float, sc: Scenario) -> str:
+    return {"throughput": f"{value:.2f} tok/s", "ppl": f"PPL {value:.3f}", "memory_mb": f"{value:.2f} MiB"}[sc.primary]
 
 
 def _why(best: dict, rows: list[dict], sc: Scenario) -> str:
@@ -379,58 +575,108 @@ def _why(best: dict, rows: list[dict], sc: Scenario) -> str:
         head = f"least memory ({s['memory_mb']:.1f} MiB weights + peak KV)"
     else:
         head = f"lowest perplexity ({s['ppl']:.2f})"
-    line = (f"{head} among {len(feasible)} feasible of {len(rows)} trials, at PPL {s['ppl']:.2f} "
+    line = (f"{head} among {len(feasible)} feasible of {len(rows)} measured trials, at PPL {s['ppl']:.2f} "
             f"(x{(s['ppl_ratio'] or float('nan')):.3f} of fp32)")
     if others:
         o = others[0]
         line += (f"; runner-up trial {o['number']} ({', '.join(f'{k}={v}' for k, v in o['params'].items())}): "
                  f"{o['summary']['throughput']:.1f} tok/s, {o['summary']['memory_mb']:.1f} MiB")
+    if best.get("heldout"):
+        h = best["heldout"]
+        line += (f"; on held-out prompts {_fmt_primary(_primary_value(h['summary'], sc), sc)}"
+                 f"{'' if h['feasible'] else ' (misses a constraint there)'}")
+        for c in best.get("shipped", []):
+            mine, theirs = _primary_value(h["summary"], sc), _primary_value(c["summary"], sc)
+            better = mine > theirs if DIRECTIONS[OBJECTIVES.index(sc.primary)] == "maximize" else mine < theirs
+            line += (f"; {'beats' if better else 'does NOT beat'} shipped recipe {c['name']} "
+                     f"({_fmt_primary(theirs, sc)} on the same held-out prompts)")
     return line
 
 
+def _relative(value: str, start: Path) -> str:
+    """``value`` relative to ``start`` when it is an existing local path (found recipes hold no machine paths)."""
+    p = Path(value)
+    if p.is_absolute() and p.exists():
+        return os.path.relpath(p, start.resolve())
+    return value
+
+
+def _portable_recipe(data: dict, recipe_dir: Path) -> dict:
+    """Model sources that are local paths, rewritten relative to the recipe file's directory."""
+    data = json.loads(json.dumps(data))
+    for section in ("target", "draft"):
+        if isinstance(data.get(section), dict) and isinstance(data[section].get("source"), str):
+            data[section]["source"] = _relative(data[section]["source"], recipe_dir)
+    return data
+
+
+def _portable_storage(url: str, recipe_dir: Path) -> str:
+    if url.startswith("sqlite:///"):
+        return "sqlite:///" + _relative(url[len("sqlite:///"):], recipe_dir)
+    return _safe_url(url)
+
+
+def _summary_line(s: dict) -> str:
+    return (f"throughput {s['throughput']:.2f} tok/s [{s['throughput_min']:.2f}-{s['throughput_max']:.2f}], "
+            f"ratios {json.dumps({k: round(v, 3) for k, v in s['ratios'].items()})}, perplexity {s['ppl']:.3f} "
+            f"(x{(s['ppl_ratio'] or float('nan')):.4f} of fp32), memory {s['memory_mb']:.2f} MiB "
+            f"(weights {s['weights_mb']:.2f} + peak KV {s['kv_peak_mb']:.2f}), alpha {s['alpha']:.3f}, "
+            f"tau {s['tau']:.3f}, TTFT {s['ttft_ms']:.1f} ms")
+
+
 def write_found_recipe(path: Path, best: dict, rows: list[dict], sp: SearchSpace, sc: Scenario, settings,
-                       study_name: str, storage: str) -> None:
-    """Write the winner as a runnable recipe with provenance comments and a "why it won" description."""
+                       study_name: str, storage: str, counts: dict | None = None, base: Path | None = None) -> None:
+    """Write the winner as a runnable recipe with provenance comments and a "why it won" description.
+
+    No machine paths: local model sources, the SQLite study and results directories are written relative to the
+    recipe file's directory; the space is named by its place under ``recipes/``."""
     import optuna
 
     from toolkit.recipe import Recipe
     from toolkit.harness import environment
 
-    recipe = Recipe.from_dict({**best["recipe"], "name": f"found-{sc.name}"})
+    path = Path(path)
+    here = path.parent
+    recipe = Recipe.from_dict({**_portable_recipe(best["recipe"], here), "name": f"found-{sc.name}"})
     why = _why(best, rows, sc)
     recipe = recipe.replace(description=f"Found by `toolkit search --scenario {sc.name}`: {why}.")
     env = environment()
     s = best["summary"]
     bounds = {k: v for k, v in dataclasses.asdict(sc).items() if k not in ("name", "primary") and v is not None}
+    results = best["results_dir"]
+    if base is not None and results and not Path(results).is_absolute():
+        results = _relative(str((Path(base) / results).resolve()), here)
     header = [
         f"# Found by `toolkit search --scenario {sc.name}` (study {study_name}, trial {best['number']}, "
-        f"{len(rows)} trials; storage {_safe_url(storage)})",
+        f"{len(rows)} measured trials; storage {_portable_storage(storage, here)})",
         f"# Date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
         f"# Hardware: {env['hardware']} ({env['platform']}, {env['torch_threads']} torch threads)",
         f"# Versions: python {env['python']}, torch {env['torch']}, transformers {env['transformers']}, "
         f"optuna {optuna.__version__}" + (f", bitsandbytes {env['bitsandbytes']}" if "bitsandbytes" in env else ""),
-        f"# Space: {sp.source}; params: {best['params']}; scenario bounds: {bounds}",
-        f"# Measured with eval settings {json.dumps(settings.to_dict())}:",
-        f"#   throughput {s['throughput']:.2f} tok/s [{s['throughput_min']:.2f}-{s['throughput_max']:.2f}], "
-        f"ratios {json.dumps({k: round(v, 3) for k, v in s['ratios'].items()})}",
-        f"#   perplexity {s['ppl']:.3f} (x{(s['ppl_ratio'] or float('nan')):.4f} of fp32), memory {s['memory_mb']:.2f} MiB "
-        f"(weights {s['weights_mb']:.2f} + peak KV {s['kv_peak_mb']:.2f}), alpha {s['alpha']:.3f}, tau {s['tau']:.3f}, "
-        f"TTFT {s['ttft_ms']:.1f} ms",
-        f"#   constraints {json.dumps({k: round(v, 4) for k, v in best['constraints'].items()})} (<= 0 = met)",
-        f"# Why it won: {why}",
-        f"# Results: {best['results_dir']}",
+        f"# Space: {_relative(sp.source, here)}; params: {best['params']}; scenario bounds: {bounds}",
     ]
-    if best.get("verified"):
-        v = best["verified"]
-        vs = v["summary"]
-        header += [
-            "# Verified (same settings, every baseline timed again, interleaved with ours in one run): "
-            f"throughput {vs['throughput']:.2f} tok/s [{vs['throughput_min']:.2f}-{vs['throughput_max']:.2f}], "
-            f"ratios {json.dumps({k: round(x, 3) for k, x in vs['ratios'].items()})}, "
-            f"constraints {json.dumps({k: round(x, 4) for k, x in v['constraints'].items()})} -> "
-            f"{'feasible' if v['feasible'] else 'NOT FEASIBLE on re-measurement'}",
-        ]
+    if counts:
+        header.append(f"# {_counts_line(counts)}")
     header += [
+        f"# Search measurement (eval settings {json.dumps(settings.to_dict())}):",
+        f"#   {_summary_line(s)}",
+        f"#   constraints {json.dumps({k: round(v, 4) for k, v in best['constraints'].items()})} (<= 0 = met)",
+    ]
+    if best.get("heldout"):
+        h = best["heldout"]
+        header += [
+            f"# Held-out confirmation (prompt suite {h['prompts']!r}, never seen by the search; every baseline timed "
+            "again in the same run):",
+            f"#   {_summary_line(h['summary'])}",
+            f"#   constraints {json.dumps({k: round(x, 4) for k, x in h['constraints'].items()})} -> "
+            f"{'feasible' if h['feasible'] else 'NOT FEASIBLE on held-out prompts'}",
+        ]
+        for c in best.get("shipped", []):
+            header.append(f"#   shipped recipe {c['name']} on the same prompts: {_summary_line(c['summary'])}"
+                          f"{'' if c['feasible'] else ' (infeasible)'}")
+    header += [
+        f"# Why it won: {why}",
+        f"# Results: {results} (paths in this file are relative to it)",
         "",
     ]
-    atomic_write_text(Path(path), "\n".join(header) + recipe.to_yaml())
+    atomic_write_text(path, "\n".join(header) + recipe.to_yaml())

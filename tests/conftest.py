@@ -74,3 +74,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+from postgres import postgres_url  # noqa: E402,F401  (a throwaway PostgreSQL server: tests/postgres.py)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def installed(tmp_path_factory) -> Path:
     """Build a wheel of this checkout and install it (no deps: they are this venv's) into a private directory."""
     tmp = tmp_path_factory.mktemp("wheel")
+    source = tmp / "source"  # build from a copy: setuptools writes build/ and *.egg-info next to the sources
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", "results", "build", "*.egg-info",
+                                                                "__pycache__", "bench"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp / "dist"), str(ROOT)], check=True)
+                    str(tmp / "dist"), str(source)], check=True)
     wheel = next((tmp / "dist").glob("*.whl"))
     site = tmp / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],

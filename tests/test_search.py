@@ -3,6 +3,8 @@ recipe, resumes without repeating finished trials."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -52,10 +54,11 @@ def _run(tmp_path, tiny, calls=None, fail_at=None, **kw):
                 raise KeyboardInterrupt  # simulated interrupt in the middle of a trial
         return {"target": tiny["target"], "tokenizer": None, "draft_model": tiny["draft"], "reference_model": None}
 
+    heldout = [torch.randint(3, 128, (12,), generator=g).tolist()]  # prompts no trial sees
     kw.setdefault("space", _space())
-    kw.setdefault("verify", calls is None)  # the winner's re-measurement would add a models_fn call
-    return S.run_search("short", results_root=tmp_path / "res", found_dir=tmp_path / "found", models_fn=models_fn,
-                        prompts=prompts, ppl_ids=ppl_ids, progress=False, **kw)
+    kw.setdefault("heldout", calls is None)  # the winner's confirmation would add a models_fn call
+    return S.run_search("short", out=tmp_path / "found", models_fn=models_fn, prompts=prompts, ppl_ids=ppl_ids,
+                        heldout_prompts=heldout, progress=False, **kw)
 
 
 def test_tiny_search_end_to_end_infeasible_never_chosen_and_recipe_runs(tmp_path, tiny):
@@ -69,11 +72,12 @@ def test_tiny_search_end_to_end_infeasible_never_chosen_and_recipe_runs(tmp_path
     assert all(v <= 0 for v in best["constraints"].values())
     for name in ("trials", "table", "plot", "recipe"):
         assert (tmp_path / "found" / "short.yaml").is_file() if name == "recipe" else \
-            (tmp_path / "res" / "short" / {"trials": "trials.json", "table": "pareto.md", "plot": "pareto.png"}[name]
+            (tmp_path / "found" / "short" / {"trials": "trials.json", "table": "pareto.md", "plot": "pareto.png"}[name]
              ).stat().st_size > 0
     text = (tmp_path / "found" / "short.yaml").read_text()
     assert "# Hardware:" in text and "# Why it won:" in text and "transformers" in text
-    assert "# Verified" in text and result["best"]["verified"]["summary"]["throughput"] > 0
+    assert "# Held-out confirmation" in text and result["best"]["heldout"]["summary"]["throughput"] > 0
+    assert "/tmp" not in text and str(tmp_path) not in text  # no machine paths in a found recipe
     # the written recipe loads and runs
     from toolkit.generator import build
 
@@ -113,7 +117,7 @@ def test_resume_after_interrupt_does_not_repeat_finished_trials(tmp_path, tiny):
     assert len(calls) == 3
     import optuna
 
-    storage = f"sqlite:///{(tmp_path / 'res' / 'short.db').resolve()}"
+    storage = f"sqlite:///{(tmp_path / 'found' / 'short' / 'study.db').resolve()}"
     study = optuna.load_study(study_name="search-short", storage=storage)
     finished = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(finished) == 2
@@ -137,9 +141,10 @@ def test_space_files_parse_and_build_valid_recipes():
 
     for name in ("short", "long", "memory"):
         sp = load_space(name)
-        assert sp.scenario == name and sp.grid_size <= 24
+        assert sp.scenario == name and sp.source == f"recipes/search/{name}.yaml"
         built = 0
-        for point in sp.points():
+        rng = random.Random(0)
+        for point in [sp.random_point(rng) for _ in range(40)]:  # a sample: the spaces hold millions of points
             try:
                 sp.recipe(point)
                 built += 1
@@ -148,3 +153,88 @@ def test_space_files_parse_and_build_valid_recipes():
 
                 assert isinstance(exc, ConfigError), exc
         assert built >= 2
+
+
+def _cond_space():
+    return {"scenario": "short", "trials": 50,
+            "base": {"target": {"device": "cpu"}, "draft": {"device": "cpu"}, "kv": {"policy": "none"},
+                     "spec": {"drafter": "draft_model", "num_draft_tokens": 3}, "prompts": "short"},
+            "space": {
+                "drafter": {"choices": {"draft": {"spec": {"drafter": "draft_model"}},
+                                        "ngram": {"spec": {"drafter": "ngram"}, "draft": None},
+                                        "future": {"spec": {"drafter": "ngram", "no_such_field": 1}, "draft": None}},
+                            "disabled": ["future"]},
+                "kv_policy": {"choices": {"none": {"kv": {"policy": "none"}},
+                                          "streaming": {"kv": {"policy": "streaming", "sink_tokens": 2}},
+                                          "l2norm": {"kv": {"policy": "l2norm", "sink_tokens": 0,
+                                                            "protect_recent": 4}}}},
+                "kv_window": {"path": "kv.window", "choices": [2, 12], "when": {"kv_policy": ["streaming"]}},
+                "kv_budget": {"path": "kv.budget", "choices": [8, 16], "when": {"kv_policy": ["l2norm"]}},
+                "draft_precision": {"path": "draft.precision", "choices": ["fp32", "bf16"],
+                                    "when": {"drafter": ["draft"]}},
+                "backend": {"path": "target.not_a_field", "choices": ["torchao"], "enabled": False},
+            }}
+
+
+def test_conditional_dimensions_exist_only_where_their_condition_holds():
+    from eval.space import load_space
+    from toolkit.errors import ConfigError
+
+    sp = load_space(_cond_space())
+    points = sp.points()
+    # drafter (2 searched) x kv (none 1 + streaming 2 windows + l2norm 2 budgets = 5) x draft precision (2 | 1)
+    assert len(points) == 2 * 5 + 1 * 5 == sp.grid_size
+    for p in points:
+        assert ("kv_window" in p) == (p["kv_policy"] == "streaming")
+        assert ("kv_budget" in p) == (p["kv_policy"] == "l2norm")
+        assert ("draft_precision" in p) == (p["drafter"] == "draft")
+        assert "backend" not in p and p["drafter"] != "future"
+    r = sp.recipe({"drafter": "draft", "kv_policy": "l2norm", "kv_budget": 16, "draft_precision": "bf16"})
+    assert r.kv.policy == "l2norm" and r.kv.params["budget"] == 16 and "window" not in r.kv.params
+    assert r.draft.precision == "bf16"
+    # a window smaller than a verify forward (K + 1 = 4) is rejected with the field named, before any model loads
+    with pytest.raises(ConfigError, match="kv.window"):
+        sp.recipe({"drafter": "ngram", "kv_policy": "streaming", "kv_window": 2})
+    with pytest.raises(ConfigError, match="kv_window"):  # inactive dimension given a label
+        sp.recipe({"drafter": "ngram", "kv_policy": "none", "kv_window": 12})
+    # entries kept off in the file are switched on by name; a field this recipe version lacks is a ConfigError
+    sp.enable(["drafter.future"])
+    assert len(sp.points()) == (2 + 1 + 1) * 5
+    with pytest.raises(ConfigError, match="spec.no_such_field"):
+        sp.recipe({"drafter": "future", "kv_policy": "none"})
+    sp.enable(["backend"])
+    assert len(sp.points()) == (2 + 1 + 1) * 5 and all(p["backend"] == "torchao" for p in sp.points())
+    with pytest.raises(ConfigError, match="target.not_a_field"):
+        sp.recipe({"drafter": "ngram", "kv_policy": "none", "backend": "torchao"})
+    with pytest.raises(ConfigError, match="--enable"):
+        sp.enable(["drafter.nope"])
+    bad = _cond_space()
+    bad["space"]["kv_window"]["when"] = {"kv_budget": [8]}  # must name an earlier dimension
+    with pytest.raises(ConfigError, match="search.space.kv_window.when.kv_budget"):
+        load_space(bad)
+
+
+def test_invalid_combinations_are_counted_and_never_evaluated(tmp_path, tiny):
+    space = _cond_space()
+    space["space"].pop("backend")
+    space["eval"] = EVAL
+    space["base"]["generation"] = {"max_new_tokens": 24}
+    calls: list[str] = []
+    result = _run(tmp_path, tiny, calls=calls, space=space, trials=5, enable=["drafter.future"])
+    counts = result["counts"]
+    assert counts["complete"] == 5 and counts["invalid"] >= 1  # 8 of the 20 points are invalid
+    assert len(calls) == counts["complete"] - counts["reused"]  # models were loaded for valid trials only
+    import optuna
+
+    study = optuna.load_study(study_name="search-short",
+                              storage=f"sqlite:///{(tmp_path / 'found' / 'short' / 'study.db').resolve()}")
+    invalid = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
+    assert invalid and all("invalid" in t.user_attrs and "recipe" not in t.user_attrs for t in invalid)
+    assert {t.user_attrs["config_hash"] for t in study.trials if "config_hash" in t.user_attrs} >= set(calls)
+    assert "invalid combinations rejected before loading any model" in (tmp_path / "found" / "short" /
+                                                                        "pareto.md").read_text()
+
+
+def test_timeout_stops_starting_trials(tmp_path, tiny):
+    result = _run(tmp_path, tiny, trials=4, timeout=0.01, heldout=False)
+    assert 1 <= result["counts"]["complete"] < 4

@@ -12,15 +12,17 @@ from pathlib import Path
 from toolkit.errors import ConfigError
 
 
-def recipes_root() -> Path:
-    """The directory of the shipped recipes (installed package data, or ``recipes/`` of a source checkout)."""
-    try:
-        from importlib.resources import files
+_SOURCE_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
-        root = Path(str(files("toolkit.recipes")))
-    except ModuleNotFoundError:  # a source tree on sys.path without an install
-        root = Path(__file__).resolve().parent.parent / "recipes"
-    return root
+
+def recipes_root() -> Path:
+    """The directory of the shipped recipes: ``recipes/`` next to this code in a source checkout (so a work tree
+    reads its own files, whatever an editable install elsewhere maps), else the installed package data."""
+    if (_SOURCE_RECIPES / "__init__.py").is_file():
+        return _SOURCE_RECIPES
+    from importlib.resources import files
+
+    return Path(str(files("toolkit.recipes")))
 
 
 def shipped(kind: str) -> Path:

@@ -21,6 +21,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Speculative decoding with quantized weights and compressed KV caches.")
 draft_app = typer.Typer(no_args_is_help=True, help="Build draft models for a target.")
 app.add_typer(draft_app, name="draft")
+from toolkit_cli.export import export_app  # noqa: E402  (toolkit export vllm|sglang)
+
+app.add_typer(export_app, name="export")
 
 
 def _fail(exc: Exception) -> None:
@@ -109,13 +112,28 @@ def eval_(recipe: str = typer.Argument(..., help="recipe YAML file or shipped re
 @app.command()
 def search(scenario: str = typer.Option(..., help="short, long or memory"),
            budget_mb: Optional[float] = typer.Option(None, help="memory budget in MiB (memory scenario)"),
-           trials: Optional[int] = typer.Option(None, min=1, help="number of Optuna trials"),
-           storage: Optional[str] = typer.Option(None, help="Optuna storage URL (default: a local SQLite file)")):
-    """Search the configuration space of SCENARIO; writes recipes/found/<scenario>.yaml and a Pareto plot."""
+           trials: Optional[int] = typer.Option(None, min=1, help="completed trials the study should reach"),
+           timeout: Optional[float] = typer.Option(None, min=1, help="wall-clock budget of this run in seconds "
+                                                   "(default: the space file's timeout_s, <= 30 min)"),
+           out: Path = typer.Option(Path("found"), help="output directory (found recipe, Pareto plot, study)"),
+           storage: Optional[str] = typer.Option(None, help="Optuna storage URL, e.g. postgresql://user@host/db "
+                                                 "(default: a SQLite file under --out)"),
+           workers: int = typer.Option(1, min=1, help="worker processes on this study"),
+           study_name: Optional[str] = typer.Option(None, help="study name (default search-<scenario>)"),
+           space: Optional[Path] = typer.Option(None, exists=True, dir_okay=False, help="search space YAML "
+                                                "(default recipes/search/<scenario>.yaml)"),
+           enable: list[str] = typer.Option([], help="search a dimension or label kept off in the space file "
+                                            "(drafter.suffix, target_backend); repeatable"),
+           finalize: bool = typer.Option(True, "--finalize/--no-finalize", help="choose, confirm and write the "
+                                         "winner when done (extra workers started elsewhere: --no-finalize)"),
+           heartbeat: Optional[float] = typer.Option(None, hidden=True, help="heartbeat interval (s)")):
+    """Search the configuration space of SCENARIO; writes <out>/<scenario>.yaml and a Pareto plot."""
     from eval.cli import search_command
 
     try:
-        search_command(scenario, budget_mb=budget_mb, trials=trials, storage=storage)
+        search_command(scenario, budget_mb=budget_mb, trials=trials, storage=storage, timeout=timeout, out=out,
+                       workers=workers, study_name=study_name, space=space, enable=enable,
+                       finalize_results=finalize, heartbeat_s=heartbeat)
     except ToolkitError as exc:
         _fail(exc)
 

@@ -1,0 +1,110 @@
+"""Export of recipes to vLLM / SGLang: exact keys for what the engines express, a warning naming the recipe field for
+everything they cannot, and the ``toolkit export`` command writing what it prints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from toolkit.errors import ConfigError
+from toolkit.export import export
+from toolkit.recipe import Recipe
+
+
+def _recipe(**sections) -> Recipe:
+    base = {"name": "t", "target": {"source": "models/target", "precision": "fp32"},
+            "draft": {"source": "models/draft", "precision": "fp32"}, "kv": {"policy": "none"},
+            "draft_kv": {"policy": "none"}, "spec": {"drafter": "draft_model", "num_draft_tokens": 5},
+            "generation": {"max_new_tokens": 64}}
+    base.update(sections)
+    return Recipe.from_dict(base)
+
+
+def test_draft_model_recipe_maps_exactly_and_without_warnings():
+    r = _recipe()
+    v = export(r, "vllm")
+    assert v.warnings == []
+    assert v.config == {"model": "models/target", "dtype": "float32", "kv_cache_dtype": "auto",
+                        "speculative_config": {"method": "draft_model", "model": "models/draft",
+                                               "num_speculative_tokens": 5}}
+    assert v.sampling["temperature"] == 0.0 and v.sampling["max_tokens"] == 64
+    assert "--speculative-config" in v.command and '"num_speculative_tokens":5' in v.command
+    s = export(r, "sglang")
+    assert s.warnings == []
+    assert s.config == {"model_path": "models/target", "dtype": "float32", "kv_cache_dtype": "auto",
+                        "speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "models/draft",
+                        "speculative_num_steps": 5, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 6}
+    assert "--speculative-algorithm STANDALONE" in s.command and "--speculative-num-steps 5" in s.command
+
+
+def test_ngram_and_quantized_target():
+    r = _recipe(target={"source": "models/target", "precision": "int4"}, draft=None,
+                spec={"drafter": "ngram", "num_draft_tokens": 3, "max_ngram": 4, "min_ngram": 2})
+    v = export(r, "vllm")
+    assert v.config["quantization"] == "bitsandbytes" and v.config["dtype"] == "auto"
+    assert v.config["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3,
+                                              "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    s = export(r, "sglang")
+    assert s.config["speculative_algorithm"] == "NGRAM" and s.config["quantization"] == "bitsandbytes"
+    assert (s.config["speculative_ngram_min_match_window_size"], s.config["speculative_ngram_max_match_window_size"],
+            s.config["speculative_num_draft_tokens"]) == (2, 4, 3)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_everything_an_engine_cannot_express_is_a_warning_naming_the_field(engine):
+    r = _recipe(draft={"source": "models/draft", "precision": "int4"},
+                kv={"policy": "l2norm", "budget": 128},
+                draft_kv={"policy": "streaming", "sink_tokens": 4, "window": 60},
+                spec={"drafter": "draft_model", "num_draft_tokens": 4, "adaptive": "ema", "k_max": 8,
+                      "confidence_threshold": 0.3},
+                target={"source": "embedded", "precision": "int8"},
+                generation={"max_new_tokens": 32, "ignore_eos": True})
+    warnings = export(r, engine).warnings
+    for field in ("kv.policy: l2norm", "draft_kv.policy: streaming", "spec.adaptive: ema",
+                  "spec.confidence_threshold", "draft.precision: int4", "target.precision: int8", "target.source",
+                  "generation.ignore_eos"):
+        assert sum(w.startswith(field) for w in warnings) == 1, (field, warnings)
+    assert len(warnings) == 8
+    # the draft cache policy is irrelevant (and not warned about) when no draft model runs
+    r2 = _recipe(draft=None, draft_kv={"policy": "streaming", "sink_tokens": 4, "window": 60},
+                 spec={"drafter": "ngram", "num_draft_tokens": 4})
+    assert not any(w.startswith("draft_kv") for w in export(r2, engine).warnings)
+
+
+def test_unknown_engine_is_a_config_error():
+    with pytest.raises(ConfigError, match="engine"):
+        export(_recipe(), "tgi")
+
+
+def test_shipped_recipes_export(tmp_path):
+    from eval.space import data_path
+
+    for path in sorted(data_path().glob("*.yaml")):
+        r = Recipe.load(path)
+        for engine in ("vllm", "sglang"):
+            e = export(r, engine)
+            assert e.command and all(isinstance(w, str) and w for w in e.warnings)
+            if r.kv.policy != "none":
+                assert any(w.startswith("kv.policy") for w in e.warnings)
+
+
+def test_cli_prints_and_writes_with_warnings(tmp_path):
+    from typer.testing import CliRunner
+
+    from toolkit_cli import app
+
+    recipe = tmp_path / "r.yaml"
+    _recipe(kv={"policy": "streaming", "sink_tokens": 4, "window": 60}).save(recipe)
+    runner = CliRunner()
+    res = runner.invoke(app, ["export", "vllm", str(recipe), "--out", str(tmp_path / "r.json")])
+    assert res.exit_code == 0, res.output
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["config"]["speculative_config"]["method"] == "draft_model"
+    assert len(written["warnings"]) == 1 and written["warnings"][0].startswith("kv.policy: streaming")
+    assert '"speculative_config"' in res.stdout
+    res = runner.invoke(app, ["export", "sglang", str(recipe), "--out", str(tmp_path / "r.sh")])
+    assert res.exit_code == 0, res.output
+    script = (tmp_path / "r.sh").read_text()
+    assert "# WARNING: kv.policy: streaming" in script and "--speculative-algorithm STANDALONE" in script
+    assert script in res.stdout

@@ -1,0 +1,81 @@
+"""Recipe -> vLLM configuration (``LLM(**config)`` / ``vllm serve``).
+
+Key names checked against vLLM's documentation of ``SpeculativeConfig`` and its speculative-decoding pages
+(docs.vllm.ai, latest): ``speculative_config`` = ``{method, model, num_speculative_tokens, prompt_lookup_max,
+prompt_lookup_min, quantization}`` with ``method`` one of ``draft_model``, ``ngram``, ``suffix``, ``eagle``, ``eagle3``;
+top-level ``quantization`` (``bitsandbytes``), ``dtype`` and ``kv_cache_dtype`` (``auto``). Marked uncertain for the
+lead: the draft's own ``quantization`` key inside ``speculative_config`` and the tree settings (vLLM's token tree
+option is experimental), both reported as warnings rather than guessed.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from toolkit.export import Export
+from toolkit.export.gaps import generation_warnings, kv_warnings, model_path, spec_warnings, target_warnings
+
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "auto", "int4": "auto"}
+
+
+def _speculative_config(recipe, warnings: list[str]) -> dict | None:
+    s = recipe.spec
+    if s.drafter == "none":
+        return None
+    cfg: dict = {"num_speculative_tokens": s.num_draft_tokens}
+    if s.drafter in ("draft_model", "self"):
+        source = recipe.target if s.drafter == "self" else recipe.draft
+        cfg = {"method": "draft_model", "model": model_path(source, "draft" if s.drafter == "draft_model"
+                                                            else "target", []), **cfg}
+        if recipe.draft.precision in ("fp32", "fp16", "bf16") and recipe.draft.precision != recipe.target.precision:
+            warnings.append(f"draft.precision: {recipe.draft.precision} differs from the target's; vLLM runs the "
+                            "draft at the engine's dtype")
+    elif s.drafter == "ngram":
+        cfg = {"method": "ngram", **cfg, "prompt_lookup_max": s.max_ngram, "prompt_lookup_min": s.min_ngram}
+    elif s.drafter == "suffix":
+        cfg = {"method": "suffix", **cfg}
+    elif s.drafter == "eagle":
+        version = getattr(s, "eagle_version", None) or "eagle"
+        method = "eagle3" if str(version) in ("3", "eagle3") else "eagle"
+        cfg = {"method": method, **cfg}
+        if recipe.draft is not None:
+            cfg["model"] = recipe.draft.source
+        else:
+            warnings.append("spec.drafter: eagle — the recipe names no trained head checkpoint; set "
+                            "speculative_config.model to an EAGLE head trained for this target")
+    else:
+        warnings.append(f"spec.drafter: {s.drafter} — no vLLM method; exported without speculation")
+        return None
+    tree = {k: getattr(s, k, None) for k in ("tree_budget", "tree_depth", "tree_topk")}
+    if getattr(s, "tree", False):
+        warnings.append(f"spec.tree_*: {tree} — token-tree drafting is not exported to vLLM (its tree option is "
+                        "experimental and EAGLE-only); linear drafting with K = spec.num_draft_tokens instead")
+    return cfg
+
+
+def to_vllm(recipe) -> Export:
+    """The vLLM configuration of ``recipe``; see :class:`toolkit.export.Export`."""
+    warnings: list[str] = []
+    config: dict = {"model": model_path(recipe.target, "target", warnings),
+                    "dtype": DTYPES[recipe.target.precision]}
+    if recipe.target.precision in ("int8", "int4"):
+        config["quantization"] = "bitsandbytes"
+    config["kv_cache_dtype"] = "auto"
+    spec = _speculative_config(recipe, warnings)
+    if spec is not None:
+        config["speculative_config"] = spec
+    warnings += target_warnings(recipe, "vllm") + spec_warnings(recipe, "vllm") + kv_warnings(recipe, "vllm")
+    warnings += generation_warnings(recipe)
+    g = recipe.generation
+    sampling = {"max_tokens": g.max_new_tokens, "temperature": g.temperature if g.do_sample else 0.0,
+                "top_p": g.top_p, "top_k": g.top_k if g.top_k > 0 else -1, "seed": g.seed,
+                "ignore_eos": g.ignore_eos}
+    if g.stop_strings:
+        sampling["stop"] = list(g.stop_strings)
+    args = ["vllm", "serve", config["model"], "--dtype", config["dtype"], "--kv-cache-dtype", config["kv_cache_dtype"]]
+    if "quantization" in config:
+        args += ["--quantization", config["quantization"]]
+    if spec is not None:
+        args += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    return Export("vllm", config, sampling, shlex.join(args), warnings)

@@ -1,0 +1,64 @@
+"""``toolkit export vllm|sglang RECIPE``: print and write a serving engine's configuration for a recipe.
+
+vLLM: a JSON file ``{"config": LLM(**config) arguments, "sampling": SamplingParams, "command": "vllm serve ...",
+"warnings": [...]}``; SGLang: a shell script running ``python -m sglang.launch_server`` with the ``--speculative-*``
+flags, its warnings as comments. Warnings (what the engine cannot express) are printed next to the output and kept
+in the file; nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from toolkit.errors import ToolkitError
+
+export_app = typer.Typer(no_args_is_help=True, help="Export a recipe to a serving engine (vLLM, SGLang).")
+
+
+def _render(exp) -> tuple[str, str]:
+    """``(text printed, file suffix)``; the printed text is also the file's content."""
+    if exp.engine == "vllm":
+        body = {"config": exp.config, "sampling": exp.sampling, "command": exp.command, "warnings": exp.warnings}
+        return json.dumps(body, indent=2) + "\n", ".vllm.json"
+    lines = ["#!/bin/sh", "# SGLang server for this recipe (`toolkit export sglang`); per-request sampling parameters:",
+             f"#   {json.dumps(exp.sampling)}"]
+    lines += [f"# WARNING: {w}" for w in exp.warnings]
+    lines += ["exec " + exp.command, ""]
+    return "\n".join(lines), ".sglang.sh"
+
+
+def _export(engine: str, recipe_path: Path, out: Optional[Path]) -> None:
+    from toolkit.export import export
+    from toolkit.io import atomic_write_text
+    from toolkit.recipe import Recipe
+
+    try:
+        exp = export(Recipe.load(recipe_path), engine)
+    except ToolkitError as exc:
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(2)
+    text, suffix = _render(exp)
+    path = out if out is not None else Path(recipe_path.stem + suffix)
+    atomic_write_text(path, text)
+    typer.echo(text, nl=False)
+    for w in exp.warnings:
+        typer.secho(f"warning: {w}", fg="yellow", err=True)
+    typer.secho(f"written: {path} ({len(exp.warnings)} warning(s))", err=True)
+
+
+@export_app.command("vllm")
+def vllm(recipe: Path = typer.Argument(..., exists=True, dir_okay=False, help="recipe YAML"),
+         out: Optional[Path] = typer.Option(None, help="file to write (default ./<recipe>.vllm.json)")):
+    """Print and write the vLLM configuration (speculative_config, quantization, kv_cache_dtype) of RECIPE."""
+    _export("vllm", recipe, out)
+
+
+@export_app.command("sglang")
+def sglang(recipe: Path = typer.Argument(..., exists=True, dir_okay=False, help="recipe YAML"),
+           out: Optional[Path] = typer.Option(None, help="file to write (default ./<recipe>.sglang.sh)")):
+    """Print and write the SGLang launch command (--speculative-* flags) of RECIPE."""
+    _export("sglang", recipe, out)
