@@ -15,12 +15,13 @@ then asked again with a small edit), greedy, the same prompts and ``max_new_toke
   dynamic tree) — slow on this CPU.
 
 A *pass* runs every prompt of a suite once, in order, through one fresh Generator per method (so the suffix
-drafter's memory holds only the earlier requests of that pass, never an earlier repetition of the same prompt).
-After one untimed warm-up per method on a prompt outside the suites, ``--repeats`` passes are timed, with the
-method order rotated between passes. Reported per method: throughput (new tokens / wall time of the pass; median
+drafter's memory holds only the earlier requests of that pass, never an earlier repetition of the same prompt);
+per prompt the methods run back to back (interleaved, so load drift on a shared machine hits them alike), their
+order rotated between passes. After one untimed warm-up pass on a prompt outside the suites, ``--repeats`` passes
+are timed. Reported per method: throughput (new tokens / wall time of the pass; median
 and min-max over passes), tokens per round τ (committed / rounds; HF: new tokens per target forward), and whether
-every output is token-identical to ``hf-ar``. Ratios: tree vs linear (same drafter), suffix vs ngram / HF prompt
-lookup / AR.
+every output is token-identical to ``hf-ar``. Ratios (computed within each pass, then the median over passes): tree
+vs linear (same drafter), suffix vs ngram / HF prompt lookup / AR.
 
 Writes ``bench/results/tree_bench.json`` and ``bench/results/tree_bench.md``.
 """
@@ -68,33 +69,44 @@ def method_specs(draft_model: bool) -> dict[str, SpecSpec | str]:
     return methods
 
 
-def run_pass(method: str, spec, target, tokenizer, draft, prompts, gen: GenerationSpec) -> dict:
-    """Every prompt once, in order, through one fresh Generator; returns per-prompt ids and the pass totals."""
-    precision = "int4"
+def make_generator(method: str, spec, target, tokenizer, draft, gen: GenerationSpec):
+    """A fresh Generator for ``method`` (a fresh suffix memory); ``spec`` is a SpecSpec or an HF baseline name."""
+    hf = isinstance(spec, str)
     recipe = Recipe(name=f"tree-bench-{method}", target=ModelSpec(source="embedded"),
-                    draft=ModelSpec(source="embedded", precision=precision) if not isinstance(spec, str) and
-                    spec.drafter == "self" else None,
-                    spec=spec if not isinstance(spec, str) else SpecSpec(drafter="none"), generation=gen)
-    generator = toolkit.build(recipe, target=target, tokenizer=tokenizer,
-                              draft_model=draft if recipe.draft is not None else None)
-    eos = generator.eos_token_ids(gen)
-    ids, seconds, tokens, rounds, committed = {}, 0.0, 0, 0, 0
+                    draft=ModelSpec(source="embedded", precision="int4") if not hf and spec.drafter == "self" else None,
+                    spec=SpecSpec(drafter="none") if hf else spec, generation=gen)
+    return toolkit.build(recipe, target=target, tokenizer=tokenizer,
+                         draft_model=draft if recipe.draft is not None else None)
+
+
+def run_one(generator, spec, prompt, gen: GenerationSpec) -> tuple[list[int], float, int, int]:
+    """``(ids, seconds, rounds, committed)`` of one prompt (HF rows: rounds = target forwards after prefill)."""
+    if isinstance(spec, str):
+        out, stats = hf_generate(generator.target, generator.encode(prompt.prompt), gen,
+                                 generator.eos_token_ids(gen), method=spec, num_draft_tokens=4, max_ngram=3)
+        return out, stats.total_ms / 1000, max(stats.target_forwards - 1, 1), max(stats.new_tokens - 1, 0)
+    result = generator.generate(prompt.prompt)
+    return result.token_ids, result.stats.total_ms / 1000, result.stats.rounds, result.stats.committed
+
+
+def run_pass(methods: dict, order: list[str], target, tokenizer, draft, prompts, gen: GenerationSpec) -> dict:
+    """Every prompt once, in order; per prompt every method in ``order`` (interleaved, so load drift on a shared
+    machine hits all methods alike). One fresh Generator per method and pass: the suffix drafter remembers only the
+    earlier prompts of this pass. Returns ``{method: {ids, seconds, tokens, throughput, tau}}``."""
+    generators = {m: make_generator(m, methods[m], target, tokenizer, draft, gen) for m in order}
+    acc = {m: {"ids": {}, "seconds": 0.0, "tokens": 0, "rounds": 0, "committed": 0} for m in order}
     for prompt in prompts:
-        if isinstance(spec, str):
-            out, stats = hf_generate(target, generator.encode(prompt.prompt), gen, eos, method=spec,
-                                     num_draft_tokens=4, max_ngram=3)
-            rounds += max(stats.target_forwards - 1, 1)
-            committed += max(stats.new_tokens - 1, 0)
-        else:
-            result = generator.generate(prompt.prompt)
-            out, stats = result.token_ids, result.stats
-            rounds += stats.rounds
-            committed += stats.committed
-        ids[prompt.id] = out
-        seconds += stats.total_ms / 1000
-        tokens += len(out)
-    return {"ids": ids, "seconds": seconds, "tokens": tokens, "throughput": tokens / seconds,
-            "tau": committed / rounds if rounds else 0.0}
+        for m in order:
+            ids, seconds, rounds, committed = run_one(generators[m], methods[m], prompt, gen)
+            a = acc[m]
+            a["ids"][prompt.id] = ids
+            a["seconds"] += seconds
+            a["tokens"] += len(ids)
+            a["rounds"] += rounds
+            a["committed"] += committed
+    return {m: {"ids": a["ids"], "seconds": a["seconds"], "tokens": a["tokens"],
+                "throughput": a["tokens"] / a["seconds"], "tau": a["committed"] / a["rounds"] if a["rounds"] else 0.0}
+            for m, a in acc.items()}
 
 
 def summarize(passes: list[dict]) -> dict:
@@ -104,9 +116,13 @@ def summarize(passes: list[dict]) -> dict:
             "passes": len(passes)}
 
 
-def ratios(table: dict) -> dict:
+def ratios(passes: dict[str, list[dict]]) -> dict:
+    """Ratios between methods, computed within each pass (same load) and then the median over passes."""
     def r(a, b, key="throughput"):
-        return table[a][key] / table[b][key] if a in table and b in table and table[b][key] else None
+        if a not in passes or b not in passes:
+            return None
+        values = [x[key] / y[key] for x, y in zip(passes[a], passes[b]) if y[key]]
+        return statistics.median(values) if values else None
 
     out = {
         "suffix_tree_vs_linear_throughput": r("suffix-tree", "suffix-linear"),
@@ -115,10 +131,11 @@ def ratios(table: dict) -> dict:
         "suffix_tree_vs_ngram": r("suffix-tree", "ngram"),
         "suffix_tree_vs_ar": r("suffix-tree", "hf-ar"),
         "suffix_linear_vs_hf_prompt_lookup": r("suffix-linear", "hf-prompt-lookup"),
+        "suffix_linear_vs_ar": r("suffix-linear", "hf-ar"),
         "ngram_vs_ar": r("ngram", "hf-ar"),
         "hf_prompt_lookup_vs_ar": r("hf-prompt-lookup", "hf-ar"),
     }
-    if "self-tree" in table:
+    if "self-tree" in passes:
         out["self_tree_vs_linear_throughput"] = r("self-tree", "self-linear")
         out["self_tree_vs_linear_tau"] = r("self-tree", "self-linear", "tau")
     return out
@@ -136,7 +153,7 @@ def markdown(results: dict) -> str:
             vs = f"{row['throughput'] / ar:.2f}×" if ar else "-"
             lines.append(f"| {method} | {row['throughput']:.1f} | {row['throughput_min']:.1f}–"
                          f"{row['throughput_max']:.1f} | {row['tau']:.2f} | {vs} | {row['identical_to_ar']} |")
-        lines += ["", "| ratio | value |", "|---|---|"]
+        lines += ["", "| ratio (within a pass, median over passes) | value |", "|---|---|"]
         for name, value in block["ratios"].items():
             lines.append(f"| {name} | {'-' if value is None else f'{value:.2f}×'} |")
         lines.append("")
@@ -169,8 +186,8 @@ def main() -> None:
         if args.draft_model:
             draft, _ = load_model(ModelSpec(source="embedded", precision="int4", device="cpu"))
         warm = [dataclasses.replace(load_suite("short")[0], id="warmup", prompt=WARMUP)]
-        for method, spec in methods.items():  # untimed warm-up, and a throw-away generator (fresh memory later)
-            run_pass(method, spec, target, tokenizer, draft, warm, dataclasses.replace(gen, max_new_tokens=16))
+        run_pass(methods, list(methods), target, tokenizer, draft, warm,  # untimed warm-up, thrown away
+                 dataclasses.replace(gen, max_new_tokens=16))
         for suite in args.suites:
             prompts = load_suite(suite)
             if args.prompts:
@@ -179,17 +196,17 @@ def main() -> None:
             names = list(methods)
             for rep in range(args.repeats):
                 order = names[rep % len(names):] + names[: rep % len(names)]
-                for method in order:
-                    passes[method].append(run_pass(method, methods[method], target, tokenizer, draft, prompts, gen))
+                result = run_pass(methods, order, target, tokenizer, draft, prompts, gen)
+                for method in names:
+                    passes[method].append(result[method])
                     print(f"[{time.time() - started:7.1f}s] {precision}/{suite} pass {rep + 1} {method}: "
-                          f"{passes[method][-1]['throughput']:.1f} tok/s, tau {passes[method][-1]['tau']:.2f}",
-                          flush=True)
+                          f"{result[method]['throughput']:.1f} tok/s, tau {result[method]['tau']:.2f}", flush=True)
             ar_ids = passes["hf-ar"][-1]["ids"]
             table = {}
             for method in names:
                 table[method] = summarize(passes[method])
                 table[method]["identical_to_ar"] = all(p["ids"] == ar_ids for p in passes[method])
-            results["runs"][f"{precision} / {suite}"] = {"table": table, "ratios": ratios(table),
+            results["runs"][f"{precision} / {suite}"] = {"table": table, "ratios": ratios(passes),
                                                           "prompts": [p.id for p in prompts]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
