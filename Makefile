@@ -7,7 +7,7 @@ RECIPE ?= recipes/short.yaml
 SCENARIO ?= short
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup short long memory run eval search bench test test-fast distill clean
+.PHONY: setup short long memory run eval search bench bench-quant test test-fast distill clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,8 @@ search: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/kv_bench.py
+
+bench-quant: $(STAMP) ; $(BIN)/python bench/quant_bench.py
 
 distill: $(STAMP)
 	$(BIN)/toolkit draft distill --target embedded --layers 2 --out results/distill/smollm2-2l --max-minutes 20

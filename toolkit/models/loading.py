@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -14,7 +13,6 @@ from toolkit.quant import choose_backend
 from toolkit.quant import torchao as torchao_backend
 from toolkit.recipe import ModelSpec
 
-log = logging.getLogger("toolkit.models")
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 

@@ -8,6 +8,7 @@ Plain precisions (fp32 / fp16 / bf16) need no backend: :func:`choose_backend` re
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
 
@@ -17,6 +18,24 @@ from toolkit.quant.auto import TABLE
 
 BACKENDS = ("auto", "bitsandbytes", "torchao")
 QUANTIZED = ("int8", "int4")
+
+# The one line per process that says which kernel runs quantized weights is INFO on this logger; its level is set
+# here so that an application logging at WARNING (the toolkit CLI) still shows it.
+logging.getLogger("toolkit.quant").setLevel(logging.INFO)
+
+
+class _DropKnownNoise(logging.Filter):
+    """Drop import-time notices about optional GPU pieces that say nothing about the kernels actually used."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if "is an Enum subclass and is now natively supported" in text or "Detected no triton" in text:
+            return False
+        return not ("Failed to load" in text and "torchao/_C" in text and not torch.cuda.is_available())
+
+
+for _name in ("torchao", "torchao.kernel.intmm", "torch.utils._pytree"):  # filters act on the emitting logger only
+    logging.getLogger(_name).addFilter(_DropKnownNoise())
 
 
 def installed(backend: str) -> bool:

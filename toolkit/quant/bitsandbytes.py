@@ -25,6 +25,16 @@ class _DropKernelHubWarning(logging.Filter):
         return "gemm_4bit_forward" not in record.getMessage()
 
 
+class _DropCastNotice(logging.Filter):
+    """LLM.int8() on CPU logs a cast notice on every matmul call; :func:`kernel_path` says it once instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "inputs will be cast from" not in record.getMessage()
+
+
+logging.getLogger("bitsandbytes.autograd._functions").addFilter(_DropCastNotice())
+
+
 def import_quietly(field: str):
     """Import bitsandbytes without its kernel-hub warning. Raises :class:`ModelLoadError` when it is missing."""
     if importlib.util.find_spec("bitsandbytes") is None:
@@ -45,7 +55,8 @@ def kernel_path(precision: str, device: torch.device) -> str:
     if device.type == "cuda":
         return f"bitsandbytes {precision} on CUDA: the library's own CUDA kernels"
     if precision == "int8":
-        return "bitsandbytes LLM.int8() on CPU: int8 matmul with fp32 outlier columns (no fused CPU kernel)"
+        return ("bitsandbytes LLM.int8() on CPU: activations cast to fp16 and quantized per row, an int8 matmul, "
+                "outlier columns in float (no fused CPU kernel)")
     from bitsandbytes.backends.cpu import ops
 
     fused = getattr(ops, "gemm_4bit_forward_kernel", None) is not None
