@@ -159,6 +159,9 @@ def test_torchao_combinations_without_a_kernel_name_the_field(tmp_path, tiny_dir
         load_model(ModelSpec(source=str(odd), device="cpu", precision="int4", backend="torchao",
                              torchao_group_size=64), "draft")
     assert excinfo.value.field == "draft.torchao_group_size" and excinfo.value.allowed == [32]
+    if __import__("importlib").util.find_spec("bitsandbytes"):  # auto does not fail: it falls back
+        model, _ = load_model(ModelSpec(source=str(odd), device="cpu", precision="int4", torchao_group_size=64))
+        assert model.toolkit_backend == "bitsandbytes" and model.toolkit_spec.backend == "bitsandbytes"
     with pytest.raises(ConfigError) as excinfo:
         load_model(ModelSpec(source=str(tiny_dir), device="cpu", precision="int8", backend="torchao",
                              torchao_int8="dynamic", torchao_compute_dtype="fp16"), "target")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 
 import torch
@@ -13,6 +15,7 @@ from toolkit.quant import choose_backend
 from toolkit.quant import torchao as torchao_backend
 from toolkit.recipe import ModelSpec
 
+log = logging.getLogger("toolkit.quant")
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -65,6 +68,13 @@ def load_model(spec: ModelSpec, field: str = "model"):
         raise ModelLoadError(f"{field}.source={spec.source!r}: {exc}") from exc
     if backend != "bitsandbytes":
         model.to(device)
+    if backend == "torchao" and spec.precision == "int4" and spec.backend == "auto":
+        try:
+            torchao_backend.check_group_size(model, spec.torchao_group_size, field)
+        except ConfigError as exc:  # auto: a model whose widths torchao's groups do not divide goes to bitsandbytes
+            log.info("%s; backend auto falls back to bitsandbytes", exc)
+            del model
+            return load_model(dataclasses.replace(spec, backend="bitsandbytes"), field)
     if backend == "torchao":
         torchao_backend.quantize(model, spec, device, field)
     elif backend == "bitsandbytes":
