@@ -25,7 +25,7 @@ _spec.loader.exec_module(quant_bench)
 # label -> (ModelSpec fields, max PPL ratio vs fp32, min top-1 agreement with fp32, max weight bytes / fp32's)
 # MEASURED (2 x 1024 tokens of GPL-3 / Apache-2.0, fp32 PPL 16.38), PPL ratio / top-1: bf16 0.999 / 0.977,
 # bnb int8 1.019 / 0.921, bnb NF4 1.349 / 0.697, torchao int8 weight-only 1.004 / 0.965, torchao int8 dynamic
-# (asymmetric activations) 1.021 / 0.912, torchao int4 g32 1.042 / 0.868, g64 1.484 / 0.660 (the GGUF source is
+# 1.037 / 0.890, torchao int4 g32 1.042 / 0.868, g64 1.484 / 0.660 (the GGUF source is
 # Q4_1 with groups of 32, which g32 reproduces closely).
 CASES = {
     "bf16": ({"precision": "bf16"}, 1.01, 0.95, 0.51),
@@ -34,7 +34,7 @@ CASES = {
     "torchao int8 weight-only": ({"precision": "int8", "backend": "torchao", "torchao_int8": "weight_only"},
                                  1.01, 0.94, 0.50),
     "torchao int8 dynamic": ({"precision": "int8", "backend": "torchao", "torchao_int8": "dynamic"},
-                             1.04, 0.88, 0.50),
+                             1.06, 0.86, 0.50),
     "torchao int4 g32": ({"precision": "int4", "backend": "torchao", "torchao_group_size": 32}, 1.07, 0.84, 0.30),
     "torchao int4 g64": ({"precision": "int4", "backend": "torchao", "torchao_group_size": 64}, 1.60, 0.62, 0.30),
 }

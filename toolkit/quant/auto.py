@@ -25,10 +25,10 @@ class Measured:
 TABLE: dict[tuple[str, str], tuple[Measured, ...]] = {
     ("int8", "cpu"): (
         Measured("torchao", "torchao int8 dynamic activation (torchao_int8: dynamic, the default): decode 263 ms, "
-                            "verify-5 298 ms vs fp32 381 / 616 and LLM.int8() 678 / 951; PPL ratio 1.037 symmetric, "
-                            "1.021 with the asymmetric activations used now; top-1 0.89-0.91. torchao int8 "
-                            "weight-only: 779 / 1047 ms, PPL ratio 1.004 (bench/quant_bench.py, 2026-11-21, loaded "
-                            "2-core CPU, 1 thread)"),
+                            "verify-5 298 ms vs fp32 381 / 616 and LLM.int8() 678 / 951; PPL ratio 1.037, top-1 "
+                            "0.890. torchao int8 weight-only: 779 / 1047 ms, PPL ratio 1.004, top-1 0.965 "
+                            "(bench/quant_bench.py, 2026-11-21, heavily loaded 2-core CPU, 1 thread; a second "
+                            "check: dynamic 285 / 339 ms vs fp32 215 / 385)"),
         Measured("bitsandbytes", "LLM.int8(): decode 678 ms, verify-5 951 ms, PPL ratio 1.019, top-1 0.921 (same run)"),
     ),
     ("int4", "cpu"): (
