@@ -6,8 +6,9 @@ For each configuration (fp32, bf16, bitsandbytes int8 / NF4, torchao int8 weight
 
 * speed — ms of one target forward at a ``--context``-token context: a 1-token decode step and a 5-token verify
   step (K = 4 drafts + the last committed token). The context is prefilled once into a ``DynamicCache``; every timed
-  step is cropped back (``cache.crop``), so all steps see the same context. One warm-up, then medians (min-max) over
-  ``--repeats`` alternating decode/verify steps; the device is synchronized around each step.
+  step is cropped back (``cache.crop``), so all steps see the same context. All models stay loaded and the timing
+  rounds interleave them (one warm-up round, then ``--repeats`` rounds; medians with min-max), so a change in the
+  machine's load hits every configuration alike; the device is synchronized around each step.
 * quality on held-out prose (the first ``--ppl-tokens`` tokens of the GPL-3 and Apache-2.0 license texts, one
   window each): perplexity from :func:`eval.metrics.perplexity_sliding_window` (window = stride = the text, so each
   text is one forward) and top-1 agreement with fp32 (argmax of the same forward's logits, captured by a forward
@@ -90,36 +91,55 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.inference_mode()
-def step_times(model, context_ids: list[int], repeats: int) -> dict:
-    """Median (min-max) ms of a 1-token decode step and a 5-token verify step after ``len(context_ids)`` tokens."""
-    from transformers import DynamicCache
+class StepTimer:
+    """A model with ``len(context_ids) - 5`` tokens prefilled into a ``DynamicCache``; :meth:`step` times one
+    forward of 1 (decode) or 5 (verify) tokens on that context and crops the cache back (``cache.crop``)."""
 
-    device = next(model.parameters()).device
-    ids = torch.tensor([context_ids], device=device)
-    context = ids.shape[1] - 5
-    cache = DynamicCache(config=model.config)
-    model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
-    times: dict[str, list[float]] = {"decode": [], "verify5": []}
-    for rep in range(repeats + 1):  # the first round is a warm-up
-        for name, width in (("decode", 1), ("verify5", 5)):
-            positions = torch.arange(context, context + width, device=device).unsqueeze(0)
-            _sync(device)
-            start = time.perf_counter()
-            model(input_ids=ids[:, context:context + width], past_key_values=cache, position_ids=positions,
-                  use_cache=True)
-            _sync(device)
-            if rep:
-                times[name].append((time.perf_counter() - start) * 1000)
-            cache.crop(-width)
-    return {name: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)}
-            for name, v in times.items()}
+    @torch.inference_mode()
+    def __init__(self, model, context_ids: list[int]):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.ids = torch.tensor([context_ids], device=self.device)
+        self.context = self.ids.shape[1] - 5
+        self.cache = DynamicCache(config=model.config)
+        model(input_ids=self.ids[:, :self.context], past_key_values=self.cache, use_cache=True)
+
+    @torch.inference_mode()
+    def step(self, width: int) -> float:
+        """Milliseconds of one forward of ``width`` new tokens (device synchronized before and after)."""
+        positions = torch.arange(self.context, self.context + width, device=self.device).unsqueeze(0)
+        _sync(self.device)
+        start = time.perf_counter()
+        self.model(input_ids=self.ids[:, self.context:self.context + width], past_key_values=self.cache,
+                   position_ids=positions, use_cache=True)
+        _sync(self.device)
+        elapsed = (time.perf_counter() - start) * 1000
+        self.cache.crop(-width)
+        return elapsed
+
+
+def interleaved_step_times(timers: dict[str, StepTimer], repeats: int) -> dict:
+    """Per label, median (min-max) ms of decode (1 token) and verify (5 tokens) steps. Rounds interleave the models
+    (round r times every model once, in a rotated order), so a change in machine load hits every model alike; the
+    first round is a warm-up."""
+    times = {label: {"decode": [], "verify5": []} for label in timers}
+    labels = list(timers)
+    for rnd in range(repeats + 1):
+        for label in labels[rnd % len(labels):] + labels[:rnd % len(labels)]:
+            for name, width in (("decode", 1), ("verify5", 5)):
+                ms = timers[label].step(width)
+                if rnd:
+                    times[label][name].append(ms)
+    return {label: {name: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)}
+                    for name, v in per.items()} for label, per in times.items()}
 
 
 def run(args) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     torch.manual_seed(0)
-    rows, skipped, reference = [], [], None
+    rows, skipped, reference, timers = [], [], None, {}
     for label, fields in CONFIGS:
         spec = ModelSpec(source="embedded", device=args.device, **fields)
         try:
@@ -129,25 +149,24 @@ def run(args) -> dict:
             print(f"[skip] {label}: {exc}", flush=True)
             continue
         windows = held_out_windows(tokenizer, args.ppl_tokens)
-        context_ids = windows[0][: args.context + 5]
-        speed = step_times(model, context_ids, args.repeats)
         q = quality(model, windows)
         if reference is None:
             reference = q
-        row = {
+        rows.append({
             "config": label, "spec": fields, "backend": model.toolkit_backend,
-            "decode_ms": speed["decode"], "verify5_ms": speed["verify5"],
             "top1_agreement": float((q["predictions"] == reference["predictions"]).float().mean()),
             "ppl": q["ppl"], "ppl_ratio": q["ppl"] / reference["ppl"], "weight_bytes": weight_bytes(model),
-        }
-        rows.append(row)
-        print(f"{label}: decode {row['decode_ms']['median_ms']:.1f} ms, verify5 {row['verify5_ms']['median_ms']:.1f}"
-              f" ms, top-1 {row['top1_agreement']:.3f}, PPL {row['ppl']:.2f}, {row['weight_bytes'] / 2**20:.1f} MiB",
-              flush=True)
-        del model
+        })
+        timers[label] = StepTimer(model, windows[0][: args.context + 5])
+        print(f"{label}: top-1 {rows[-1]['top1_agreement']:.3f}, PPL {q['ppl']:.2f}, "
+              f"{rows[-1]['weight_bytes'] / 2**20:.1f} MiB", flush=True)
+    speed = interleaved_step_times(timers, args.repeats)
+    for row in rows:
+        row["decode_ms"], row["verify5_ms"] = speed[row["config"]]["decode"], speed[row["config"]]["verify5"]
     return {
         "rows": rows, "skipped": skipped,
         "setup": {"device": args.device, "context_tokens": args.context, "repeats": args.repeats,
+                  "timing": "interleaved rounds, all models loaded at once",
                   "ppl_texts": list(TEXTS), "ppl_tokens_per_text": args.ppl_tokens,
                   "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.processor()
                   or platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
