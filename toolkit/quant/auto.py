@@ -24,19 +24,18 @@ class Measured:
 
 TABLE: dict[tuple[str, str], tuple[Measured, ...]] = {
     ("int8", "cpu"): (
-        Measured("torchao", "torchao int8 dynamic activation (torchao_int8: dynamic, the default), interleaved "
-                            "same-process timing: decode 251 ms, verify-5 284 ms vs LLM.int8() 245 / 343 and fp32 "
-                            "182 / 302 (decode a tie, verify-5 -17%: verify is the target's per-round step). Quality "
-                            "(bench/quant_bench.py): PPL ratio 1.037, top-1 0.890 vs LLM.int8() 1.019 / 0.921. "
-                            "torchao int8 weight-only is ~2x slower than both (797 / 1007 ms vs fp32 458 / 732) at "
-                            "PPL ratio 1.004. 2026-11-21, 2-core AVX-512/AMX CPU under load 5-8, 1 thread: noisy"),
-        Measured("bitsandbytes", "LLM.int8(): decode 245 ms, verify-5 343 ms (same interleaved run), PPL ratio 1.019"),
+        Measured("torchao", "torchao int8 dynamic activation (torchao_int8: dynamic, the default): decode 194 ms, "
+                            "verify-5 228 ms vs LLM.int8() 214 / 296 and fp32 138 / 229; PPL ratio 1.037, top-1 "
+                            "0.890 vs LLM.int8() 1.019 / 0.921. torchao int8 weight-only: 276 / 346 ms, PPL ratio "
+                            "1.004, top-1 0.965 (make bench-quant, interleaved rounds, 2026-11-21, 2-core "
+                            "AVX-512/AMX CPU shared with other jobs, 1 thread: noisy)"),
+        Measured("bitsandbytes", "LLM.int8(): decode 214 ms, verify-5 296 ms, PPL ratio 1.019 (same run)"),
     ),
     ("int4", "cpu"): (
-        Measured("torchao", "torchao int4 group 32 (bf16, ATen _weight_int4pack_mm_for_cpu), interleaved run: decode "
-                            "89 ms, verify-5 148 ms vs NF4 128 / 200 and fp32 182 / 302; quality (bench/quant_bench.py)"
-                            ": PPL ratio 1.042, top-1 0.868, 134 MiB vs NF4 1.349 / 0.697, 162 MiB"),
-        Measured("bitsandbytes", "NF4: decode 128 ms, verify-5 200 ms (same interleaved run), PPL ratio 1.349"),
+        Measured("torchao", "torchao int4 group 32 (bf16, ATen _weight_int4pack_mm_for_cpu): decode 67 ms, verify-5 "
+                            "114 ms vs NF4 101 / 165 and fp32 138 / 229; PPL ratio 1.042, top-1 0.868, 134 MiB vs "
+                            "NF4 1.349 / 0.697, 162 MiB (make bench-quant, same run)"),
+        Measured("bitsandbytes", "NF4: decode 101 ms, verify-5 165 ms, PPL ratio 1.349 (same run)"),
     ),
     ("int8", "cuda"): (
         Measured("torchao", "not measured here: bitsandbytes' own benchmark shows LLM.int8() slower than bf16 at "
