@@ -7,7 +7,7 @@ RECIPE ?= recipes/short.yaml
 SCENARIO ?= short
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup short long memory run eval search bench bench-kvquant test test-fast distill clean
+.PHONY: setup short long memory run eval search bench bench-quant bench-kvquant bench-tree test test-fast distill clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,10 @@ bench: $(STAMP)
 ## Quantized KV cache (ours vs HF QuantizedCache quanto/HQQ vs eviction at equal bytes, QuantSpec self-speculation).
 bench-kvquant: $(STAMP)
 	$(BIN)/pip install -q -e ".[kvquant-bench]" && $(BIN)/python bench/kv_quant_bench.py --threads 2
+
+## Weight quantization: decode / verify ms, top-1 agreement, PPL and exact bytes for every backend x precision here.
+bench-quant: $(STAMP)
+	$(BIN)/python bench/quant_bench.py
 
 distill: $(STAMP)
 	$(BIN)/toolkit draft distill --target embedded --layers 2 --out results/distill/smollm2-2l --max-minutes 20

