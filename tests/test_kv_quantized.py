@@ -66,7 +66,7 @@ def test_pack_rejects_bad_bits_and_groups():
 
 # ---------------------------------------------------------------------------------------------------- layout
 def test_kivi_layout_keys_per_channel_values_per_token_and_exact_bytes():
-    cache = ops.new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=10), tiny_llama())
+    cache = ops.new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=10, sink_tokens=0), tiny_llama())
     append(cache, 0, 30)
     cache.commit()  # boundary(30) = 8 * min(3, ceil(20 / 8) = 3) = 24 -> 24 quantized, 6 residual
     layer: QuantizedLayer = cache.layers[0]
@@ -86,16 +86,23 @@ def test_kivi_layout_keys_per_channel_values_per_token_and_exact_bytes():
 
 
 def test_quantization_only_at_commit_points():
-    cache = ops.new_cache(policy(quant_bits=2, quant_group_size=8, residual_length=8), tiny_llama())
+    cache = ops.new_cache(policy(quant_bits=2, quant_group_size=8, residual_length=8), tiny_llama())  # 4 sinks
     append(cache, 0, 40)
     assert cache.layers[0].q_len == 0 and cache.compressions == 0  # nothing before a commit
-    cache.commit()
-    assert (cache.layers[0].q_len, cache.layers[0].residual, cache.compressions) == (32, 8, 1)
+    cache.commit()  # boundary(40) = 4 + 8 * min(4, ceil(28 / 8) = 4) = 36
+    layer = cache.layers[0]
+    assert (layer.sinks, layer.q_len, layer.residual, cache.compressions) == (4, 32, 4, 1)
+    full = torch.cat([token_kv(p)[0][0] for p in range(41)], dim=2)
+    keys, _ = layer.update(*token_kv(40)[0])
+    assert torch.equal(keys[:, :, :4], full[:, :, :4]) and torch.equal(keys[:, :, 36:], full[:, :, 36:])
+    fp32_sinks_and_residual = 2 * HEADS * (4 + 5) * DIM * 4
+    assert sum(t.nbytes for t in layer.tensors()) == fp32_sinks_and_residual + 2 * HEADS * 32 * DIM // 4 + \
+        HEADS * DIM * 4 * 4 + HEADS * 32 * 2 * 4
 
 
 # ---------------------------------------------------------------------------------------------------- rollback
 @pytest.mark.parametrize("name,params", [
-    ("quantized", dict(quant_bits=4, quant_group_size=8, residual_length=6)),
+    ("quantized", dict(quant_bits=4, quant_group_size=8, residual_length=6, sink_tokens=0)),
     ("quantized", dict(quant_bits=2, quant_group_size=16, residual_length=20)),
     ("streaming", dict(sink_tokens=3, window=24, compress_interval=4, quant_bits=4, quant_group_size=8,
                        residual_length=8)),
@@ -167,6 +174,7 @@ def test_keep_tail_keeps_the_accepted_path_only():
     (dict(quant_group_size=0), "kv.quant_group_size"),
     (dict(quant_bits=2, quant_group_size=2), "kv.quant_group_size"),
     (dict(residual_length=0), "kv.residual_length"),
+    (dict(sink_tokens=-1), "kv.sink_tokens"),
 ])
 def test_bad_fields_name_the_field(params, field):
     with pytest.raises(ConfigError) as exc:
@@ -214,8 +222,8 @@ def run(model, drafter, pol, prompt, new_tokens, k=3):
 
 
 QUANT_POLICIES = [
-    ("quantized", dict(quant_bits=2, quant_group_size=8, residual_length=12)),
-    ("quantized", dict(quant_bits=4, quant_group_size=16, residual_length=4)),  # R < G, R = K + 1
+    ("quantized", dict(quant_bits=2, quant_group_size=8, residual_length=12, sink_tokens=0)),
+    ("quantized", dict(quant_bits=4, quant_group_size=16, residual_length=4, sink_tokens=3)),  # R < G, R = K + 1
     ("streaming", dict(sink_tokens=4, window=24, compress_interval=4, quant_bits=2, quant_group_size=8,
                        residual_length=8)),
 ]
