@@ -284,3 +284,44 @@ def test_bad_heads_raise_config_error_naming_draft_source(tmp_path, target, trai
     (tmp_path / "empty" / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"^draft\.source: .*no head weights"):
         load_head(tmp_path / "empty", target)
+
+
+# ------------------------------------------------------------------------------------------------------ recipe
+def test_recipe_fields_for_eagle(tmp_path, target, trained_head):
+    from toolkit.generator import build
+    from toolkit.recipe import ModelSpec, Recipe, SpecSpec
+
+    with pytest.raises(ConfigError, match=r"^draft: spec.drafter='eagle' needs a draft section"):
+        Recipe(draft=None, spec=SpecSpec(drafter="eagle"))
+    with pytest.raises(ConfigError, match=r"^draft\.precision: unknown value 'int4'"):
+        Recipe(draft=ModelSpec(source="x", precision="int4"), spec=SpecSpec(drafter="eagle"))
+    missing = Recipe(draft=ModelSpec(source=str(tmp_path / "nope"), precision="fp32"), spec=SpecSpec(drafter="eagle"))
+    with pytest.raises(ConfigError, match=r"^draft\.source: EAGLE head directory .* does not exist"):
+        build(missing, target=target, tokenizer=None)
+    save_head(trained_head, tmp_path / "head")
+    recipe = Recipe(draft=ModelSpec(source=str(tmp_path / "head"), precision="bf16"),
+                    spec=SpecSpec(drafter="eagle", num_draft_tokens=3))
+    generator = build(recipe, target=target, tokenizer=None)
+    drafter = generator._drafter(recipe.generation)
+    assert isinstance(drafter, EagleDrafter) and drafter.dtype == torch.bfloat16
+    assert generator.draft_model.embed_tokens is target.get_input_embeddings()  # shared, not copied
+    prompt = make_prompt(6)
+    ids, _, _ = speculate(target, drafter, prompt, ConstantK(3))
+    assert ids == hf_greedy(target, prompt, NEW_TOKENS)  # a bf16 head under an fp32 target is still lossless
+
+
+@pytest.mark.slow
+def test_shipped_head_greedy_matches_ar_on_embedded_model(embedded):
+    """The head shipped for the embedded target: token-identical greedy output, and it drafts usefully."""
+    from toolkit.eagle.checkpoint import resolve_head
+
+    model, tokenizer = embedded
+    head = load_head(resolve_head("embedded"), model, dtype=torch.bfloat16)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Explain why exercise is good for health."}],
+                                        add_generation_prompt=True, return_tensors="pt")
+    ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+    reference = hf_greedy(model, ids, 48)
+    out, stats, _ = speculate(model, EagleDrafter(model, head), ids, ConstantK(4), max_new_tokens=48)
+    assert out == reference
+    assert stats.accepted > 0 and stats.accepted < stats.drafted
+    assert not model.model.layers[-1]._forward_hooks

@@ -86,6 +86,13 @@ class Generator:
             return DraftModel(self.draft_model, self.draft_policy, do_sample=gen.do_sample,
                               temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p,
                               confidence_threshold=spec.confidence_threshold, generator=generator)
+        if spec.drafter == "eagle":
+            from toolkit.speculative.drafters.eagle import EagleDrafter
+
+            device = next(self.target.parameters()).device
+            generator = torch.Generator(device=device).manual_seed(gen.seed + 1) if gen.do_sample else None
+            return EagleDrafter(self.target, self.draft_model, do_sample=gen.do_sample, temperature=gen.temperature,
+                                top_k=gen.top_k, top_p=gen.top_p, generator=generator)
         return None
 
     def decoder(self, gen: GenerationSpec) -> SpeculativeDecoder:
@@ -175,7 +182,12 @@ def build(recipe: Recipe, target=None, tokenizer=None, draft_model=None) -> Gene
             draft_spec = dataclasses.replace(recipe.draft, source=recipe.target.source)
         draft_model, draft_tokenizer = load_model(draft_spec, "draft")
         check_same_vocab(tokenizer, draft_tokenizer, recipe.target.source, draft_spec.source)
-    if drafter not in ("draft_model", "self"):
+    if drafter == "eagle" and draft_model is None:  # the EAGLE head plays the draft model's part
+        from toolkit.eagle.checkpoint import load_head, resolve_head
+        from toolkit.models import _DTYPES
+
+        draft_model = load_head(resolve_head(recipe.draft.source), target, dtype=_DTYPES[recipe.draft.precision])
+    if drafter not in ("draft_model", "self", "eagle"):
         draft_model = None
     return Generator(recipe, target, tokenizer, draft_model)
 

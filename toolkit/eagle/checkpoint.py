@@ -95,10 +95,11 @@ def _target_config(target):
     return c.get_text_config() if hasattr(c, "get_text_config") else c
 
 
-def load_head(source: str | Path, target, field: str = "draft.source") -> EagleHead:
+def load_head(source: str | Path, target, field: str = "draft.source", dtype: torch.dtype | None = None
+              ) -> EagleHead:
     """Load a head directory in either published layout and fit it to ``target`` (frozen embedding / LM head copied
-    from the target when the checkpoint lacks them). Returns the head in eval mode on the target's device and
-    dtype.
+    from the target when the checkpoint lacks them; a missing embedding is *shared* with the target, not copied).
+    Returns the head in eval mode on the target's device, in ``dtype`` (default: the target's float dtype).
 
     Raises:
         ConfigError (``field``): missing directory or weights, unknown layout, a hidden size, head shape or
@@ -110,7 +111,16 @@ def load_head(source: str | Path, target, field: str = "draft.source") -> EagleH
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise ConfigError(field, f"{directory} has no config.json")
-    raw = json.loads(config_path.read_text())
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(field, f"{config_path} is not valid JSON: {exc}") from exc
+    from toolkit.eagle.features import decoder_layers
+
+    try:
+        decoder_layers(target)
+    except AttributeError as exc:
+        raise ConfigError(field, f"an EAGLE head needs a Llama-like target with model.layers ({exc})") from exc
     state = _read_state(directory, field)
     tc = _target_config(target)
     if any(k.startswith("midlayer.") for k in state):
@@ -180,8 +190,11 @@ def load_head(source: str | Path, target, field: str = "draft.source") -> EagleH
     head.load_state_dict({k: v.float().cpu() for k, v in mapped.items()})
     head.draft_to_target = draft_to_target
     param = next(target.parameters())
-    dtype = param.dtype if param.is_floating_point() else torch.float32
+    if dtype is None:
+        dtype = param.dtype if param.is_floating_point() else torch.float32
     head.to(device=param.device, dtype=dtype)
+    if "embed_tokens.weight" not in state:
+        head.embed_tokens = target.get_input_embeddings()  # shared: no copy of the (vocab, H) table
     head.draft_to_target = head.draft_to_target.to(param.device)
     head.eval()
     head.requires_grad_(False)

@@ -215,16 +215,20 @@ class EagleHead(nn.Module):
         self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size), persistent=False)
 
     # -------------------------------------------------------------------------------------------- pieces
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``(b, s, H)`` in the head's dtype (the embedding may be the target's own module)."""
+        return self.embed_tokens(tokens).to(self.fc.weight.dtype)
+
     def input_features(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Step-1 input: target features ``(b, s, F)`` + the *next* tokens ``(b, s)`` -> layer input ``(b, s, H)``."""
         if self.config.variant == "eagle1":
-            return self.fc(torch.cat([self.embed_tokens(tokens), features], dim=-1))
+            return self.fc(torch.cat([self.embed(tokens), features], dim=-1))
         return self.fc(features)
 
     def step_input(self, own: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Later steps: the head's own previous outputs ``(b, s, H)`` + the next tokens ``(b, s)``."""
         if self.config.variant == "eagle1":
-            return self.fc(torch.cat([self.embed_tokens(tokens), own], dim=-1))
+            return self.fc(torch.cat([self.embed(tokens), own], dim=-1))
         return own
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
@@ -237,4 +241,4 @@ class EagleHead(nn.Module):
                 mask: torch.Tensor | None = None, extra_kv=None):
         """Layer over prepared input ``x`` ``(b, s, H)`` (from :meth:`input_features` / :meth:`step_input`) at
         ``positions`` ``(b, s)``; returns ``(out (b, s, H), new (k, v))``."""
-        return self.layer(x, self.embed_tokens(tokens), positions, cache, mask, extra_kv)
+        return self.layer(x, self.embed(tokens), positions, cache, mask, extra_kv)
