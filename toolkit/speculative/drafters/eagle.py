@@ -12,6 +12,13 @@ Protocol with the decode loop (unchanged loop; see :mod:`toolkit.speculative.dec
 * Each verify forward leaves the features of ``[last committed, d_1..d_k]`` in the hook; ``commit(a)`` keeps the
   first ``a + 1`` of them as the next pending pairs (their next tokens are ``d_1..d_a`` and the bonus token).
 
+Tree rounds (EAGLE-2 dynamic trees, Li et al. 2024; the tree decoder of ``toolkit.speculative.tree``):
+``propose_tree`` grows the tree with :func:`toolkit.speculative.tree_dynamic.build_dynamic_tree`, expanding each
+level's chosen nodes in ONE head forward under a tree mask (a node sees the true pairs, its ancestors and itself, at
+position ``last true pair + depth``); ``commit_tree(path)`` keeps the verify forward's features of the root and the
+accepted path. Trees are deterministic top-k proposals (``draft_probs = None``), which verification treats as
+one-hot drafts: lossless under sampling too.
+
 Draft tokens come from the head's (reduced) draft vocabulary; ``draft_logits`` ``(k, vocab)`` are the head's logits
 scattered into the target vocabulary with ``-inf`` elsewhere, so q is exactly zero outside the draft vocabulary
 and speculative sampling stays lossless. Under greedy decoding ``draft_logits`` is ``None`` (not needed).
@@ -84,9 +91,27 @@ class EagleDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, input_ids: torch.Tensor, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        committed = input_ids.shape[1]
         if num_draft_tokens == 0:
             return input_ids.new_empty((1, 0)), None
+        head, device = self.head, self.head.lm_head.weight.device
+        last = self._feed_pending(input_ids)
+        drafted, all_logits = [], []
+        for step in range(num_draft_tokens):
+            token, full = self._choose(head.logits(last[0, -1]))
+            drafted.append(token)
+            all_logits.append(full)
+            if step + 1 == num_draft_tokens:
+                break
+            tok = token.view(1, 1)
+            position = torch.tensor([[self.fed + step]], device=device)
+            last, _ = head(head.step_input(last, tok), tok, position, self.head_cache)
+            self.forwards += 1
+        tokens_out = torch.stack(drafted).view(1, -1)
+        return tokens_out, (torch.stack(all_logits) if self.do_sample else None)
+
+    def _feed_pending(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Crop the head cache to the true pairs, append the pending ones; returns the last output ``(1, 1, H)``."""
+        committed = input_ids.shape[1]
         if self.hook is None:
             raise RuntimeError("EagleDrafter.propose before reset(): no feature hook installed")
         if self.pending is None and self.fed == 0:  # first round: the prefill's features
@@ -103,20 +128,56 @@ class EagleDrafter(Drafter):
         self.forwards += 1
         self.fed += p
         self.pending = None
-        last = out[:, -1:]
-        drafted, all_logits = [], []
-        for step in range(num_draft_tokens):
-            token, full = self._choose(head.logits(last[0, -1]))
-            drafted.append(token)
-            all_logits.append(full)
-            if step + 1 == num_draft_tokens:
-                break
-            tok = token.view(1, 1)
-            position = torch.tensor([[self.fed + step]], device=device)
-            last, _ = head(head.step_input(last, tok), tok, position, self.head_cache)
+        return out[:, -1:]
+
+    def _log_probs(self, out: torch.Tensor) -> torch.Tensor:
+        """Head outputs ``(m, H)`` -> target-vocabulary log-probabilities ``(m, vocab)`` (``-inf`` outside)."""
+        logp = torch.log_softmax(self.head.logits(out).float(), dim=-1)
+        full = logp.new_full((logp.shape[0], self.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.head.draft_to_target, logp)
+
+    @torch.inference_mode()
+    def propose_tree(self, input_ids: torch.Tensor, budget: int, depth: int, topk: int):
+        """EAGLE-2 dynamic tree after ``input_ids`` ``(1, n)``: at most ``budget`` nodes, ``depth`` levels, ``topk``
+        children per expanded node. Head forwards: one over the pending true pairs, then one per level below the
+        first over the (at most ``topk``) expanded nodes. Returns a ``TokenTree`` (``draft_probs = None``)."""
+        from toolkit.speculative.tree import TreeShape
+        from toolkit.speculative.tree_dynamic import build_dynamic_tree
+
+        head, device = self.head, self.head.lm_head.weight.device
+        root = self._feed_pending(input_ids)
+        base = len(self.head_cache)  # == self.fed: true pairs only
+        outputs: dict[int, torch.Tensor] = {-1: root[0, 0]}
+        offset_of: dict[int, int] = {}
+        parent_of: dict[int, int] = {}
+
+        def expand(nodes: list[int], tokens: list[int], parents: list[int], depths: list[int]) -> torch.Tensor:
+            m, fed_now = len(nodes), len(self.head_cache)
+            visible = torch.zeros(m, fed_now + m, dtype=torch.bool, device=device)
+            visible[:, :base] = True
+            for row, parent in enumerate(parents):
+                while parent >= 0:  # every ancestor of an expanded node was expanded before
+                    visible[row, offset_of[parent]] = True
+                    parent = parent_of[parent]
+                visible[row, fed_now + row] = True
+            tok = torch.tensor([tokens], device=device)
+            prev = torch.stack([outputs[p] for p in parents]).unsqueeze(0)  # (1, m, H)
+            positions = (base - 1 + torch.tensor(depths, device=device)).unsqueeze(0)
+            out, _ = head(head.step_input(prev, tok), tok, positions, self.head_cache, visible)
             self.forwards += 1
-        tokens_out = torch.stack(drafted).view(1, -1)
-        return tokens_out, (torch.stack(all_logits) if self.do_sample else None)
+            for row, (node, parent) in enumerate(zip(nodes, parents)):
+                offset_of[node], parent_of[node] = fed_now + row, parent
+                outputs[node] = out[0, row]
+            return self._log_probs(out[0])
+
+        tree, _ = build_dynamic_tree(self._log_probs(root[0])[0], expand, TreeShape(budget, depth, topk), depth)
+        return tree
+
+    def commit_tree(self, accepted_nodes: list[int]) -> None:
+        """Keep the tree verify forward's features of the root and the accepted path's nodes."""
+        rows = [0] + [node + 1 for node in accepted_nodes]
+        self.pending = self.hook.features()[:, rows]
+        self.head_cache.crop(self.fed)
 
     def commit(self, num_accepted: int) -> None:
         """Keep the verify forward's features of the last committed token and the ``num_accepted`` drafts."""
