@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--suites", default="short,unseen")
+    parser.add_argument("--max-prompts", type=int, default=None, help="first N prompts of each suite (smoke runs)")
     parser.add_argument("--no-assisted", action="store_true", help="skip HF assisted generation")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
@@ -90,6 +91,8 @@ def main() -> None:
         else:
             suites[name] = [(p.id, p.prompt) for p in load_suite(name)]
 
+    if args.max_prompts:
+        suites = {name: prompts[:args.max_prompts] for name, prompts in suites.items()}
     methods = {
         "ar": lambda ids: hf_generate(target, ids, gen, [], method="ar"),
         "ar_loop": lambda ids: ours(target, None, ids, gen, 1),
