@@ -7,5 +7,6 @@ setup(
     + ["toolkit.recipes"],
     package_dir={"toolkit.recipes": "recipes"},
     package_data={"toolkit.recipes": ["*.yaml", "prompts/*.yaml", "search/*.yaml", "found/*.yaml"],
-                  "eval": ["*.json"]},
+                  "eval": ["*.json"],
+                  "toolkit": ["heads/*/*.json", "heads/*/*.safetensors", "heads/*/*.md", "heads/*/*.png"]},
 )

@@ -133,7 +133,7 @@ def test_unknown_yaml_field_is_an_error_naming_it(text, field):
 @pytest.mark.parametrize("text, field", [
     ("target: {precision: fp8}", "target.precision"),
     ("target: {device: mps}", "target.device"),
-    ("spec: {drafter: eagle}", "spec.drafter"),
+    ("spec: {drafter: medusa}", "spec.drafter"),
     ("spec: {adaptive: linear}", "spec.adaptive"),
     ("target: {attn_implementation: flash}", "target.attn_implementation"),
 ])

@@ -95,6 +95,13 @@ class Generator:
             return DraftModel(self.draft_model, self.draft_policy, do_sample=gen.do_sample,
                               temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p,
                               confidence_threshold=spec.confidence_threshold, generator=generator)
+        if spec.drafter == "eagle":
+            from toolkit.speculative.drafters.eagle import EagleDrafter
+
+            device = next(self.target.parameters()).device
+            generator = torch.Generator(device=device).manual_seed(gen.seed + 1) if gen.do_sample else None
+            return EagleDrafter(self.target, self.draft_model, do_sample=gen.do_sample, temperature=gen.temperature,
+                                top_k=gen.top_k, top_p=gen.top_p, generator=generator)
         return None
 
     def decoder(self, gen: GenerationSpec) -> SpeculativeDecoder:

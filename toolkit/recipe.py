@@ -36,8 +36,9 @@ TORCHAO_COMPUTE_DTYPES = ("auto", "fp32", "fp16", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 COMPUTE_DTYPES = ("fp32", "fp16", "bf16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
-DRAFTERS = ("draft_model", "ngram", "self", "suffix", "none")
-TREE_DRAFTERS = ("draft_model", "self", "suffix")
+DRAFTERS = ("draft_model", "ngram", "self", "suffix", "eagle", "none")
+TREE_DRAFTERS = ("draft_model", "self", "suffix", "eagle")
+EAGLE_PRECISIONS = ("fp32", "bf16", "fp16")
 ADAPTIVE = ("constant", "ema")
 
 
@@ -128,7 +129,9 @@ class SpecSpec:
     Attributes:
         drafter: ``draft_model`` (the recipe's draft), ``ngram`` (prompt lookup, no model), ``self`` (the target's
             own weights at ``draft.precision``), ``suffix`` (SuffixDecoding: suffix tries over the request and over
-            earlier requests' outputs, no model), or ``none`` (plain autoregressive decoding).
+            earlier requests' outputs, no model), ``eagle`` (an EAGLE feature-level head: ``draft.source`` is the head
+            directory or ``embedded`` for the head shipped for the embedded target, ``draft.precision`` its dtype:
+            fp32, bf16 or fp16), or ``none`` (plain autoregressive decoding).
         num_draft_tokens: draft length K (tokens proposed per round); with ``adaptive: ema`` the starting K.
         adaptive: ``constant`` K, or ``ema``: an acceptance-EMA controller that shrinks K when the EMA < 0.5 and
             grows it when > 0.85, within ``[k_min, k_max]``.
@@ -265,6 +268,11 @@ class Recipe:
             self.draft.validate("draft")
         if self.spec.drafter in ("draft_model", "self") and self.draft is None:
             raise ConfigError("draft", f"spec.drafter={self.spec.drafter!r} needs a draft section (its precision)")
+        if self.spec.drafter == "eagle":
+            if self.draft is None:
+                raise ConfigError("draft", "spec.drafter='eagle' needs a draft section: draft.source is the EAGLE "
+                                  "head directory (or 'embedded' for the shipped head), draft.precision its dtype")
+            check_choice("draft.precision", self.draft.precision, EAGLE_PRECISIONS)
         if kv:
             self.kv.validate("kv")
             self.draft_kv.validate("draft_kv")

@@ -149,6 +149,16 @@ def _register_distill() -> None:
 _register_distill()
 
 
+def _register_eagle() -> None:
+    """``toolkit draft eagle``: every option of :func:`toolkit.distill.eagle_cli.eagle_command` (see there)."""
+    from toolkit.distill.eagle_cli import eagle_command
+
+    draft_app.command("eagle", help="Train an EAGLE feature-level draft head for a target.")(eagle_command)
+
+
+_register_eagle()
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     app()

@@ -1,0 +1,55 @@
+"""EAGLE-2 dynamic trees with the EAGLE drafter: greedy tree decoding is token-identical to AR (tiny random model).
+
+Needs the tree decoder (``toolkit.speculative.tree`` / ``tree_dynamic``, the tree issue); skipped where it is absent.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("toolkit.speculative.tree_dynamic")
+
+from test_decoder import hf_greedy, make_prompt  # noqa: E402
+from test_eagle import INIT, NEW_TOKENS, trained_head, target  # noqa: E402,F401  (fixtures)
+from toolkit.recipe import GenerationSpec  # noqa: E402
+from toolkit.speculative.adaptive import ConstantK  # noqa: E402
+from toolkit.speculative.decoder import SpeculativeDecoder  # noqa: E402
+from toolkit.speculative.drafters.eagle import EagleDrafter  # noqa: E402
+from toolkit.speculative.stats import GenerationStats  # noqa: E402
+from toolkit.speculative.tree import TreeShape  # noqa: E402
+
+
+@pytest.mark.parametrize("shape", [TreeShape(budget=8, depth=4, topk=2), TreeShape(budget=16, depth=5, topk=4)])
+def test_greedy_eagle_tree_matches_ar(target, trained_head, shape):  # noqa: F811
+    prompt = make_prompt(0)
+    reference = hf_greedy(target, prompt, NEW_TOKENS)
+    stats = GenerationStats()
+    decoder = SpeculativeDecoder(target, EagleDrafter(target, trained_head), ConstantK(3), tree=shape)
+    ids = [t for chunk in decoder.decode(prompt, GenerationSpec(max_new_tokens=NEW_TOKENS, ignore_eos=True), stats)
+           for t in chunk]
+    assert ids == reference
+    assert stats.accepted > 0 and stats.rounds >= 2
+    assert stats.drafted > stats.accepted
+    assert not target.model.layers[-1]._forward_hooks
+
+
+def test_tree_and_linear_agree_on_the_first_path(target, trained_head):  # noqa: F811
+    """A topk-1 tree is the linear greedy draft: same tokens as ``propose`` from the same state."""
+    prompt = make_prompt(2)
+    with torch.inference_mode():
+        target(prompt)  # warm nothing; the drafter needs the prefill features from its own hook
+    linear = EagleDrafter(target, trained_head)
+    linear.reset()
+    with torch.inference_mode():
+        target(prompt)
+    tokens, _ = linear.propose(torch.cat([prompt, torch.tensor([[5]])], 1), 4)
+    linear.close()
+    tree_drafter = EagleDrafter(target, trained_head)
+    tree_drafter.reset()
+    with torch.inference_mode():
+        target(prompt)
+    tree = tree_drafter.propose_tree(torch.cat([prompt, torch.tensor([[5]])], 1), budget=4, depth=4, topk=1)
+    tree_drafter.close()
+    assert tree.token_list() == tokens[0].tolist()
+    assert tree.parent_list() == [-1, 0, 1, 2]

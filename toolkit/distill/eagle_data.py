@@ -1,0 +1,183 @@
+"""Training data for an EAGLE head: real local text plus the target's own answers to chat prompts, with the
+target's features precomputed once.
+
+* Text: the draft-distillation corpus (:func:`toolkit.distill.data.load_streams`: Python standard-library sources,
+  license texts, and any ``--data`` entries such as ``/usr/share/doc``), cut into windows of ``seq_len`` tokens.
+* Chat: instruction prompts built from templates over passages of that corpus (explain / summarise / document code,
+  file-level train / held-out split as the corpus) and from topic lists; the target answers them greedily with
+  ``generate`` in batches (bf16, left padding), for at most ``chat_minutes``. The head must learn the target's own
+  distribution, which is what its answers are. Files used by the shipped prompt suites (``recipes/prompts``) are
+  never used for chat prompts.
+* Features: one batched forward of the target per window with a hook on the last decoder layer
+  (:class:`toolkit.eagle.features.FeatureHook`), stored post-final-norm in bf16: ``features (n, seq_len, H)``,
+  ``tokens (n, seq_len)`` int64, ``mask (n, seq_len)`` bool (valid positions), ``kind (n,)`` (0 text, 1 chat).
+  Saved to ``out/data/features-{split}.pt`` atomically and reused by a resumed run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TOPICS = ["photosynthesis", "the water cycle", "how vaccines work", "compound interest", "recursion in programming",
+          "the French Revolution", "black holes", "machine learning", "plate tectonics", "the immune system",
+          "supply and demand", "the internet", "climate change", "how airplanes fly", "DNA replication",
+          "the Roman Empire", "electric cars", "quantum computing", "the stock market", "sleep and memory",
+          "public key cryptography", "volcanoes", "the theory of evolution", "inflation", "renewable energy",
+          "version control with git", "how a compiler works", "the human heart", "ocean tides", "democracy",
+          "hash tables", "binary search", "the printing press", "coral reefs", "antibiotics", "solar panels",
+          "the moon landing", "operating systems", "rainbows", "earthquakes", "bees and pollination", "glaciers",
+          "unit testing", "relational databases", "the Renaissance", "gravity", "neural networks", "coffee",
+          "meditation", "the periodic table", "TCP and UDP", "garbage collection", "sorting algorithms"]
+ACTIVITIES = ["learning a new language", "staying productive at home", "writing clean code", "saving money",
+              "preparing for a job interview", "cooking healthy meals", "improving sleep", "giving a presentation",
+              "studying for exams", "running a marathon", "reviewing pull requests", "debugging a program",
+              "keeping a garden", "traveling on a budget", "writing an essay", "managing stress", "learning SQL"]
+PAIRS = [("a list", "a tuple in Python"), ("weather", "climate"), ("a virus", "a bacterium"), ("RAM", "storage"),
+         ("TCP", "UDP"), ("a process", "a thread"), ("speed", "velocity"), ("mitosis", "meiosis"),
+         ("an interpreter", "a compiler"), ("stocks", "bonds"), ("HTTP", "HTTPS"), ("a class", "an object"),
+         ("weight", "mass"), ("a comet", "an asteroid"), ("Git", "GitHub"), ("latency", "throughput")]
+QUESTION_TEMPLATES = ["Explain {topic} in a short paragraph.", "What is {topic}? Answer simply.",
+                      "Write three sentences about {topic} for a ten-year-old.",
+                      "Give me a short overview of {topic}.", "Why is {topic} important?"]
+CODE_TEMPLATES = ["Explain what the following Python code does.\n\n{passage}",
+                  "Write a short docstring for the following code.\n\n{passage}",
+                  "Is there a bug in this code? Explain briefly.\n\n{passage}",
+                  "Complete the following Python code.\n\n{passage}"]
+PROSE_TEMPLATES = ["Summarize the following passage in two or three sentences.\n\n{passage}",
+                   "Explain the following text in plain words.\n\n{passage}",
+                   "What are the key points of this passage?\n\n{passage}"]
+
+
+def suite_files() -> set[str]:
+    """File names used by the shipped prompt suites: never a source of training prompts."""
+    import yaml
+
+    names: set[str] = set()
+    root = Path(__file__).resolve().parents[2] / "recipes" / "prompts"
+    for path in root.glob("*.yaml") if root.is_dir() else []:
+        for entry in (yaml.safe_load(path.read_text()) or {}).get("prompts", []):
+            for f in (entry.get("source") or {}).get("files", []):
+                names.add(Path(str(f).split(":", 1)[-1]).name)
+    return names
+
+
+def _passages(paths: list[str], rng: random.Random, count: int, lines: int) -> list[str]:
+    out = []
+    excluded = suite_files()
+    paths = [p for p in paths if Path(p).name not in excluded]
+    if not paths:
+        return out
+    for _ in range(count * 3):
+        if len(out) >= count:
+            break
+        path = rng.choice(paths)
+        try:
+            text = Path(path).read_text(errors="ignore").splitlines()
+        except OSError:
+            continue
+        if len(text) < lines:
+            continue
+        start = rng.randrange(0, len(text) - lines + 1)
+        chunk = "\n".join(text[start:start + lines]).strip()
+        if len(chunk) > 80:
+            out.append(chunk[:1200])
+    return out
+
+
+def chat_prompts(files: dict[str, list[str]], split: str, count: int, seed: int) -> list[str]:
+    """``count`` user messages: topic questions (split by topic) and code / prose tasks over ``files[split]``."""
+    rng = random.Random(seed + (0 if split == "train" else 7919))
+    code = [f for f in files[split] if f.endswith(".py")]
+    prose = [f for f in files[split] if not f.endswith(".py")]
+    topics = [t for i, t in enumerate(TOPICS) if (i % 10 == 3) == (split == "heldout")]
+    acts = [a for i, a in enumerate(ACTIVITIES) if (i % 6 == 2) == (split == "heldout")]
+    pairs = [p for i, p in enumerate(PAIRS) if (i % 6 == 1) == (split == "heldout")]
+    generic = [t.format(topic=x) for t in QUESTION_TEMPLATES for x in topics]
+    generic += [f"Give me {n} practical tips for {a}." for a in acts for n in ("three", "five")]
+    generic += [f"What is the difference between {a} and {b}?" for a, b in pairs]
+    rng.shuffle(generic)
+    n_generic = min(len(generic), count // 3)
+    n_code = (count - n_generic) // 2
+    prompts = generic[:n_generic]
+    prompts += [rng.choice(CODE_TEMPLATES).format(passage=p) for p in _passages(code, rng, n_code, 12)]
+    prompts += [rng.choice(PROSE_TEMPLATES).format(passage=p)
+                for p in _passages(prose, rng, count - len(prompts), 10)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+@torch.inference_mode()
+def generate_answers(target, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int,
+                     minutes: float, max_prompt_tokens: int) -> list[tuple[list[int], int]]:
+    """Greedy answers of the target: each item is ``(prompt ids + answer ids, prompt length)`` (chat template
+    applied, EOS kept). Stops starting new batches after ``minutes``."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    encoded = []
+    for text in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        if len(ids) <= max_prompt_tokens:
+            encoded.append(ids)
+    encoded.sort(key=len)
+    device = next(target.parameters()).device
+    start = time.monotonic()
+    sequences: list[tuple[list[int], int]] = []
+    batches = [encoded[i:i + batch_size] for i in range(0, len(encoded), batch_size)]
+    random.Random(0).shuffle(batches)
+    for batch in batches:
+        if time.monotonic() - start > minutes * 60:
+            break
+        width = max(len(x) for x in batch)
+        ids = torch.tensor([[pad] * (width - len(x)) + x for x in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch], device=device)
+        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                              pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+        for row, prompt in zip(out[:, width:].tolist(), batch):
+            answer = []
+            for token in row:
+                answer.append(token)
+                if token == tokenizer.eos_token_id:
+                    break
+            sequences.append((prompt + answer, len(prompt)))
+        log.info("chat answers: %d sequences, %.0f s", len(sequences), time.monotonic() - start)
+    return sequences
+
+
+@torch.inference_mode()
+def compute_features(target, rows: list[list[int]], seq_len: int, pad: int, batch_size: int = 8) -> dict:
+    """Target features for each row (truncated / right-padded to ``seq_len``): see the module docstring."""
+    from toolkit.eagle.features import FeatureHook
+
+    device = next(target.parameters()).device
+    n = len(rows)
+    hidden = target.config.hidden_size
+    features = torch.zeros(n, seq_len, hidden, dtype=torch.bfloat16)
+    tokens = torch.full((n, seq_len), pad, dtype=torch.long)
+    mask = torch.zeros(n, seq_len, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        row = row[:seq_len]
+        tokens[i, :len(row)] = torch.tensor(row)
+        mask[i, :len(row)] = True
+    with FeatureHook(target, [-1]) as hook:
+        for s in range(0, n, batch_size):
+            ids = tokens[s:s + batch_size].to(device)
+            target(input_ids=ids, attention_mask=mask[s:s + batch_size].long().to(device), use_cache=False,
+                   logits_to_keep=1)
+            features[s:s + batch_size] = hook.features().to(torch.bfloat16).cpu()
+    return {"features": features, "tokens": tokens, "mask": mask}
+
+
+def atomic_save(obj, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)

@@ -1,0 +1,215 @@
+"""Head checkpoints in the published EAGLE layouts (config.json + model.safetensors, or pytorch_model.bin).
+
+* EAGLE-1 / EAGLE-2 heads (e.g. ``yuhuili/EAGLE-Vicuna-7B-v1.3``, ``yuhuili/EAGLE-LLaMA2-Chat-7B``,
+  ``yuhuili/EAGLE-llama2-chat-7B``; what vLLM's ``eagle`` loader reads): a Llama ``config.json`` and tensors ``fc.weight``
+  ``(H, 2H)``, ``fc.bias``, ``layers.0.self_attn.{q,k,v,o}_proj.weight``, ``layers.0.mlp.{gate,up,down}_proj.weight``,
+  ``layers.0.post_attention_layernorm.weight`` (no input norm), optionally ``embed_tokens.weight``. The head reads
+  tokens through the target's LM head. Heads trained here add ``d2t`` / ``t2d`` (reduced draft vocabulary).
+* EAGLE-3 heads (e.g. ``yuhuili/EAGLE3-LLaMA3.1-Instruct-8B``, what vLLM's ``eagle3`` loader reads): ``config.json``
+  with ``draft_vocab_size`` and tensors ``fc.weight`` ``(H, 3H)``, ``midlayer.input_layernorm.weight``,
+  ``midlayer.hidden_norm.weight``, ``midlayer.self_attn.*`` (q/k/v read ``2H``), ``midlayer.mlp.*``,
+  ``midlayer.post_attention_layernorm.weight``, ``norm.weight``, ``lm_head.weight`` ``(draft_vocab, H)``, ``d2t``,
+  ``t2d``. Feature layers: the config's ``eagle_config.eagle_aux_hidden_state_layer_ids`` when present, else
+  ``(2, N/2, N-3)`` counted in ``output_hidden_states`` indices (= decoder layers ``1, N/2-1, N-4``).
+
+Missing tensors (embedding, EAGLE-1 LM head) are copied from the target. Every mismatch with the target raises one
+:class:`toolkit.errors.ConfigError` naming ``field`` (default ``draft.source``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from toolkit.eagle.head import EagleHead, HeadConfig
+from toolkit.eagle.vocab import from_d2t, to_d2t, to_t2d
+from toolkit.errors import ConfigError
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def _prefix(config: HeadConfig) -> str:
+    return "layers.0." if config.variant == "eagle1" else "midlayer."
+
+
+def head_state(head: EagleHead) -> dict[str, torch.Tensor]:
+    """Tensors in the published layout (no embedding; no LM head unless the vocabulary is EAGLE-3's own)."""
+    config = head.config
+    prefix = _prefix(config)
+    state = {}
+    for name, tensor in head.state_dict().items():
+        if name.startswith("embed_tokens."):
+            continue
+        if name.startswith("lm_head.") and config.variant == "eagle1":
+            continue
+        if name.startswith("layer."):
+            name = prefix + name[len("layer."):]
+        state[name] = tensor.detach().contiguous()
+    if config.draft_vocab_size != config.vocab_size:
+        state["d2t"] = to_d2t(head.draft_to_target.cpu())
+        state["t2d"] = to_t2d(head.draft_to_target, config.vocab_size)
+    return state
+
+
+def save_head(head: EagleHead, directory: Path, dtype: torch.dtype | None = None) -> None:
+    """Write ``config.json`` + ``model.safetensors`` into ``directory`` (created), weights cast to ``dtype``."""
+    from safetensors.torch import save_file
+
+    from toolkit.io import atomic_write_json
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    c = head.config
+    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).cpu()
+             for k, v in head_state(head).items()}
+    tmp = directory / ".model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    tmp.replace(directory / "model.safetensors")
+    config = {"architectures": ["LlamaForCausalLM"] if c.variant == "eagle1" else ["LlamaForCausalLMEagle3"],
+              "model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+              "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+              "head_dim": c.head_dim, "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps,
+              "rope_theta": c.rope_theta, "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
+              "hidden_act": "silu", "bias": c.fc_bias,
+              "toolkit_eagle": {"variant": c.variant, "feature_layers": c.feature_layers}}
+    if c.variant == "eagle3":
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in c.feature_layers]}
+    atomic_write_json(directory / "config.json", config)
+
+
+def _read_state(directory: Path, field: str) -> dict[str, torch.Tensor]:
+    for name in WEIGHT_FILES:
+        path = directory / name
+        if path.is_file():
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+                return load_file(str(path))
+            return torch.load(path, map_location="cpu", weights_only=True)
+    raise ConfigError(field, f"{directory} holds no head weights ({' or '.join(WEIGHT_FILES)})")
+
+
+def _target_config(target):
+    c = target.config
+    return c.get_text_config() if hasattr(c, "get_text_config") else c
+
+
+def load_head(source: str | Path, target, field: str = "draft.source", dtype: torch.dtype | None = None
+              ) -> EagleHead:
+    """Load a head directory in either published layout and fit it to ``target`` (frozen embedding / LM head copied
+    from the target when the checkpoint lacks them; a missing embedding is *shared* with the target, not copied).
+    Returns the head in eval mode on the target's device, in ``dtype`` (default: the target's float dtype).
+
+    Raises:
+        ConfigError (``field``): missing directory or weights, unknown layout, a hidden size, head shape or
+            vocabulary that does not fit the target.
+    """
+    directory = Path(source).expanduser()
+    if not directory.is_dir():
+        raise ConfigError(field, f"EAGLE head directory {str(source)!r} does not exist")
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(field, f"{directory} has no config.json")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(field, f"{config_path} is not valid JSON: {exc}") from exc
+    from toolkit.eagle.features import decoder_layers
+
+    try:
+        decoder_layers(target)
+    except AttributeError as exc:
+        raise ConfigError(field, f"an EAGLE head needs a Llama-like target with model.layers ({exc})") from exc
+    state = _read_state(directory, field)
+    tc = _target_config(target)
+    if any(k.startswith("midlayer.") for k in state):
+        variant = "eagle3"
+    elif any(k.startswith("layers.0.") for k in state):
+        variant = "eagle1"
+    else:
+        raise ConfigError(field, f"{directory}: neither an EAGLE-1 (layers.0.*) nor an EAGLE-3 (midlayer.*) head")
+    hidden = raw.get("hidden_size")
+    if hidden != tc.hidden_size:
+        raise ConfigError(field, f"head hidden_size {hidden} does not fit the target's hidden_size {tc.hidden_size}")
+    vocab = raw.get("vocab_size", tc.vocab_size)
+    if vocab != tc.vocab_size:
+        raise ConfigError(field, f"head vocab_size {vocab} does not fit the target's vocab_size {tc.vocab_size}")
+    heads = raw.get("num_attention_heads", tc.num_attention_heads)
+    n_layers = tc.num_hidden_layers
+    own = raw.get("toolkit_eagle", {})
+    if "feature_layers" in own:
+        layers = list(own["feature_layers"])
+    elif variant == "eagle3":
+        ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        layers = [i - 1 for i in ids] if ids else [1, n_layers // 2 - 1, n_layers - 4]
+    else:
+        layers = [-1]
+    draft_vocab = raw.get("draft_vocab_size") or vocab
+    if "d2t" in state:
+        draft_vocab = state["d2t"].numel()
+    rope = raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    config = HeadConfig(variant=variant, hidden_size=hidden, intermediate_size=raw.get("intermediate_size"),
+                        num_attention_heads=heads, num_key_value_heads=raw.get("num_key_value_heads", heads),
+                        head_dim=raw.get("head_dim") or hidden // heads, rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+                        rope_theta=float(rope), vocab_size=vocab, draft_vocab_size=draft_vocab,
+                        feature_layers=layers, fc_bias="fc.bias" in state)
+    for index in layers:
+        if not -n_layers <= index < n_layers:
+            raise ConfigError(field, f"feature layer {index} outside the target's {n_layers} layers")
+    head = EagleHead(config)
+    prefix = _prefix(config)
+    mapped = {}
+    for name, tensor in state.items():
+        if name in ("d2t", "t2d"):
+            continue
+        if name.startswith(prefix):
+            name = "layer." + name[len(prefix):]
+        mapped[name] = tensor
+    embedding = target.get_input_embeddings().weight.detach()
+    if "d2t" in state:
+        draft_to_target = from_d2t(state["d2t"])
+        if draft_to_target.min() < 0 or draft_to_target.max() >= vocab:
+            raise ConfigError(field, f"d2t maps draft ids outside the target vocabulary of {vocab}")
+    else:
+        draft_to_target = torch.arange(draft_vocab)
+    mapped.setdefault("embed_tokens.weight", embedding)
+    if "lm_head.weight" not in mapped:
+        lm = target.get_output_embeddings().weight.detach()
+        mapped["lm_head.weight"] = lm[draft_to_target.to(lm.device)]
+    expected = head.state_dict()
+    for name, tensor in mapped.items():
+        if name not in expected:
+            raise ConfigError(field, f"{directory}: unexpected tensor {name!r} for an {variant} head")
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ConfigError(field, f"{directory}: tensor {name!r} has shape {tuple(tensor.shape)}, the target "
+                                     f"needs {tuple(expected[name].shape)}")
+    missing = [k for k in expected if k not in mapped]
+    if missing:
+        raise ConfigError(field, f"{directory}: missing tensors {missing[:4]}")
+    head.load_state_dict({k: v.float().cpu() for k, v in mapped.items()})
+    head.draft_to_target = draft_to_target
+    param = next(target.parameters())
+    if dtype is None:
+        dtype = param.dtype if param.is_floating_point() else torch.float32
+    head.to(device=param.device, dtype=dtype)
+    if "embed_tokens.weight" not in state:
+        head.embed_tokens = target.get_input_embeddings()  # shared: no copy of the (vocab, H) table
+    head.draft_to_target = head.draft_to_target.to(param.device)
+    head.eval()
+    head.requires_grad_(False)
+    return head
+
+
+#: heads shipped inside the package, by the embedded target they were trained for
+SHIPPED = {"embedded": Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-instruct"}
+
+
+def resolve_head(source: str, field: str = "draft.source") -> Path:
+    """``embedded`` -> the shipped head for the embedded target; anything else is a head directory path.
+    Raises :class:`ConfigError` naming ``field`` when the directory does not exist."""
+    path = SHIPPED.get(source, Path(str(source)).expanduser())
+    if not path.is_dir():
+        raise ConfigError(field, f"EAGLE head directory {str(source)!r} does not exist (a head directory with "
+                                 "config.json + model.safetensors, or 'embedded')")
+    return path
