@@ -7,7 +7,7 @@ RECIPE ?= recipes/short.yaml
 SCENARIO ?= short
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup short long memory run eval search bench bench-quant bench-kvquant bench-tree test test-fast distill clean
+.PHONY: setup short long memory run eval search bench bench-quant bench-kvquant bench-tree bench-eagle test test-fast distill clean
 
 setup: $(STAMP)
 
@@ -50,6 +50,14 @@ bench: $(STAMP)
 bench-kvquant: $(STAMP)
 	$(BIN)/pip install -q -e ".[kvquant-bench]" && $(BIN)/python bench/kv_quant_bench.py --threads 2
 
+## Token trees vs chains and the suffix drafter vs n-gram / HF prompt lookup, short and repeated-request suites.
+bench-tree: $(STAMP)
+	$(BIN)/python bench/tree_bench.py
+
+## EAGLE head vs AR and HF assisted generation (NF4 self-draft), short and unseen prompts.
+bench-eagle: $(STAMP)
+	$(BIN)/python bench/eagle_bench.py
+
 ## Weight quantization: decode / verify ms, top-1 agreement, PPL and exact bytes for every backend x precision here.
 bench-quant: $(STAMP)
 	$(BIN)/python bench/quant_bench.py
@@ -57,9 +65,9 @@ bench-quant: $(STAMP)
 distill: $(STAMP)
 	$(BIN)/toolkit draft distill --target embedded --layers 2 --out results/distill/smollm2-2l --max-minutes 20
 
-## Tests: all layers, the embedded-model ones included (marked slow).
+## Tests: all layers, the embedded-model ones included (marked slow); one worker process per core (pytest-xdist).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n 2 --durations=15
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

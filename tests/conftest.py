@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from toolkit.threads import thread_environment  # noqa: I001 (must run before torch loads OpenMP)
 
 thread_environment()  # idle OpenMP threads sleep: a busy machine does not stall the suite
@@ -9,7 +11,8 @@ thread_environment()  # idle OpenMP threads sleep: a busy machine does not stall
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, torch.get_num_threads()))
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one process per core (make test: pytest -n 2): one thread each
+    torch.set_num_threads(1)
 
 
 def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = 128, max_positions: int = 512, **overrides):
