@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 from toolkit.baselines import hf_generate  # noqa: E402
 from toolkit.eagle.checkpoint import load_head, resolve_head  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
-from toolkit.models import _DTYPES, load_model  # noqa: E402
+from toolkit.models import load_model  # noqa: E402
+from toolkit.models.loading import _DTYPES  # noqa: E402
 from toolkit.prompts import load_suite  # noqa: E402
 from toolkit.recipe import GenerationSpec, ModelSpec  # noqa: E402
 from toolkit.speculative.adaptive import ConstantK  # noqa: E402
