@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from toolkit.checks import check_choice, check_float, check_int
 from toolkit.errors import ConfigError
-from toolkit.io import atomic_write_json, atomic_write_text
+from toolkit.io import atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -322,26 +322,14 @@ def build_head(target, draft_vocab: int, counts: torch.Tensor, seed: int):
 
 
 def _save_checkpoint(out: Path, head, state: dict) -> None:
+    from toolkit.distill.trainer import write_checkpoint
     from toolkit.eagle.checkpoint import save_head
 
-    root = out / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{state['step']:06d}"
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))
-    try:
+    def write(tmp: Path) -> None:
         save_head(head, tmp)
         torch.save(state, tmp / "trainer_state.pt")
-        final = root / name
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    atomic_write_text(root / "LATEST", name + "\n")
-    for old in root.iterdir():
-        if old.is_dir() and old.name != name:
-            shutil.rmtree(old, ignore_errors=True)
+
+    write_checkpoint(out, state["step"], write)
 
 
 def _save_best(out: Path, head) -> None:

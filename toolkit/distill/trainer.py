@@ -65,15 +65,26 @@ def latest_checkpoint(out: Path) -> Path | None:
 def save_checkpoint(out: Path, draft, tokenizer, state: dict) -> Path:
     """Write ``checkpoints/step-NNNNNN`` atomically (temp dir + ``os.replace``), point ``LATEST`` at it, then delete
     older checkpoints. ``state`` holds the optimizer state dict, step, clock, losses and RNG states."""
-    root = out / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{state['step']:06d}"
-    final = root / name
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))
-    try:
+
+    def write(tmp: Path) -> None:
         draft.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         torch.save(state, tmp / "trainer_state.pt")
+
+    return write_checkpoint(out, state["step"], write)
+
+
+def write_checkpoint(out: Path, step: int, write) -> Path:
+    """``out/checkpoints/step-NNNNNN`` filled by ``write(tmp_dir)`` in a temporary directory renamed into place, then
+    ``LATEST`` pointed at it and older checkpoints deleted: an interrupted save leaves the previous one intact.
+    Shared by draft distillation and EAGLE-head training."""
+    root = out / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:06d}"
+    final = root / name
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}."))
+    try:
+        write(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
