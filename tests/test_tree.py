@@ -231,6 +231,21 @@ POLICIES = {
 }
 
 
+@pytest.mark.parametrize("kv", [{"policy": "quantized", "quant_bits": 4},
+                                {"policy": "streaming", "window": 200, "quant_bits": 4}])
+def test_trees_under_a_quantized_cache_are_rejected_before_loading(kv):
+    """Tree rounds under the quantized cache do not reproduce AR yet (its length bookkeeping after keep_tail):
+    the plan refuses the combination with one error naming the field instead of decoding wrongly."""
+    from toolkit.errors import ConfigError
+    from toolkit.recipe import Recipe
+    from toolkit.session import plan
+
+    recipe = Recipe.from_dict({"spec": {"drafter": "suffix", "tree": True}, "draft": None, "kv": kv})
+    with pytest.raises(ConfigError) as info:
+        plan(recipe)
+    assert info.value.field == "kv.policy" and "tree" in str(info.value)
+
+
 def policy_of(name):
     return make_policy(POLICIES[name]) if POLICIES[name] is not None else None
 

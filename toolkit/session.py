@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from toolkit.errors import ConfigError
 from toolkit.kv import make_policy
 from toolkit.recipe import ModelSpec, Recipe
 
@@ -79,6 +80,10 @@ def plan(recipe: Recipe) -> Plan:
         policy = make_policy(getattr(recipe, section), section)
         if policy is not None:
             policy.check_compatible(widest, section)
+            if recipe.spec.tree and getattr(policy, "quant_bits", None) is not None:
+                raise ConfigError(f"{section}.policy", "token trees (spec.tree) under a quantized KV cache do not "
+                                  "reproduce AR yet; use a chain (spec.tree: false) or an unquantized policy",
+                                  ["none", "streaming", "l2norm", "head_aware"])
         policies[section] = policy
     return Plan(recipe, policies["kv"], policies["draft_kv"], draft_spec(recipe), widest)
 

@@ -349,10 +349,12 @@ class QuantizedKVCache(CompressedCache):
             self._shadow = (0, 0)  # the mask of forward_kwargs is for one forward only
         return layer.update(key_states, value_states)
 
-    def forward_kwargs(self, position_ids: torch.Tensor) -> dict:
-        """``position_ids`` ``(1, q)`` absolute (contiguous, starting at the logical length) -> the additive mask
-        ``(1, 1, q, held + shadow + q)`` that gives every query exactly its autoregressive view (see the module
-        docstring), or ``None`` when the model's causal mask already does.
+    def forward_kwargs(self, position_ids: torch.Tensor, tree_mask: torch.Tensor | None = None) -> dict:
+        """``position_ids`` ``(1, q)`` absolute (starting at the logical length; contiguous for a chain, committed
+        length + depth for a token tree) -> the additive mask ``(1, 1, q, held + shadow + q)`` that gives every query
+        exactly its autoregressive view (see the module docstring), or ``None`` when the model's causal mask already
+        does. ``tree_mask`` ``(q, t)`` (:func:`toolkit.kv.ops.model_inputs`) further restricts the last ``t`` keys to
+        each node's ancestors; a tree never crosses the quantization boundary (``residual_length >= tree_depth + 1``).
 
         Raises:
             ValueError: ``position_ids`` do not continue the cache.
@@ -363,22 +365,23 @@ class QuantizedKVCache(CompressedCache):
         start = int(position_ids[0, 0])
         if start != self._length:
             raise ValueError(f"position_ids start at {start} but the quantized cache holds {self._length} tokens")
-        first, last = self.boundary(start), self.boundary(start + q - 1)
+        query_pos = position_ids[0].to(position_ids.device)
+        first, last = self.boundary(start), self.boundary(int(query_pos.max()))
         self._shadow = (first, last)
-        if last == first and not policy.exact_window:
+        if last == first and not policy.exact_window and tree_mask is None:
             return {"position_ids": position_ids, "attention_mask": None}
         device = position_ids.device
         layer: QuantizedLayer = self.layers[0]
         held_pos = [torch.arange(layer.sinks), torch.arange(layer.q_start, layer.q_start + layer.q_len)]
         if not layer.is_initialized:
             held_pos = []
-        residual_pos = torch.arange(layer.res_start if layer.is_initialized else 0, start + q)
+        residual_pos = torch.cat((torch.arange(layer.res_start if layer.is_initialized else 0, start),
+                                  query_pos.cpu()))  # committed residual, then this forward's tokens
         shadow_pos = torch.arange(first, last)
         key_pos = torch.cat((*held_pos, shadow_pos, residual_pos)).to(device)
         kind = torch.cat((torch.zeros(sum(p.numel() for p in held_pos), dtype=torch.long),
                           torch.ones(shadow_pos.numel(), dtype=torch.long),
                           torch.full((residual_pos.numel(),), 2, dtype=torch.long))).to(device)
-        query_pos = position_ids[0].to(device)
         bound = torch.tensor([self.boundary(int(p)) for p in query_pos.tolist()], device=device)[:, None]
         kp, kd = key_pos[None, :], kind[None, :]
         visible = kp <= query_pos[:, None]
@@ -386,6 +389,9 @@ class QuantizedKVCache(CompressedCache):
         visible &= (kd != 2) | (kp >= bound) | (kp < policy.sink_tokens)  # residual copy: before the boundary
         if policy.exact_window:
             visible &= (kp < policy.sink_tokens) | (kp > query_pos[:, None] - policy.window)
+        if tree_mask is not None:
+            width = tree_mask.shape[1]
+            visible[:, -width:] &= tree_mask.to(device)
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
         mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[None, None]
         return {"position_ids": position_ids, "attention_mask": mask}
