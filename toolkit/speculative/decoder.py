@@ -166,45 +166,13 @@ class SpeculativeDecoder:
         finished = self._finish(new_ids, 0, limit, eos, should_stop, stats)
         yield new_ids[:]
         while not finished:
-            committed = sequence.shape[1]
-            if self.tree is not None:
-                depth = min(self.tree.depth, limit - len(new_ids) - 1)
-                round_ids = self._tree_round(sequence, depth, gen, generator, stats) if depth > 0 else None
-                if round_ids is not None:
-                    sequence = torch.cat([sequence, sequence.new_tensor([round_ids])], dim=1)
-                    before = len(new_ids)
-                    new_ids.extend(round_ids)
-                    finished = self._finish(new_ids, before, limit, eos, should_stop, stats)
-                    self._track_memory(stats)
-                    yield new_ids[before:]
-                    continue
-            num_draft = min(self.controller.next_k(), limit - len(new_ids) - 1) if self.drafter else 0
-            draft_tokens, draft_logits = (sequence.new_empty((1, 0)), None)
-            if num_draft > 0:
-                draft_tokens, draft_logits = self.drafter.propose(sequence, num_draft)
-                draft_tokens = draft_tokens.to(self.device)
-            k = draft_tokens.shape[1]
-            verify_input = torch.cat([sequence[:, -1:], draft_tokens], dim=1)
-            target_logits = self._target_forward(verify_input, committed - 1, k + 1)
-            stats.target_forwards += 1
-            if gen.do_sample:
-                p = process_logits(target_logits, gen.temperature, gen.top_k, gen.top_p)
-                q = None if draft_logits is None else process_logits(
-                    draft_logits.to(self.device), gen.temperature, gen.top_k, gen.top_p)
-                num_accepted, next_token = speculative_sample(draft_tokens[0], q, p, generator)
-            else:
-                num_accepted, next_token = greedy_accept(draft_tokens[0], target_logits)
-            accepted, next_id = torch.stack([num_accepted, next_token]).tolist()  # the round's one host sync
-            # Roll back: drop the rejected draft tokens from the target cache; the drafter rolls back its own.
-            if k - accepted > 0:
-                self.cache.crop(accepted - k)
-            kv_ops.commit(self.cache)
-            if self.drafter is not None and num_draft > 0:
-                self.drafter.commit(accepted)
-            self.controller.update(k, accepted)
-            stats.record_round(k, accepted)
-            round_ids = draft_tokens[0, :accepted].tolist() + [next_id]
-            sequence = torch.cat([sequence, verify_input.new_tensor([round_ids])], dim=1)
+            room = limit - len(new_ids) - 1  # draft tokens that can still be committed before the limit
+            round_ids = None
+            if self.tree is not None and min(self.tree.depth, room) > 0:
+                round_ids = self._tree_round(sequence, min(self.tree.depth, room), gen, generator, stats)
+            if round_ids is None:  # a chain (a drafter that proposed no tree falls back to one, too)
+                round_ids = self._chain_round(sequence, room, gen, generator, stats)
+            sequence = torch.cat([sequence, sequence.new_tensor([round_ids])], dim=1)
             before = len(new_ids)
             new_ids.extend(round_ids)
             finished = self._finish(new_ids, before, limit, eos, should_stop, stats)
@@ -217,6 +185,37 @@ class SpeculativeDecoder:
         stats.new_tokens = len(new_ids)
         _sync(self.device)
         stats.total_ms = (time.perf_counter() - start_time) * 1000
+
+    def _chain_round(self, sequence: torch.Tensor, room: int, gen, generator, stats: GenerationStats) -> list[int]:
+        """One draft + verify round over a chain of at most ``min(K, room)`` draft tokens after ``sequence``
+        ``(1, n)``; rolls both caches back to the accepted tokens and returns the round's committed ids."""
+        committed = sequence.shape[1]
+        num_draft = min(self.controller.next_k(), room) if self.drafter else 0
+        draft_tokens, draft_logits = (sequence.new_empty((1, 0)), None)
+        if num_draft > 0:
+            draft_tokens, draft_logits = self.drafter.propose(sequence, num_draft)
+            draft_tokens = draft_tokens.to(self.device)
+        k = draft_tokens.shape[1]
+        verify_input = torch.cat([sequence[:, -1:], draft_tokens], dim=1)
+        target_logits = self._target_forward(verify_input, committed - 1, k + 1)
+        stats.target_forwards += 1
+        if gen.do_sample:
+            p = process_logits(target_logits, gen.temperature, gen.top_k, gen.top_p)
+            q = None if draft_logits is None else process_logits(
+                draft_logits.to(self.device), gen.temperature, gen.top_k, gen.top_p)
+            num_accepted, next_token = speculative_sample(draft_tokens[0], q, p, generator)
+        else:
+            num_accepted, next_token = greedy_accept(draft_tokens[0], target_logits)
+        accepted, next_id = torch.stack([num_accepted, next_token]).tolist()  # the round's one host sync
+        # Roll back: drop the rejected draft tokens from the target cache; the drafter rolls back its own.
+        if k - accepted > 0:
+            self.cache.crop(accepted - k)
+        kv_ops.commit(self.cache)
+        if self.drafter is not None and num_draft > 0:
+            self.drafter.commit(accepted)
+        self.controller.update(k, accepted)
+        stats.record_round(k, accepted)
+        return draft_tokens[0, :accepted].tolist() + [next_id]
 
     @staticmethod
     def _finish(new_ids: list[int], before: int, limit: int, eos: set[int],
