@@ -9,6 +9,23 @@ from __future__ import annotations
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the checkpoint the embedded GGUF was made from
 
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+#: the engines' ``dtype`` for each target precision (int8 / int4 load in-flight quantized, dtype picked by the engine)
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "auto", "int4": "auto"}
+
+
+def target_config(recipe, model_key: str, warnings: list[str]) -> dict:
+    """The engine arguments every exporter shares: the model (under ``model_key``), dtype, quantization, KV dtype."""
+    config: dict = {model_key: model_path(recipe.target, "target", warnings), "dtype": DTYPES[recipe.target.precision]}
+    if recipe.target.precision in ("int8", "int4"):
+        config["quantization"] = "bitsandbytes"
+    config["kv_cache_dtype"] = "auto"
+    return config
+
+
+def engine_warnings(recipe, engine: str) -> list[str]:
+    """Everything of ``recipe`` that ``engine`` cannot express: target, speculation, KV caches, generation."""
+    return (target_warnings(recipe, engine) + spec_warnings(recipe, engine) + kv_warnings(recipe, engine)
+            + generation_warnings(recipe))
 
 
 def model_path(spec, prefix: str, warnings: list[str]) -> str:

@@ -14,9 +14,7 @@ from __future__ import annotations
 import shlex
 
 from toolkit.export import Export
-from toolkit.export.gaps import generation_warnings, kv_warnings, model_path, spec_warnings, target_warnings
-
-DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "auto", "int4": "auto"}
+from toolkit.export.gaps import engine_warnings, model_path, target_config
 
 
 def _speculative(recipe, warnings: list[str]) -> dict:
@@ -62,14 +60,9 @@ def _speculative(recipe, warnings: list[str]) -> dict:
 def to_sglang(recipe) -> Export:
     """The SGLang server arguments of ``recipe``; see :class:`toolkit.export.Export`."""
     warnings: list[str] = []
-    config: dict = {"model_path": model_path(recipe.target, "target", warnings),
-                    "dtype": DTYPES[recipe.target.precision]}
-    if recipe.target.precision in ("int8", "int4"):
-        config["quantization"] = "bitsandbytes"
-    config["kv_cache_dtype"] = "auto"
+    config = target_config(recipe, "model_path", warnings)
     config.update(_speculative(recipe, warnings))
-    warnings += target_warnings(recipe, "sglang") + spec_warnings(recipe, "sglang") + kv_warnings(recipe, "sglang")
-    warnings += generation_warnings(recipe)
+    warnings += engine_warnings(recipe, "sglang")
     g = recipe.generation
     sampling = {"max_new_tokens": g.max_new_tokens, "temperature": g.temperature if g.do_sample else 0.0,
                 "top_p": g.top_p, "top_k": g.top_k if g.top_k > 0 else -1, "ignore_eos": g.ignore_eos}

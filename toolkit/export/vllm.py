@@ -14,9 +14,7 @@ import json
 import shlex
 
 from toolkit.export import Export
-from toolkit.export.gaps import generation_warnings, kv_warnings, model_path, spec_warnings, target_warnings
-
-DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "auto", "int4": "auto"}
+from toolkit.export.gaps import engine_warnings, model_path, target_config
 
 
 def _speculative_config(recipe, warnings: list[str]) -> dict | None:
@@ -57,16 +55,11 @@ def _speculative_config(recipe, warnings: list[str]) -> dict | None:
 def to_vllm(recipe) -> Export:
     """The vLLM configuration of ``recipe``; see :class:`toolkit.export.Export`."""
     warnings: list[str] = []
-    config: dict = {"model": model_path(recipe.target, "target", warnings),
-                    "dtype": DTYPES[recipe.target.precision]}
-    if recipe.target.precision in ("int8", "int4"):
-        config["quantization"] = "bitsandbytes"
-    config["kv_cache_dtype"] = "auto"
+    config = target_config(recipe, "model", warnings)
     spec = _speculative_config(recipe, warnings)
     if spec is not None:
         config["speculative_config"] = spec
-    warnings += target_warnings(recipe, "vllm") + spec_warnings(recipe, "vllm") + kv_warnings(recipe, "vllm")
-    warnings += generation_warnings(recipe)
+    warnings += engine_warnings(recipe, "vllm")
     g = recipe.generation
     sampling = {"max_tokens": g.max_new_tokens, "temperature": g.temperature if g.do_sample else 0.0,
                 "top_p": g.top_p, "top_k": g.top_k if g.top_k > 0 else -1, "seed": g.seed,
