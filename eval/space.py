@@ -34,7 +34,6 @@ the search counts it and never evaluates it.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,9 +42,6 @@ import yaml
 from toolkit.errors import ConfigError
 from toolkit.recipe import Recipe
 from toolkit.session import plan
-
-_SOURCE_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-
 
 def data_path(*parts: str) -> Path:
     """Path of a data file shipped under ``recipes/`` (search spaces, prompt suites, recipes), found by
@@ -57,12 +53,10 @@ def data_path(*parts: str) -> Path:
 
 def data_name(path: Path) -> str:
     """A machine-independent name of a shipped data file (``recipes/search/short.yaml``) or the path as given."""
-    for root in (data_path(), _SOURCE_RECIPES):
-        try:
-            return "recipes/" + Path(path).resolve().relative_to(root.resolve()).as_posix()
-        except ValueError:
-            continue
-    return str(path)
+    try:
+        return "recipes/" + Path(path).resolve().relative_to(data_path().resolve()).as_posix()
+    except ValueError:
+        return str(path)
 
 
 SPACES_DIR = data_path("search")

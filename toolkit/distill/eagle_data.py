@@ -61,7 +61,9 @@ def suite_files() -> set[str]:
     import yaml
 
     names: set[str] = set()
-    root = Path(__file__).resolve().parents[2] / "recipes" / "prompts"
+    from toolkit.resources import shipped
+
+    root = shipped("prompts")  # the shipped suites, also from an installed wheel
     for path in root.glob("*.yaml") if root.is_dir() else []:
         for entry in (yaml.safe_load(path.read_text()) or {}).get("prompts", []):
             for f in (entry.get("source") or {}).get("files", []):
