@@ -96,8 +96,14 @@ def _rows(study) -> list[dict]:
         rows.append({"number": t.number, "params": dict(t.params), "values": list(t.values), "constraints": cons,
                      "feasible": is_feasible(cons), "recipe": t.user_attrs.get("recipe"),
                      "config_hash": t.user_attrs.get("config_hash"), "summary": t.user_attrs.get("summary", {}),
+                     "seed": t.user_attrs.get("seed"),
                      "results_dir": t.user_attrs.get("results_dir")})
     return rows
+
+
+def _point_key(trial) -> str:
+    """The point of a trial as a comparable key (a queued trial's point is still in ``fixed_params``)."""
+    return json.dumps(trial.params or trial.system_attrs.get("fixed_params", {}), sort_keys=True)
 
 
 def _counts(study) -> dict:
@@ -270,7 +276,7 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
     if grid:
         # Exhaustive grid: queue every valid point that no finished, running or queued trial covers (a point whose
         # trial failed or was interrupted is queued again); invalid points are counted, never queued.
-        covered = {json.dumps(t.params, sort_keys=True) for t in study.get_trials(
+        covered = {_point_key(t) for t in study.get_trials(
             deepcopy=False, states=(TS.COMPLETE, TS.PRUNED, TS.RUNNING, TS.WAITING))}
         budget = n_total - done - len(study.get_trials(deepcopy=False, states=(TS.WAITING,)))
         for point in points:
@@ -282,6 +288,12 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
             if budget > 0 and json.dumps(point, sort_keys=True) not in covered:
                 study.enqueue_trial(point)
                 budget -= 1
+    elif done < n_total:
+        # Seeds (the shipped recipes as points of this space) are measured first, once: TPE then starts from them
+        covered = {_point_key(t) for t in study.get_trials(deepcopy=False)}
+        for seed_name, point in sp.seed_points():
+            if json.dumps(point, sort_keys=True) not in covered:
+                study.enqueue_trial(point, user_attrs={"seed": seed_name})
     remaining = max(0, n_total - done)
     if grid:
         remaining = min(remaining, len(study.get_trials(deepcopy=False, states=(TS.WAITING,))))
@@ -588,8 +600,11 @@ def _why(best: dict, rows: list[dict], sc: Scenario) -> str:
         for c in best.get("shipped", []):
             mine, theirs = _primary_value(h["summary"], sc), _primary_value(c["summary"], sc)
             better = mine > theirs if DIRECTIONS[OBJECTIVES.index(sc.primary)] == "maximize" else mine < theirs
+            # a shipped recipe that misses a constraint of the scenario loses to a feasible winner whatever its value
+            better = h["feasible"] and (better or not c["feasible"])
             line += (f"; {'beats' if better else 'does NOT beat'} shipped recipe {c['name']} "
-                     f"({_fmt_primary(theirs, sc)} on the same held-out prompts)")
+                     f"({_fmt_primary(theirs, sc)}{'' if c['feasible'] else ', infeasible'} on the same held-out "
+                     "prompts)")
     return line
 
 

@@ -10,6 +10,8 @@ Format::
     eval: {num_prompts: 2, ...}        # eval.evaluate.EvalSettings of a trial (fast mode)
     heldout: {prompts: short-heldout, num_prompts: 4, compare: [short, short-ngram]}
                                        # the winner's confirmation on prompts no trial saw, next to shipped recipes
+    seeds:                             # points measured first (Optuna ``enqueue_trial``): the shipped recipes as
+      short: {target_precision: fp32, drafter: suffix, ...}   # space labels, so the search starts from them
     space:
       target_precision: {path: target.precision, choices: [fp32, bf16, int8, int4]}   # set one field
       drafter:                                                                         # or merge a named fragment
@@ -120,6 +122,7 @@ class SearchSpace:
     trials: int = 8
     timeout_s: float | None = None
     heldout: dict = field(default_factory=dict)
+    seeds: dict[str, dict] = field(default_factory=dict)
     source: str = "<dict>"
 
     @property
@@ -174,6 +177,21 @@ class SearchSpace:
         plan(recipe)  # cross-section checks (a window that cannot hold a verify forward, ...): nothing loads
         return recipe
 
+    def seed_points(self) -> list[tuple[str, dict]]:
+        """``[(name, point)]`` of the ``seeds`` section, each checked against the space as searched now.
+
+        Raises:
+            ConfigError: a seed whose labels do not make a valid recipe (``search.seeds.<name>`` and the reason).
+        """
+        out = []
+        for name, point in self.seeds.items():
+            try:
+                self.recipe(point)
+            except ConfigError as exc:
+                raise ConfigError(f"search.seeds.{name}", f"not a valid point of this space: {exc}") from None
+            out.append((name, dict(point)))
+        return out
+
     def iter_points(self):
         """Every point (label dicts over the active dimensions), lazily, in file order (the full spaces hold
         millions of points: never materialize them)."""
@@ -227,7 +245,8 @@ def load_space(source: str | Path | dict) -> SearchSpace:
                               sorted(p.stem for p in data_path("search").glob("*.yaml")))
         data = yaml.safe_load(path.read_text()) or {}
         where = data_name(path)
-    known = {"scenario", "trials", "timeout_s", "constraints", "base", "eval", "heldout", "space", "description"}
+    known = {"scenario", "trials", "timeout_s", "constraints", "base", "eval", "heldout", "seeds", "space",
+             "description"}
     for key in data:
         if key not in known:
             raise ConfigError(f"search.{key}", "unknown field", sorted(known))
@@ -289,6 +308,15 @@ def load_space(source: str | Path | dict) -> SearchSpace:
     if not isinstance(heldout, dict) or set(heldout) - {"prompts", "num_prompts", "compare"}:
         raise ConfigError("search.heldout", "must be a mapping with 'prompts' (a suite), optional 'num_prompts' and "
                           "'compare' (shipped recipe names measured on the same prompts)")
+    seeds = data.get("seeds") or {}
+    if not isinstance(seeds, dict) or not all(isinstance(v, dict) for v in seeds.values()):
+        raise ConfigError("search.seeds", "must map a name to a point (dimension name -> label)")
+    names = [d.name for d in dims]
+    for seed_name, point in seeds.items():
+        unknown = sorted(set(point) - set(names))
+        if unknown:
+            raise ConfigError(f"search.seeds.{seed_name}.{unknown[0]}", "unknown dimension", names)
     return SearchSpace(scenario=data.get("scenario", "short"), base=data["base"], dimensions=dims,
                        eval=data.get("eval") or {}, constraints=data.get("constraints") or {}, trials=trials,
-                       timeout_s=timeout, heldout=heldout, source=where)
+                       timeout_s=timeout, heldout=heldout, seeds={str(k): v for k, v in seeds.items()},
+                       source=where)

@@ -238,3 +238,31 @@ def test_invalid_combinations_are_counted_and_never_evaluated(tmp_path, tiny):
 def test_timeout_stops_starting_trials(tmp_path, tiny):
     result = _run(tmp_path, tiny, trials=4, timeout=0.01, heldout=False)
     assert 1 <= result["counts"]["complete"] < 4
+
+
+def test_seeds_are_measured_first_once_and_bad_seeds_are_named(tmp_path, tiny):
+    from eval.space import load_space
+    from toolkit.errors import ConfigError
+
+    space = _cond_space()
+    space["space"].pop("backend")
+    space["eval"] = EVAL
+    space["base"]["generation"] = {"max_new_tokens": 24}
+    seed = {"drafter": "ngram", "kv_policy": "streaming", "kv_window": 12}
+    space["seeds"] = {"shipped-like": seed}
+    calls: list[str] = []
+    result = _run(tmp_path, tiny, calls=calls, space=space, trials=2)  # 15 points > 2 trials: TPE, not a grid
+    assert result["counts"]["complete"] == 2
+    import optuna
+
+    study = optuna.load_study(study_name="search-short",
+                              storage=f"sqlite:///{(tmp_path / 'found' / 'short' / 'study.db').resolve()}")
+    assert study.trials[0].params == seed and study.trials[0].user_attrs["seed"] == "shipped-like"
+    _run(tmp_path, tiny, calls=calls, space=space, trials=3)  # resumed: the seed is not queued a second time
+    study = optuna.load_study(study_name="search-short", storage=study._storage)
+    assert sum(t.user_attrs.get("seed") == "shipped-like" for t in study.trials) == 1
+    bad = dict(space, seeds={"tiny-window": {**seed, "kv_window": 2}})  # window < K + 1: no valid recipe
+    with pytest.raises(ConfigError, match="search.seeds.tiny-window"):
+        load_space(bad).seed_points()
+    with pytest.raises(ConfigError, match="search.seeds.typo.kv_windw"):
+        load_space(dict(space, seeds={"typo": {**seed, "kv_windw": 12}}))
