@@ -4,22 +4,22 @@
         [--repeats 3] [--head-precision bf16] [--out bench/results]
 
 Prompts: the ``short`` suite (``recipes/prompts/short.yaml``) and ``UNSEEN`` below (written for this benchmark, used
-by no training run). For each prompt, after one warm-up of every method, the methods run in rotation ``--repeats``
-times with the same ``max_new_tokens`` (EOS ignored): ``ar`` (HF ``generate``), ``ar_loop`` (our decode loop with
-no drafter), ``assisted`` (HF assisted generation, NF4 copy of the target as assistant, constant K), ``eagle``
-(our loop with the EAGLE drafter, constant K). Every method's tokens are checked against ``ar`` (token-identical).
-Reported per suite: throughput (new tokens / total wall time) median over repeats and prompts, speedup ratios
-against ``ar`` and ``assisted`` measured in the same process, acceptance rate alpha, tokens per round tau, and
-per-position acceptance of the EAGLE drafts. Writes ``OUT/eagle_bench.json`` and ``OUT/eagle_bench.md``.
+by no training run). Timing is :func:`toolkit.harness.measure` per suite: one warm-up call per method, then
+``--repeats`` repetitions over the suite's prompts, the methods back to back per prompt (interleaved) and their
+order rotated between repetitions, the same ``max_new_tokens`` (EOS ignored): ``ar`` (HF ``generate``), ``ar_loop``
+(our decode loop with no drafter), ``assisted`` (HF assisted generation, NF4 copy of the target as assistant,
+constant K), ``eagle`` (our loop with the EAGLE drafter, constant K). Every method's tokens are checked against
+``ar`` (token-identical). Reported per suite: throughput (new tokens / wall time of a repetition; median and
+min-max over repetitions), speedup ratios against ``ar`` and ``assisted`` (within each repetition, median over
+repetitions), acceptance rate alpha, tokens per round tau, and per-position acceptance of the EAGLE drafts. Writes
+``OUT/eagle_bench.json`` and ``OUT/eagle_bench.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,7 +37,8 @@ from toolkit.recipe import GenerationSpec, ModelSpec  # noqa: E402
 from toolkit.speculative.adaptive import ConstantK  # noqa: E402
 from toolkit.speculative.decoder import SpeculativeDecoder  # noqa: E402
 from toolkit.speculative.drafters.eagle import EagleDrafter  # noqa: E402
-from toolkit.speculative.stats import GenerationStats  # noqa: E402
+from toolkit.speculative.stats import GenerationStats, acceptance_summary  # noqa: E402
+from toolkit.harness import Call, Prompt, environment, measure  # noqa: E402
 
 UNSEEN = [
     "Describe how a refrigerator keeps food cold, in one paragraph.",
@@ -56,7 +57,8 @@ def encode(tokenizer, prompt) -> torch.Tensor:
     return ids if torch.is_tensor(ids) else ids["input_ids"]
 
 
-def ours(target, drafter, ids, gen, k):
+def ours(target, drafter, ids, gen, k) -> tuple[list[int], GenerationStats]:
+    """Our decode loop with ``drafter`` (``None``: plain AR through our loop) at constant K."""
     stats = GenerationStats()
     decoder = SpeculativeDecoder(target, drafter, ConstantK(k))
     out = [t for chunk in decoder.decode(ids, gen, stats) for t in chunk]
@@ -94,58 +96,41 @@ def main() -> None:
 
     if args.max_prompts:
         suites = {name: prompts[:args.max_prompts] for name, prompts in suites.items()}
-    methods = {
-        "ar": lambda ids: hf_generate(target, ids, gen, [], method="ar"),
-        "ar_loop": lambda ids: ours(target, None, ids, gen, 1),
-        "eagle": lambda ids: ours(target, EagleDrafter(target, head), ids, gen, args.k),
+    def call(fn):
+        return lambda ids, g: Call(*fn(ids, g))
+
+    runners = {
+        "ar": call(lambda ids, g: hf_generate(target, ids, g, [], method="ar")),
+        "ar_loop": call(lambda ids, g: ours(target, None, ids, g, 1)),
+        "eagle": call(lambda ids, g: ours(target, EagleDrafter(target, head), ids, g, args.k)),
     }
     if assistant is not None:
-        methods["assisted"] = lambda ids: hf_generate(target, ids, gen, [], method="assisted",
-                                                      assistant_model=assistant, num_draft_tokens=args.assist_k)
-    results = {"config": vars(args) | {"out": str(args.out)}, "torch_threads": torch.get_num_threads(),
-               "suites": {}}
+        runners["assisted"] = call(lambda ids, g: hf_generate(target, ids, g, [], method="assisted",
+                                                              assistant_model=assistant,
+                                                              num_draft_tokens=args.assist_k))
+    results = {"config": vars(args) | {"out": str(args.out)}, "environment": environment(), "suites": {}}
     for suite, prompts in suites.items():
-        rows = []
-        for pid, prompt in prompts:
-            ids = encode(tokenizer, prompt)
-            reference, _ = methods["ar"](ids)  # warm-up of ar, and the reference tokens
-            for name, fn in methods.items():
-                if name != "ar":
-                    fn(ids)  # warm-up
-            runs = {name: [] for name in methods}
-            identical = {name: True for name in methods}
-            for _ in range(args.repeats):
-                for name, fn in methods.items():
-                    out, stats = fn(ids)
-                    identical[name] &= out == reference
-                    runs[name].append(stats)
-            row = {"id": pid, "prompt_tokens": int(ids.shape[1]), "identical": identical}
-            for name, stats_list in runs.items():
-                tput = [s.new_tokens / (s.total_ms / 1000) for s in stats_list]
-                row[name] = {"throughput": statistics.median(tput), "min": min(tput), "max": max(tput)}
-                if name == "eagle":
-                    s = stats_list[0]
-                    row[name] |= {"alpha": s.acceptance_rate, "tau": s.tokens_per_round,
-                                  "accepted": s.accepted, "drafted": s.drafted, "rounds": s.rounds}
-            rows.append(row)
-            print(f"[{suite}] {pid}: " + ", ".join(f"{m} {row[m]['throughput']:.1f} tok/s" for m in methods)
-                  + f", eagle tau {row['eagle']['tau']:.2f}, identical {identical}", flush=True)
-        summary = {}
-        for name in methods:
-            summary[name] = statistics.median(r[name]["throughput"] for r in rows)
-        eagle_alpha = sum(r["eagle"]["accepted"] for r in rows) / max(1, sum(r["eagle"]["drafted"] for r in rows))
-        tau = statistics.mean(r["eagle"]["tau"] for r in rows)
-        ratios = {f"eagle_vs_{m}": statistics.median(r["eagle"]["throughput"] / r[m]["throughput"] for r in rows)
-                  for m in methods if m != "eagle"}
-        results["suites"][suite] = {"rows": rows, "median_throughput": summary, "eagle_alpha": eagle_alpha,
-                                    "eagle_tau": tau, "ratios": ratios,
-                                    "all_identical": all(all(r["identical"].values()) for r in rows)}
+        encoded = [Prompt(pid, suite, encode(tokenizer, prompt)) for pid, prompt in prompts]
+        m = measure(runners, encoded, gen, repeats=args.repeats, warmup=1, rotate=True, desc=suite)
+        reference = [c.token_ids for c in m.first("ar")]
+        identical = {name: all([c.token_ids for c in rep] == reference for rep in m.calls[name]) for name in runners}
+        acceptance = acceptance_summary([c.stats for rep in m.calls["eagle"] for c in rep])
+        results["suites"][suite] = {
+            "prompts": [p.id for p in encoded], "speed": {name: m.speed(name) for name in runners},
+            "median_throughput": {name: m.speed(name)["throughput"]["median"] for name in runners},
+            "eagle_alpha": acceptance["acceptance_rate"], "eagle_tau": acceptance["tokens_per_round"],
+            "eagle_curve": acceptance["curve"],
+            "ratios": {f"eagle_vs_{name}": m.paired_ratio("eagle", name) for name in runners if name != "eagle"},
+            "identical": identical, "all_identical": all(identical.values())}
+        print(f"[{suite}] " + ", ".join(f"{name} {v:.1f} tok/s" for name, v in
+                                         results["suites"][suite]["median_throughput"].items())
+              + f", eagle tau {acceptance['tokens_per_round']:.2f}, identical {identical}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out / "eagle_bench.json", results)
     lines = ["# EAGLE head benchmark (embedded SmolLM2-135M-Instruct, CPU, greedy)", "",
              f"target {args.target_precision}, head {args.head} ({args.head_precision}), K = {args.k}, assisted K = "
              f"{args.assist_k} (NF4 self-draft), {args.new_tokens} new tokens, EOS ignored, median of {args.repeats} "
-             f"runs per prompt after a warm-up, torch threads {torch.get_num_threads()}.", "",
+             f"interleaved repetitions after a warm-up, torch threads {torch.get_num_threads()}.", "",
              "| suite | AR tok/s | assisted tok/s | EAGLE tok/s | EAGLE vs AR | EAGLE vs assisted | alpha | tau | "
              "identical |", "|---|---|---|---|---|---|---|---|---|"]
     for suite, res in results["suites"].items():

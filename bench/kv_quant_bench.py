@@ -11,12 +11,13 @@ self-speculation.
 2. **Exact bytes at 4096 tokens**: a bf16 model prefills 4096 tokens into each cache, one commit, ``kv_bytes``
    (packed codes + scales + zero points + residual, or the backend's tensors) vs the bf16 ``DynamicCache``.
 3. **Decode speed** through ``model.generate(past_key_values=cache)`` (same loop for every cache): median of
-   ``--repeats`` runs of ``--new-tokens`` greedy tokens after a ``--prompt-tokens`` prompt; prefill excluded.
+   ``--repeats`` runs of ``--new-tokens`` greedy tokens after a ``--prompt-tokens`` prompt; prefill excluded; the
+   caches interleaved and rotated by :func:`toolkit.harness.measure`.
 4. **Rollback**: rounds of (5 wrong draft tokens, ``crop(-5)``, the true token) vs a cache that only saw the true
    tokens: the first round where next-token logits differ, for each cache; and speculative (n-gram drafter, K = 4)
    vs AR greedy output with each cache as the target cache: the first diverging token.
 5. **QuantSpec-style self-speculation** (Tiwari et al. 2025): the draft is the target's own weights at low precision
-   (NF4 / bf16) reading a 4-bit KV cache; throughput vs AR in the same run.
+   (NF4 / bf16) reading a 4-bit KV cache; throughput vs AR in the same run (interleaved by the harness).
 
 Writes ``bench/results/kv_quant_bench.json`` and ``bench/results/kv_quant_bench.md``. Timings on a shared 2-core
 CPU are noisy; ratios measured in one run are what to compare.
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import sys
 import time
 import traceback
@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from eval.data import heldout_ids  # noqa: E402
 from eval.metrics import perplexity_through_cache  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
+from toolkit.harness import Call, Prompt, measure  # noqa: E402
 from toolkit.kv import make_policy, ops  # noqa: E402
 from toolkit.models import load_model  # noqa: E402
 from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec  # noqa: E402
@@ -175,13 +176,13 @@ def bytes_section(tokenizer, num_tokens, errors) -> dict:
     ids = torch.tensor([heldout_ids(tokenizer, "prose", num_tokens)])
     rows = {}
     for name, factory in caches(eight_bit=True).items():
-        def measure(f=factory):
+        def nbytes(f=factory):
             cache = ops.new_cache(f(), model)
             model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             ops.commit(cache)
             return ops.kv_bytes(cache)
 
-        value = attempt(measure, errors, f"bytes/{name}")
+        value = attempt(nbytes, errors, f"bytes/{name}")
         if value is not None:
             rows[name] = value
     base = rows["none (fp)"]
@@ -203,21 +204,22 @@ def speed_section(model, tokenizer, prompt_tokens, new_tokens, repeats, errors) 
         model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kwargs)
         return time.perf_counter() - t0
 
-    rows = {}
-    for name, factory in caches().items():
-        def runs(f=factory):
-            timed(f, 4)  # warm-up
-            out = []
-            for _ in range(repeats):
-                prefill = timed(f, 1)
-                total = timed(f, new_tokens)
-                out.append((new_tokens - 1) / max(total - prefill, 1e-9))
-            return out
+    def runner(factory):
+        def run(_ids, _gen) -> Call:  # decode only: the prefill (a 1-token generate) is subtracted
+            prefill = timed(factory, 1)
+            total = timed(factory, new_tokens)
+            return Call([], GenerationStats(new_tokens=new_tokens - 1, total_ms=max(total - prefill, 1e-9) * 1000))
+        return run
 
-        values = attempt(runs, errors, f"speed/{name}")
-        if values:
-            rows[name] = {"decode_tok_s": statistics.median(values), "min": min(values), "max": max(values)}
-            print(f"[speed] {name}: {rows[name]}", flush=True)
+    # a cache that fails (an HF backend that crashes here) is recorded in errors and left out of the timing
+    working = {name: f for name, f in caches().items() if attempt(lambda f=f: timed(f, 4), errors, f"speed/{name}")}
+    m = measure({name: runner(f) for name, f in working.items()}, [Prompt("prose", "prose", prompt)],
+                GenerationSpec(max_new_tokens=new_tokens), repeats=repeats, warmup=0, rotate=True, desc="speed")
+    rows = {}
+    for name in working:
+        t = m.speed(name)["throughput"]
+        rows[name] = {"decode_tok_s": t["median"], "min": t["min"], "max": t["max"]}
+        print(f"[speed] {name}: {rows[name]}", flush=True)
     base = rows["none (fp)"]["decode_tok_s"]
     for row in rows.values():
         row["vs_fp"] = row["decode_tok_s"] / base
@@ -304,24 +306,21 @@ def selfspec_section(model, tokenizer, prompt_tokens, new_tokens, repeats, error
         decoder = SpeculativeDecoder(model, drafter, ConstantK(K), make_policy(target_kv) if target_kv else None)
         t0 = time.perf_counter()
         ids = [t for c in decoder.decode(prompt, GenerationSpec(max_new_tokens=n, ignore_eos=True), stats) for t in c]
-        return ids, time.perf_counter() - t0, stats
+        stats.new_tokens, stats.total_ms = len(ids), (time.perf_counter() - t0) * 1000
+        return Call(ids, stats)
 
+    # warm-up call per configuration; one that fails is recorded in errors and left out of the timing
+    working = {name: c for name, c in configs.items() if attempt(lambda c=c: once(c, 4), errors, f"selfspec/{name}")}
+    m = measure({name: (lambda _ids, _gen, c=c: once(c, new_tokens)) for name, c in working.items()},
+                [Prompt("prose", "prose", prompt)], GenerationSpec(max_new_tokens=new_tokens), repeats=repeats,
+                warmup=0, rotate=True, desc="self-speculation")
     rows, reference = {}, {}
-    for name, cfg in configs.items():
-        def runs(c=cfg):
-            once(c, 4)
-            results = [once(c, new_tokens) for _ in range(repeats)]
-            return results
-
-        results = attempt(runs, errors, f"selfspec/{name}")
-        if not results:
-            continue
-        ids, _, stats = results[0]
-        tps = [new_tokens / t for _, t, _ in results]
-        rows[name] = {"tok_s": statistics.median(tps), "min": min(tps), "max": max(tps),
+    for name in working:
+        t, stats = m.speed(name)["throughput"], m.first(name)[0].stats
+        rows[name] = {"tok_s": t["median"], "min": t["min"], "max": t["max"],
                       "acceptance_rate": stats.acceptance_rate, "tokens_per_round": stats.tokens_per_round,
                       "kv_bytes_target": stats.kv_bytes_target, "kv_bytes_draft": stats.kv_bytes_draft}
-        reference[name] = ids
+        reference[name] = m.first(name)[0].token_ids
         print(f"[selfspec] {name}: {rows[name]}", flush=True)
     base = rows.get("AR fp32, fp cache", {}).get("tok_s")
     for name, row in rows.items():

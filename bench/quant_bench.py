@@ -6,9 +6,10 @@ For each configuration (fp32, bf16, bitsandbytes int8 / NF4, torchao int8 weight
 
 * speed — ms of one target forward at a ``--context``-token context: a 1-token decode step and a 5-token verify
   step (K = 4 drafts + the last committed token). The context is prefilled once into a ``DynamicCache``; every timed
-  step is cropped back (``cache.crop``), so all steps see the same context. All models stay loaded and the timing
-  rounds interleave them (one warm-up round, then ``--repeats`` rounds; medians with min-max), so a change in the
-  machine's load hits every configuration alike; the device is synchronized around each step.
+  step is cropped back (``cache.crop``), so all steps see the same context. All models stay loaded and
+  :func:`toolkit.harness.measure` interleaves them (one warm-up step each, then ``--repeats`` repetitions in a
+  rotated order; medians with min-max), so a change in the machine's load hits every configuration alike; the
+  device is synchronized around each step.
 * quality on held-out prose (the first ``--ppl-tokens`` tokens of the GPL-3 and Apache-2.0 license texts, one
   window each): perplexity from :func:`eval.metrics.perplexity_sliding_window` (window = stride = the text, so each
   text is one forward) and top-1 agreement with fp32 (argmax of the same forward's logits, captured by a forward
@@ -38,7 +39,9 @@ from eval.metrics import perplexity_sliding_window  # noqa: E402
 from toolkit.errors import ConfigError, ModelLoadError  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from toolkit.models import load_model, weight_bytes  # noqa: E402
-from toolkit.recipe import ModelSpec  # noqa: E402
+from toolkit.harness import Call, Prompt, measure  # noqa: E402
+from toolkit.recipe import GenerationSpec, ModelSpec  # noqa: E402
+from toolkit.speculative.stats import GenerationStats  # noqa: E402
 
 TEXTS = ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0")
 # (label, ModelSpec fields): fp32 first, it is the reference for agreement.
@@ -121,19 +124,23 @@ class StepTimer:
 
 
 def interleaved_step_times(timers: dict[str, StepTimer], repeats: int) -> dict:
-    """Per label, median (min-max) ms of decode (1 token) and verify (5 tokens) steps. Rounds interleave the models
-    (round r times every model once, in a rotated order), so a change in machine load hits every model alike; the
-    first round is a warm-up."""
-    times = {label: {"decode": [], "verify5": []} for label in timers}
-    labels = list(timers)
-    for rnd in range(repeats + 1):
-        for label in labels[rnd % len(labels):] + labels[:rnd % len(labels)]:
-            for name, width in (("decode", 1), ("verify5", 5)):
-                ms = timers[label].step(width)
-                if rnd:
-                    times[label][name].append(ms)
-    return {label: {name: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)}
-                    for name, v in per.items()} for label, per in times.items()}
+    """Per label, median (min-max) ms of decode (1 token) and verify (5 tokens) steps, timed by
+    :func:`toolkit.harness.measure`: one warm-up step each, then ``repeats`` repetitions that time every (model,
+    width) once, in an order rotated between repetitions, so a change in machine load hits every model alike."""
+
+    def step_runner(timer: StepTimer, width: int):
+        return lambda _ids, _gen: Call([], GenerationStats(new_tokens=width, total_ms=timer.step(width)))
+
+    runners = {(label, name): step_runner(timer, width) for label, timer in timers.items()
+               for name, width in (("decode", 1), ("verify5", 5))}
+    context = Prompt("context", "prose", torch.zeros(1, 1, dtype=torch.long))  # each timer holds its own context
+    m = measure(runners, [context], GenerationSpec(max_new_tokens=1), repeats=repeats, warmup=1, rotate=True,
+                desc="decode/verify steps")
+    out: dict = {label: {} for label in timers}
+    for (label, name) in runners:
+        v = [rep[0].stats.total_ms for rep in m.calls[(label, name)]]
+        out[label][name] = {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)}
+    return out
 
 
 def run(args) -> dict:

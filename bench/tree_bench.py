@@ -14,14 +14,15 @@ then asked again with a small edit), greedy, the same prompts and ``max_new_toke
 * with ``--draft-model``: ``self-linear`` / ``self-tree`` — the target's own weights at NF4 as draft (K = 4; EAGLE-2
   dynamic tree) — slow on this CPU.
 
-A *pass* runs every prompt of a suite once, in order, through one fresh Generator per method (so the suffix
-drafter's memory holds only the earlier requests of that pass, never an earlier repetition of the same prompt);
-per prompt the methods run back to back (interleaved, so load drift on a shared machine hits them alike), their
-order rotated between passes. After one untimed warm-up pass on a prompt outside the suites, ``--repeats`` passes
-are timed. Reported per method: throughput (new tokens / wall time of the pass; median
-and min-max over passes), tokens per round τ (committed / rounds; HF: new tokens per target forward), and whether
-every output is token-identical to ``hf-ar``. Ratios (computed within each pass, then the median over passes): tree
-vs linear (same drafter), suffix vs ngram / HF prompt lookup / AR.
+Timing is :func:`toolkit.harness.measure`: one untimed warm-up call per method (16 tokens), then ``--repeats``
+repetitions; in each, every prompt of the suite in order and, per prompt, the methods back to back (interleaved,
+so load drift on a shared machine hits them alike), their order rotated between repetitions. Our methods get a
+fresh Generator before every repetition, so the suffix drafter's memory holds only the earlier requests of that
+repetition, never an earlier repetition of the same prompt. Reported per method: throughput (new tokens / wall
+time of a repetition; median and min-max over repetitions), tokens per round τ (committed / rounds; HF: new tokens
+per target forward), and whether every output is token-identical to ``hf-ar``. Ratios (computed within each
+repetition, then the median over repetitions): tree vs linear (same drafter), suffix vs ngram / HF prompt lookup /
+AR.
 
 Writes ``bench/results/tree_bench.json`` and ``bench/results/tree_bench.md``.
 """
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -46,12 +46,12 @@ from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from toolkit.models import load_model  # noqa: E402
 from toolkit.prompts import load_suite  # noqa: E402
 from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec  # noqa: E402
-from toolkit.harness import environment  # noqa: E402
+from toolkit.harness import Call, Measurement, Prompt, environment, measure  # noqa: E402
+from eval.runners import ours_runner  # noqa: E402
 
 SUFFIX_K = 16
 SUFFIX = {"drafter": "suffix", "max_spec_factor": 2.0, "min_token_prob": 0.05, "max_cached_requests": 16}
 TREE = {"tree_budget": 12, "tree_depth": 16, "tree_topk": 4}
-WARMUP = [{"role": "user", "content": "Describe the water cycle in three sentences."}]
 
 
 def method_specs(draft_model: bool) -> dict[str, SpecSpec | str]:
@@ -79,72 +79,64 @@ def make_generator(method: str, spec, target, tokenizer, draft, gen: GenerationS
                          draft_model=draft if recipe.draft is not None else None)
 
 
-def run_one(generator, spec, prompt, gen: GenerationSpec) -> tuple[list[int], float, int, int]:
-    """``(ids, seconds, rounds, committed)`` of one prompt (HF rows: rounds = target forwards after prefill)."""
-    if isinstance(spec, str):
-        out, stats = hf_generate(generator.target, generator.encode(prompt.prompt), gen,
-                                 generator.eos_token_ids(gen), method=spec, num_draft_tokens=4, max_ngram=3)
-        return out, stats.total_ms / 1000, max(stats.target_forwards - 1, 1), max(stats.new_tokens - 1, 0)
-    result = generator.generate(prompt.prompt)
-    return result.token_ids, result.stats.total_ms / 1000, result.stats.rounds, result.stats.committed
+def make_runners(methods: dict, target, tokenizer, draft, gen: GenerationSpec, eos_ids: list[int]):
+    """``(runners, fresh)`` for :func:`toolkit.harness.measure`: HF rows call ``hf_generate`` on the
+    target; our rows run the decode loop of a Generator that ``fresh(rep)`` rebuilds before every repetition (a
+    fresh suffix memory: it holds only the earlier prompts of this repetition, never an earlier repetition of the
+    same prompt)."""
+    generators: dict = {}
+
+    def fresh(_rep: int = 0) -> None:
+        for m, spec in methods.items():
+            if not isinstance(spec, str):
+                generators[m] = make_generator(m, spec, target, tokenizer, draft, gen)
+
+    fresh()
+
+    def ours(method):
+        return lambda ids, g: ours_runner(generators[method], eos_ids)(ids, g)
+
+    def hf(spec):
+        return lambda ids, g: Call(*hf_generate(target, ids, g, eos_ids, method=spec, num_draft_tokens=4,
+                                                max_ngram=3))
+
+    runners = {m: hf(spec) if isinstance(spec, str) else ours(m) for m, spec in methods.items()}
+    return runners, fresh
 
 
-def run_pass(methods: dict, order: list[str], target, tokenizer, draft, prompts, gen: GenerationSpec) -> dict:
-    """Every prompt once, in order; per prompt every method in ``order`` (interleaved, so load drift on a shared
-    machine hits all methods alike). One fresh Generator per method and pass: the suffix drafter remembers only the
-    earlier prompts of this pass. Returns ``{method: {ids, seconds, tokens, throughput, tau}}``."""
-    generators = {m: make_generator(m, methods[m], target, tokenizer, draft, gen) for m in order}
-    acc = {m: {"ids": {}, "seconds": 0.0, "tokens": 0, "rounds": 0, "committed": 0} for m in order}
-    for prompt in prompts:
-        for m in order:
-            ids, seconds, rounds, committed = run_one(generators[m], methods[m], prompt, gen)
-            a = acc[m]
-            a["ids"][prompt.id] = ids
-            a["seconds"] += seconds
-            a["tokens"] += len(ids)
-            a["rounds"] += rounds
-            a["committed"] += committed
-    return {m: {"ids": a["ids"], "seconds": a["seconds"], "tokens": a["tokens"],
-                "throughput": a["tokens"] / a["seconds"], "tau": a["committed"] / a["rounds"] if a["rounds"] else 0.0}
-            for m, a in acc.items()}
+RATIOS = {  # name: (method, baseline, key); computed within each repetition, then the median over repetitions
+    "suffix_tree_vs_linear_throughput": ("suffix-tree", "suffix-linear", "throughput"),
+    "suffix_tree_vs_linear_tau": ("suffix-tree", "suffix-linear", "tau"),
+    "suffix_tree_vs_hf_prompt_lookup": ("suffix-tree", "hf-prompt-lookup", "throughput"),
+    "suffix_tree_vs_ngram": ("suffix-tree", "ngram", "throughput"),
+    "suffix_tree_vs_ar": ("suffix-tree", "hf-ar", "throughput"),
+    "suffix_linear_vs_hf_prompt_lookup": ("suffix-linear", "hf-prompt-lookup", "throughput"),
+    "suffix_linear_vs_ar": ("suffix-linear", "hf-ar", "throughput"),
+    "ngram_vs_ar": ("ngram", "hf-ar", "throughput"),
+    "hf_prompt_lookup_vs_ar": ("hf-prompt-lookup", "hf-ar", "throughput"),
+    "self_tree_vs_linear_throughput": ("self-tree", "self-linear", "throughput"),
+    "self_tree_vs_linear_tau": ("self-tree", "self-linear", "tau"),
+}
 
 
-def summarize(passes: list[dict]) -> dict:
-    values = [p["throughput"] for p in passes]
-    return {"throughput": statistics.median(values), "throughput_min": min(values), "throughput_max": max(values),
-            "tau": statistics.median(p["tau"] for p in passes), "tokens": passes[-1]["tokens"],
-            "passes": len(passes)}
-
-
-def ratios(passes: dict[str, list[dict]]) -> dict:
-    """Ratios between methods, computed within each pass (same load) and then the median over passes."""
-    def r(a, b, key="throughput"):
-        if a not in passes or b not in passes:
-            return None
-        values = [x[key] / y[key] for x, y in zip(passes[a], passes[b]) if y[key]]
-        return statistics.median(values) if values else None
-
-    out = {
-        "suffix_tree_vs_linear_throughput": r("suffix-tree", "suffix-linear"),
-        "suffix_tree_vs_linear_tau": r("suffix-tree", "suffix-linear", "tau"),
-        "suffix_tree_vs_hf_prompt_lookup": r("suffix-tree", "hf-prompt-lookup"),
-        "suffix_tree_vs_ngram": r("suffix-tree", "ngram"),
-        "suffix_tree_vs_ar": r("suffix-tree", "hf-ar"),
-        "suffix_linear_vs_hf_prompt_lookup": r("suffix-linear", "hf-prompt-lookup"),
-        "suffix_linear_vs_ar": r("suffix-linear", "hf-ar"),
-        "ngram_vs_ar": r("ngram", "hf-ar"),
-        "hf_prompt_lookup_vs_ar": r("hf-prompt-lookup", "hf-ar"),
-    }
-    if "self-tree" in passes:
-        out["self_tree_vs_linear_throughput"] = r("self-tree", "self-linear")
-        out["self_tree_vs_linear_tau"] = r("self-tree", "self-linear", "tau")
+def table(m: Measurement) -> dict:
+    """Per method: throughput median / min / max (tok/s), τ, new tokens, and whether every repetition's output is
+    token-identical to ``hf-ar``'s."""
+    out = {}
+    for method in m.methods:
+        speed = m.speed(method)["throughput"]
+        out[method] = {"throughput": speed["median"], "throughput_min": speed["min"],
+                       "throughput_max": speed["max"], "tau": m.tau(method),
+                       "tokens": sum(len(c.token_ids) for c in m.last(method)), "repeats": len(m.calls[method]),
+                       "identical_to_ar": all([c.token_ids for c in rep] == [c.token_ids for c in m.first("hf-ar")]
+                                              for rep in m.calls[method])}
     return out
 
 
 def markdown(results: dict) -> str:
     lines = ["# Tree speculation and the suffix drafter (embedded SmolLM2-135M, CPU)", "",
              f"greedy, max_new_tokens={results['new_tokens']}, EOS {'ignored' if results['ignore_eos'] else 'kept'}, "
-             f"{results['repeats']} timed passes per method (median, min-max); suffix K={SUFFIX_K}, tree {TREE}.", ""]
+             f"{results['repeats']} timed repetitions per method (median, min-max); suffix K={SUFFIX_K}, tree {TREE}.", ""]
     for key, block in results["runs"].items():
         lines += [f"## {key}", "", "| method | throughput (tok/s) | min-max | τ (tokens/round) | vs hf-ar | "
                   "identical to AR |", "|---|---|---|---|---|---|"]
@@ -153,7 +145,7 @@ def markdown(results: dict) -> str:
             vs = f"{row['throughput'] / ar:.2f}×" if ar else "-"
             lines.append(f"| {method} | {row['throughput']:.1f} | {row['throughput_min']:.1f}–"
                          f"{row['throughput_max']:.1f} | {row['tau']:.2f} | {vs} | {row['identical_to_ar']} |")
-        lines += ["", "| ratio (within a pass, median over passes) | value |", "|---|---|"]
+        lines += ["", "| ratio (within a repetition, median over repetitions) | value |", "|---|---|"]
         for name, value in block["ratios"].items():
             lines.append(f"| {name} | {'-' if value is None else f'{value:.2f}×'} |")
         lines.append("")
@@ -185,29 +177,19 @@ def main() -> None:
         draft = None
         if args.draft_model:
             draft, _ = load_model(ModelSpec(source="embedded", precision="int4", device="cpu"))
-        warm = [dataclasses.replace(load_suite("short")[0], id="warmup", prompt=WARMUP)]
-        run_pass(methods, list(methods), target, tokenizer, draft, warm,  # untimed warm-up, thrown away
-                 dataclasses.replace(gen, max_new_tokens=16))
+        encoder = make_generator("encode", "ar", target, tokenizer, draft, gen)  # chat template, EOS ids
+        runners, fresh = make_runners(methods, target, tokenizer, draft, gen, encoder.eos_token_ids(gen))
         for suite in args.suites:
-            prompts = load_suite(suite)
-            if args.prompts:
-                prompts = prompts[: args.prompts]
-            passes: dict[str, list[dict]] = {m: [] for m in methods}
-            names = list(methods)
-            for rep in range(args.repeats):
-                order = names[rep % len(names):] + names[: rep % len(names)]
-                result = run_pass(methods, order, target, tokenizer, draft, prompts, gen)
-                for method in names:
-                    passes[method].append(result[method])
-                    print(f"[{time.time() - started:7.1f}s] {precision}/{suite} pass {rep + 1} {method}: "
-                          f"{result[method]['throughput']:.1f} tok/s, tau {result[method]['tau']:.2f}", flush=True)
-            ar_ids = passes["hf-ar"][-1]["ids"]
-            table = {}
-            for method in names:
-                table[method] = summarize(passes[method])
-                table[method]["identical_to_ar"] = all(p["ids"] == ar_ids for p in passes[method])
-            results["runs"][f"{precision} / {suite}"] = {"table": table, "ratios": ratios(passes),
-                                                          "prompts": [p.id for p in prompts]}
+            suite_prompts = load_suite(suite)[: args.prompts or None]
+            prompts = [Prompt(p.id, p.kind, encoder.encode(p.prompt)) for p in suite_prompts]
+            m = measure(runners, prompts, gen, repeats=args.repeats, warmup=1,
+                        warm_gen=dataclasses.replace(gen, max_new_tokens=16), rotate=True, before_repetition=fresh,
+                        desc=f"{precision}/{suite}")
+            results["runs"][f"{precision} / {suite}"] = {
+                "table": table(m), "prompts": [p.id for p in prompts],
+                "ratios": {name: m.paired_ratio(a, b, key) for name, (a, b, key) in RATIOS.items()
+                           if a in methods and b in methods}}
+            print(f"[{time.time() - started:7.1f}s] {precision}/{suite} done", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "tree_bench.json", results)

@@ -21,6 +21,7 @@ import contextlib
 import datetime
 import os
 import platform
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -101,14 +102,30 @@ class Measurement:
         throughput, ttft, tpot, tokens = [], [], [], []
         for rep in self.calls[method]:
             n = sum(c.stats.new_tokens for c in rep)
-            ms = sum(c.stats.total_ms for c in rep)
-            throughput.append(n / (ms / 1000) if ms > 0 else 0.0)
+            throughput.append(_throughput(rep))
             ttft.append(sum(c.stats.ttft_ms for c in rep) / len(rep))
             tpot.append(sum(c.stats.tpot_ms for c in rep) / len(rep))
             tokens.append(n)
         return {"throughput": Summary.of(throughput).to_dict(), "ttft_ms": Summary.of(ttft).to_dict(),
                 "tpot_ms": Summary.of(tpot).to_dict(), "new_tokens": int(max(tokens) if tokens else 0),
                 "repeats": len(self.calls[method])}
+
+    def paired_ratio(self, method: str, baseline: str, key: str = "throughput") -> float | None:
+        """Median over repetitions of ``method`` / ``baseline`` within each repetition (both ran under the same
+        load), for ``key`` = ``throughput`` (tok/s) or ``tau`` (tokens per round); ``None`` when either is missing."""
+        if method not in self.calls or baseline not in self.calls:
+            return None
+        values = []
+        for mine, theirs in zip(self.calls[method], self.calls[baseline]):
+            a, b = (_throughput(mine), _throughput(theirs)) if key == "throughput" else (_tau(mine), _tau(theirs))
+            if b > 0:
+                values.append(a / b)
+        return statistics.median(values) if values else None
+
+    def tau(self, method: str) -> float:
+        """Median over repetitions of tokens per round τ (committed / rounds over the prompts; an HF baseline
+        counts one round per target forward after prefill, see :func:`toolkit.baselines.hf_generate`)."""
+        return statistics.median(_tau(rep) for rep in self.calls[method])
 
     def ratio(self, method: str, baseline: str) -> float | None:
         """Median throughput of ``method`` over that of ``baseline`` (``None`` when either is missing)."""
@@ -118,9 +135,20 @@ class Measurement:
         return self.speed(method)["throughput"]["median"] / den if den > 0 else None
 
 
+def _throughput(calls: list[Call]) -> float:
+    ms = sum(c.stats.total_ms for c in calls)
+    return sum(c.stats.new_tokens for c in calls) / (ms / 1000) if ms > 0 else 0.0
+
+
+def _tau(calls: list[Call]) -> float:
+    rounds = sum(c.stats.rounds for c in calls)
+    return sum(c.stats.committed for c in calls) / rounds if rounds else 0.0
+
+
 def measure(runners: dict[str, Runner], prompts: list[Prompt], gen: GenerationSpec, *, repeats: int = 3,
             warmup: int = 1, warm_gen: GenerationSpec | None = None, meter: Callable | None = None,
-            progress: bool = True, desc: str = "measure") -> Measurement:
+            progress: bool = True, desc: str = "measure", rotate: bool = False,
+            before_repetition: Callable[[int], None] | None = None) -> Measurement:
     """Time every runner on every prompt with the protocol above; returns all calls.
 
     Args:
@@ -131,6 +159,11 @@ def measure(runners: dict[str, Runner], prompts: list[Prompt], gen: GenerationSp
         warm_gen: settings of the warm-up calls (default ``gen``).
         meter: optional context-manager factory wrapped around each timed call whose ``.result`` becomes
             ``Call.peak`` (peak memory).
+        rotate: rotate the method order by one between repetitions (no method always runs first after a prompt
+            switch).
+        before_repetition: called with the repetition index (0-based) before each timed repetition, after the
+            warm-up: e.g. fresh drafter state, so cross-request memory holds only the earlier prompts of this
+            repetition and never an earlier repetition of the same prompt.
 
     Raises:
         ValueError: no prompts, no runners, ``repeats < 1`` or ``warmup < 0``.
@@ -149,11 +182,14 @@ def measure(runners: dict[str, Runner], prompts: list[Prompt], gen: GenerationSp
         for _ in range(warmup):
             runners[method](prompts[0].input_ids, warm_gen or gen)
             bar.update()
-    for _ in range(repeats):
+    for rep in range(repeats):
+        if before_repetition is not None:
+            before_repetition(rep)
+        order = methods[rep % len(methods):] + methods[: rep % len(methods)] if rotate else methods
         for m in methods:
             result.calls[m].append([])
         for prompt in prompts:
-            for method in methods:
+            for method in order:
                 with (meter() if meter is not None else contextlib.nullcontext()) as watch:
                     call = runners[method](prompt.input_ids, gen)
                 if meter is not None:
