@@ -39,6 +39,7 @@ import datetime
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -323,14 +324,22 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
                     trial.set_user_attr(key, old.user_attrs.get(key))
                 trial.set_user_attr("cached_from", old.number)
                 return list(old.values)
+        for old in study.get_trials(deepcopy=False, states=(TS.FAIL,)):
+            if old.user_attrs.get("config_hash") == h and "error" in old.user_attrs:  # (a dead worker's is retried)
+                raise optuna.TrialPruned(f"failed before in trial {old.number}: {old.user_attrs['error']}")
         for other in study.get_trials(deepcopy=False, states=(TS.RUNNING,)):
             if other.number < trial.number and other.user_attrs.get("config_hash") == h:
                 raise optuna.TrialPruned(f"duplicate of trial {other.number}, running in another worker")
         inject = models_fn(recipe) if models_fn is not None else {}
         target_dir = results_dir(recipe, settings, out_dir / "trials")
         t0 = time.perf_counter()
-        m = evaluate(recipe, settings=settings, out_dir=target_dir, prompts=prompts, ppl_ids=ppl_ids,
-                     progress=progress, **inject)
+        try:
+            m = evaluate(recipe, settings=settings, out_dir=target_dir, prompts=prompts, ppl_ids=ppl_ids,
+                         progress=progress, **inject)
+        except Exception as exc:  # one combination that fails to run must not end the study: FAIL, and go on
+            trial.set_user_attr("error", f"{type(exc).__name__}: {exc}".splitlines()[0][:500])
+            print(f"  trial {trial.number}: {params} FAILED: {trial.user_attrs['error']}", file=sys.stderr)
+            raise
         cons = constraints(m, sc)
         trial.set_user_attr("constraints", cons)
         trial.set_user_attr("summary", _summary(m))
@@ -346,9 +355,11 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
         """Stop when one more trial (plus the held-out confirmation) would overrun the budget."""
         if durations:
             # a confirmation measures more prompts than a trial and times every baseline afresh: ~1.5x per prompt
+            # reserve: the slowest trial seen, plus the confirmations (winner + shipped recipes) at a typical trial's
+            # duration scaled by the held-out prompt count
             confirmations = 1 + len(sp.heldout.get("compare", [])) if finalize_results and heldout else 0
             scale = 1.5 * max(1.0, (sp.heldout.get("num_prompts") or 1) / (settings.num_prompts or 1))
-            reserve = max(durations) * (1 + confirmations * scale)
+            reserve = max(durations) + confirmations * scale * statistics.median(durations)
             if time.monotonic() - started + reserve > budget_s:
                 print(f"search {scenario}: stopping: the {budget_s:.0f} s budget leaves no room for another trial",
                       file=sys.stderr)
@@ -372,7 +383,7 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
         left = max(1.0, budget_s - (time.monotonic() - started))
         study.optimize(objective, n_trials=remaining * 20 + 50, timeout=left,
                        callbacks=[MaxTrialsCallback(n_total, states=(TS.COMPLETE,)), stop_before_deadline],
-                       gc_after_trial=False, show_progress_bar=False)
+                       gc_after_trial=False, show_progress_bar=False, catch=(Exception,))
     for child in children:
         code = child.wait()
         if code != 0:

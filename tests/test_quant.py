@@ -216,3 +216,34 @@ def test_quantized_loads_are_quiet_and_name_the_kernel_once(tiny_dir):
     assert "bitsandbytes NF4 on CPU" in lines[0]
     if "torchao" in backends:
         assert "torchao int4 (group 32) on CPU" in lines[1]
+
+
+@torchao_installed
+def test_eagle_head_loads_on_a_torchao_int4_target(tiny_dir):
+    """An int4 target's LM head is an ``Int4OpaqueTensor`` (no row indexing): the head takes the dequantized rows of
+    its draft vocabulary, and EAGLE drafting on that target reproduces the target's own greedy output."""
+    import toolkit
+    from toolkit.distill.eagle_train import build_head
+    from toolkit.eagle.checkpoint import load_head, save_head
+    from toolkit.recipe import SpecSpec
+
+    model, tokenizer = load_model(ModelSpec(source=str(tiny_dir), device="cpu", precision="int4", backend="torchao"),
+                                  "target")
+    lm = model.get_output_embeddings().weight
+    assert type(lm.data if isinstance(lm, torch.nn.Parameter) else lm).__name__ == "Int4OpaqueTensor"
+    head = build_head(tiny_llama(seed=0), draft_vocab=64, counts=torch.arange(128, 0, -1).float(), seed=0)
+    head_dir = tiny_dir.parent / "int4-head"
+    save_head(head, head_dir)
+    loaded = load_head(head_dir, model)
+    with torch.no_grad():  # the int4 LM head's logits, from the head's rows and from the quantized module
+        hidden = torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16)
+        want = model.get_output_embeddings()(hidden)[:, loaded.draft_to_target].float()
+        got = (hidden.float() @ loaded.lm_head.weight.float().T)
+    assert torch.allclose(got, want, rtol=0.02, atol=0.02)
+    recipe = Recipe(target=ModelSpec(source=str(tiny_dir), device="cpu", precision="int4", backend="torchao"),
+                    draft=ModelSpec(source=str(head_dir), device="cpu", precision="fp32"),
+                    spec=SpecSpec(drafter="eagle", num_draft_tokens=3))
+    generator = toolkit.build(recipe, target=model, tokenizer=tokenizer)
+    ar = toolkit.build(Recipe(target=recipe.target, spec=SpecSpec(drafter="none")), target=model, tokenizer=tokenizer)
+    prompt = "the cat sat on the mat"
+    assert generator.generate(prompt, max_new_tokens=16).token_ids == ar.generate(prompt, max_new_tokens=16).token_ids

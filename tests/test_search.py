@@ -266,3 +266,26 @@ def test_seeds_are_measured_first_once_and_bad_seeds_are_named(tmp_path, tiny):
         load_space(bad).seed_points()
     with pytest.raises(ConfigError, match="search.seeds.typo.kv_windw"):
         load_space(dict(space, seeds={"typo": {**seed, "kv_windw": 12}}))
+
+
+def test_a_trial_that_raises_is_failed_with_its_error_and_the_study_goes_on(tmp_path, tiny, monkeypatch):
+    import eval.evaluate as E
+
+    real = E.evaluate
+
+    def crashing(recipe, **kw):  # a combination whose evaluation crashes (e.g. a kernel without an op it needs)
+        if recipe.spec.drafter == "ngram":
+            raise NotImplementedError("Int4OpaqueTensor dispatch: aten.index")
+        return real(recipe, **kw)
+
+    monkeypatch.setattr(E, "evaluate", crashing)
+    result = _run(tmp_path, tiny, heldout=False, trials=4)  # a grid of 4 points, 2 of them crash
+    counts = result["counts"]  # each crashing point failed once, then skipped; the 2 others measured once
+    assert counts["failed"] == 2 and counts["complete"] - counts["reused"] == 2
+    import optuna
+
+    study = optuna.load_study(study_name="search-short",
+                              storage=f"sqlite:///{(tmp_path / 'found' / 'short' / 'study.db').resolve()}")
+    failed = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
+    assert {t.params["drafter"] for t in failed} == {"ngram"} and all(t.user_attrs["error"] for t in failed)
+    assert result["best"]["params"]["drafter"] == "draft"

@@ -95,6 +95,25 @@ def _target_config(target):
     return c.get_text_config() if hasattr(c, "get_text_config") else c
 
 
+def _dense_weight(module: torch.nn.Module) -> torch.Tensor:
+    """The weight of ``module`` as a plain ``(out, in)`` tensor. A quantized linear (a torchao tensor subclass such
+    as ``Int4OpaqueTensor``, which supports neither row indexing nor ``dequantize``) is read through its own kernel:
+    ``module(I) = I @ W.T`` on an identity batch gives ``W.T`` at the compute dtype."""
+    weight = module.weight.detach()
+    if type(weight) is torch.Tensor or not isinstance(module, torch.nn.Linear):
+        return weight
+    eye = torch.eye(module.in_features, dtype=torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32,
+                    device=weight.device)
+    with torch.no_grad():
+        try:
+            out = module(eye)
+        except RuntimeError:  # a kernel that takes only its own activation dtype
+            out = module(eye.to(torch.bfloat16))
+    if module.bias is not None:
+        out = out - module.bias
+    return out.T.contiguous()
+
+
 def load_head(source: str | Path, target, field: str = "draft.source", dtype: torch.dtype | None = None
               ) -> EagleHead:
     """Load a head directory in either published layout and fit it to ``target`` (frozen embedding / LM head copied
@@ -175,7 +194,7 @@ def load_head(source: str | Path, target, field: str = "draft.source", dtype: to
         draft_to_target = torch.arange(draft_vocab)
     mapped.setdefault("embed_tokens.weight", embedding)
     if "lm_head.weight" not in mapped:
-        lm = target.get_output_embeddings().weight.detach()
+        lm = _dense_weight(target.get_output_embeddings())
         mapped["lm_head.weight"] = lm[draft_to_target.to(lm.device)]
     expected = head.state_dict()
     for name, tensor in mapped.items():
