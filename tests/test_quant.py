@@ -247,3 +247,20 @@ def test_eagle_head_loads_on_a_torchao_int4_target(tiny_dir):
     ar = toolkit.build(Recipe(target=recipe.target, spec=SpecSpec(drafter="none")), target=model, tokenizer=tokenizer)
     prompt = "the cat sat on the mat"
     assert generator.generate(prompt, max_new_tokens=16).token_ids == ar.generate(prompt, max_new_tokens=16).token_ids
+
+
+@torchao_installed
+@pytest.mark.parametrize("fields", [{"precision": "int4"}, {"precision": "int8", "torchao_int8": "weight_only"}])
+def test_head_aware_calibration_runs_on_torchao_targets(tiny_dir, fields, monkeypatch, tmp_path):
+    """The head-aware policy's calibration key hashed weight samples with ``view``, which torchao's quantized
+    tensors lack (found by the short search): it now keys quantized models by their formats and plain weights."""
+    from toolkit.kv.calibration import load_or_calibrate, model_key
+
+    monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(tmp_path))
+    model, _ = load_model(ModelSpec(source=str(tiny_dir), device="cpu", backend="torchao", **fields), "target")
+    reference, _ = load_model(ModelSpec(source=str(tiny_dir), device="cpu"), "target")
+    assert model_key(model) != model_key(reference)
+    with torch.inference_mode():
+        scores = load_or_calibrate(model, num_tokens=160)  # > local window (64) + sinks: far tokens exist
+    c = model.config
+    assert scores.shape == (c.num_hidden_layers, c.num_key_value_heads) and float(scores.max()) == pytest.approx(1.0)

@@ -101,11 +101,17 @@ def measure_importance(model, input_ids: torch.Tensor, sink_tokens: int = 4, loc
 
 
 def model_key(model) -> str:
-    """Stable identifier of ``model``: type, shape and a hash of samples of its weights."""
+    """Stable identifier of ``model``: type, shape, the weight formats and a hash of samples of its plain weights.
+
+    Quantized weights (torchao tensor subclasses, which support neither ``view`` nor ``flatten``) are not sampled;
+    their formats (class and dtype) enter the hash, so a quantized model never shares an fp32 model's scores."""
     config = model.config.get_text_config(decoder=True)
     digest = hashlib.sha256()
     params = list(model.parameters())
-    for param in (params[0], params[len(params) // 2], params[-1]):
+    plain = [p for p in params if type(p.data) is torch.Tensor]
+    formats = sorted({f"{type(p.data).__name__}:{p.dtype}" for p in params})
+    digest.update(",".join(formats).encode())
+    for param in (plain[0], plain[len(plain) // 2], plain[-1]) if plain else ():
         digest.update(param.detach().flatten()[:4096].float().cpu().numpy().tobytes())
     name = Path(str(getattr(model.config, "_name_or_path", "") or config.model_type)).name or config.model_type
     return f"{config.model_type}-{name}-L{config.num_hidden_layers}-{digest.hexdigest()[:12]}"
