@@ -153,6 +153,12 @@ def test_space_files_parse_and_build_valid_recipes():
 
                 assert isinstance(exc, ConfigError), exc
         assert built >= 2
+        for seed_name, point in sp.seed_points():  # the shipped recipes are valid points of their space
+            assert sp.recipe(point).spec.drafter
+    # long: only caches whose peak KV is bounded (a budget or window) whatever the generation length are searched
+    for dim in load_space("long").dimensions:
+        if dim.name in ("kv_policy", "draft_kv_policy"):
+            assert set(dim.searched) == {"streaming", "l2norm", "head_aware", "streaming_quantized"}
 
 
 def _cond_space():
