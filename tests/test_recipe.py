@@ -66,10 +66,14 @@ def test_defaults_round_trip_and_draft_none():
     assert Recipe.from_yaml("") == Recipe()
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.yaml")) + sorted((REPO / "recipes" / "found").glob(
+    "*.yaml")), ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_shipped_recipes_load_and_round_trip(path):
+    from toolkit.session import plan
+
     recipe = Recipe.load(path)
     assert Recipe.from_yaml(recipe.to_yaml()) == recipe
+    plan(recipe)  # the cross-section checks pass too (found recipes are written by the search)
 
 
 def test_config_hash_ignores_name_but_not_settings():
