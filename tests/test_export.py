@@ -108,3 +108,16 @@ def test_cli_prints_and_writes_with_warnings(tmp_path):
     script = (tmp_path / "r.sh").read_text()
     assert "# WARNING: kv.policy: streaming" in script and "--speculative-algorithm STANDALONE" in script
     assert script in res.stdout
+
+
+@pytest.mark.parametrize("config, vllm_method, sglang_algorithm", [
+    ({"architectures": ["LlamaForCausalLM"], "toolkit_eagle": {"variant": "eagle1"}}, "eagle", "EAGLE"),
+    ({"architectures": ["LlamaForCausalLMEagle3"]}, "eagle3", "EAGLE3"),  # a published EAGLE-3 head
+    (None, "eagle", "EAGLE"),  # no readable head here: EAGLE-1, the common layout
+])
+def test_eagle_method_follows_the_heads_layout(tmp_path, config, vllm_method, sglang_algorithm):
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    r = _recipe(draft={"source": str(tmp_path), "precision": "bf16"}, spec={"drafter": "eagle", "num_draft_tokens": 3})
+    assert export(r, "vllm").config["speculative_config"]["method"] == vllm_method
+    assert export(r, "sglang").config["speculative_algorithm"] == sglang_algorithm

@@ -41,6 +41,28 @@ def model_path(spec, prefix: str, warnings: list[str]) -> str:
     return spec.source
 
 
+def eagle_variant(recipe) -> str:
+    """``"eagle3"`` when the recipe's head directory holds an EAGLE-3 head, else ``"eagle"`` (EAGLE-1, also when the
+    head cannot be read here). Read from the head's ``config.json`` the way :func:`toolkit.eagle.checkpoint.save_head`
+    writes it (``toolkit_eagle.variant``) or the published layouts name it (``architectures``: ``...Eagle3``)."""
+    import json
+    from pathlib import Path
+
+    from toolkit.eagle.checkpoint import SHIPPED
+
+    if recipe.draft is None:
+        return "eagle"
+    path = SHIPPED.get(recipe.draft.source, Path(str(recipe.draft.source)).expanduser()) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return "eagle"
+    variant = (raw.get("toolkit_eagle") or {}).get("variant")
+    if variant is None:
+        variant = "eagle3" if any("Eagle3" in a for a in raw.get("architectures") or []) else "eagle1"
+    return "eagle3" if variant == "eagle3" else "eagle"
+
+
 def kv_warnings(recipe, engine: str) -> list[str]:
     """Our KV-cache compression policies have no counterpart in the engines' paged caches."""
     name = ENGINE_NAMES[engine]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import shlex
 
 from toolkit.export import Export
-from toolkit.export.gaps import engine_warnings, model_path, target_config
+from toolkit.export.gaps import eagle_variant, engine_warnings, model_path, target_config
 
 
 def _speculative(recipe, warnings: list[str]) -> dict:
@@ -32,8 +32,7 @@ def _speculative(recipe, warnings: list[str]) -> dict:
                "speculative_ngram_max_match_window_size": s.max_ngram}
         warnings.append("spec.drafter: ngram — SGLang's NGRAM speculation runs on CUDA only")
     elif s.drafter == "eagle":
-        version = getattr(s, "eagle_version", None) or "eagle"
-        out = {"speculative_algorithm": "EAGLE3" if str(version) in ("3", "eagle3") else "EAGLE"}
+        out = {"speculative_algorithm": eagle_variant(recipe).upper()}
         if recipe.draft is not None:
             out["speculative_draft_model_path"] = recipe.draft.source
         else:

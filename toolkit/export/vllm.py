@@ -14,7 +14,7 @@ import json
 import shlex
 
 from toolkit.export import Export
-from toolkit.export.gaps import engine_warnings, model_path, target_config
+from toolkit.export.gaps import eagle_variant, engine_warnings, model_path, target_config
 
 
 def _speculative_config(recipe, warnings: list[str]) -> dict | None:
@@ -34,9 +34,7 @@ def _speculative_config(recipe, warnings: list[str]) -> dict | None:
     elif s.drafter == "suffix":
         cfg = {"method": "suffix", **cfg}
     elif s.drafter == "eagle":
-        version = getattr(s, "eagle_version", None) or "eagle"
-        method = "eagle3" if str(version) in ("3", "eagle3") else "eagle"
-        cfg = {"method": method, **cfg}
+        cfg = {"method": eagle_variant(recipe), **cfg}
         if recipe.draft is not None:
             cfg["model"] = recipe.draft.source
         else:
