@@ -354,9 +354,8 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
     def stop_before_deadline(study_, trial) -> None:
         """Stop when one more trial (plus the held-out confirmation) would overrun the budget."""
         if durations:
-            # a confirmation measures more prompts than a trial and times every baseline afresh: ~1.5x per prompt
             # reserve: the slowest trial seen, plus the confirmations (winner + shipped recipes) at a typical trial's
-            # duration scaled by the held-out prompt count
+            # duration; a confirmation times every baseline afresh (~1.5x per prompt) on the held-out prompt count
             confirmations = 1 + len(sp.heldout.get("compare", [])) if finalize_results and heldout else 0
             scale = 1.5 * max(1.0, (sp.heldout.get("num_prompts") or 1) / (settings.num_prompts or 1))
             reserve = max(durations) + confirmations * scale * statistics.median(durations)

@@ -11,26 +11,23 @@ COMPOSED: dict[str, type] = {}
 QUANT_FIELDS = ("quant_bits", "quant_group_size", "residual_length")
 
 
-def register(name: str):
-    """Class decorator adding a policy dataclass to :data:`POLICIES` under ``name``."""
-
+def _registrar(table: dict[str, type], name: str):
     def wrap(cls):
-        POLICIES[name] = cls
+        table[name] = cls
         cls.name = name
         return cls
 
     return wrap
+
+
+def register(name: str):
+    """Class decorator adding a policy dataclass to :data:`POLICIES` under ``name``."""
+    return _registrar(POLICIES, name)
 
 
 def register_composed(name: str):
     """Class decorator: ``cls`` is eviction policy ``name`` composed with quantization (evict, then quantize)."""
-
-    def wrap(cls):
-        COMPOSED[name] = cls
-        cls.name = name
-        return cls
-
-    return wrap
+    return _registrar(COMPOSED, name)
 
 
 def make_policy(spec, prefix: str = "kv"):
