@@ -73,7 +73,7 @@ def make_generator(method: str, spec, target, tokenizer, draft, gen: GenerationS
     """A fresh Generator for ``method`` (a fresh suffix memory); ``spec`` is a SpecSpec or an HF baseline name."""
     hf = isinstance(spec, str)
     recipe = Recipe(name=f"tree-bench-{method}", target=ModelSpec(source="embedded"),
-                    draft=ModelSpec(source="embedded", precision="int4") if not hf and spec.drafter == "self" else None,
+                    draft=ModelSpec(source="embedded", precision="int4") if not hf and spec.config.uses_draft_model else None,
                     spec=SpecSpec(drafter="none") if hf else spec, generation=gen)
     return toolkit.build(recipe, target=target, tokenizer=tokenizer,
                          draft_model=draft if recipe.draft is not None else None)

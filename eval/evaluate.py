@@ -33,7 +33,7 @@ import torch
 
 from eval import metrics as M
 from eval.results import EvalResult
-from eval.runners import OURS, baseline_methods, runners_for
+from eval.runners import OURS, PROMPT_LOOKUP_NGRAM, baseline_methods, runners_for
 from toolkit.io import atomic_write_json, atomic_write_text
 from toolkit.recipe import ModelSpec, Recipe
 from toolkit.session import SHARED_POOL, load_models, plan
@@ -163,7 +163,7 @@ def _prompts(recipe: Recipe, prompts, generator, settings: EvalSettings) -> list
 def _baseline_key(method, recipe, target, draft_model, reference_model, items, gen, settings) -> tuple:
     """Identity of a baseline measurement: models (by object), prompts, generation settings, protocol."""
     k = recipe.spec.num_draft_tokens if method in ("assisted", "prompt_lookup") else None
-    ngram = recipe.spec.max_ngram if method == "prompt_lookup" else None
+    ngram = PROMPT_LOOKUP_NGRAM if method == "prompt_lookup" else None
     models = {"ar": (id(target),), "ar_fp32": (id(reference_model),), "assisted": (id(target), id(draft_model)),
               "prompt_lookup": (id(target),)}[method]
     prompts = tuple(tuple(it.input_ids[0].tolist()) for it in items)

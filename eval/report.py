@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from toolkit.io import atomic_write_text
+from toolkit.speculative.drafters import config_type
+from toolkit.speculative.drafters.registry import DRAFT_UNUSED
 
 MB = 1024 * 1024
 
@@ -28,9 +30,9 @@ def markdown(m: dict) -> str:
     proto = m["protocol"]
     lines = [f"# Evaluation: {r['name']} ({r['config_hash']})", ""]
     cfg = r["config"]
+    uses_draft = config_type(cfg["spec"]["drafter"]).draft != DRAFT_UNUSED
     lines += [f"target {cfg['target']['source']} @ {cfg['target']['precision']}, drafter {cfg['spec']['drafter']}"
-              + (f" ({cfg['draft']['precision']})" if cfg.get("draft") and cfg['spec']['drafter'] in
-                 ("draft_model", "self") else "")
+              + (f" ({cfg['draft']['precision']})" if cfg.get("draft") and uses_draft else "")
               + f", K={cfg['spec']['num_draft_tokens']} ({cfg['spec']['adaptive']}), KV {cfg['kv']}", "",
               f"Hardware: {env['hardware']} · torch {env['torch']} · transformers {env['transformers']} · "
               f"{env['date']} · settings: {m['settings']['mode']}", ""]

@@ -170,8 +170,6 @@ class SearchSpace:
                 raise ConfigError(f"search.space.{dim.name}", f"label {label!r} is not searched", dim.searched)
             seen[dim.name] = label
             dim.apply(data, label)
-        if data.get("draft") is None and (data.get("spec") or {}).get("drafter") in ("draft_model", "self"):
-            raise ConfigError("draft", "this drafter needs a draft section")
         data["name"] = f"{self.scenario}-" + "-".join(str(v) for v in seen.values())
         recipe = Recipe.from_dict(data)
         plan(recipe)  # cross-section checks (a window that cannot hold a verify forward, ...): nothing loads

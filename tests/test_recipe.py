@@ -24,7 +24,7 @@ def full_recipe() -> Recipe:
         kv=KVSpec(),
         draft_kv=KVSpec(),
         spec=SpecSpec(drafter="self", num_draft_tokens=6, adaptive="ema", k_min=2, k_max=10, ema_decay=0.5,
-                      confidence_threshold=0.3, max_ngram=4, min_ngram=2),
+                      confidence_threshold=0.3),
         generation=GenerationSpec(max_new_tokens=77, do_sample=True, temperature=0.7, top_k=40, top_p=0.9,
                                   ignore_eos=True, eos_token_id=[2, 7], stop_strings=["\n\n", "END"], seed=5),
         prompts="long",
@@ -151,7 +151,7 @@ def test_bad_choice_from_yaml_lists_allowed_values(text, field):
 @pytest.mark.parametrize("kwargs, field", [
     ({"spec": SpecSpec(k_min=4, k_max=2)}, "spec.k_max"),
     ({"spec": SpecSpec(confidence_threshold=1.5)}, "spec.confidence_threshold"),
-    ({"spec": SpecSpec(min_ngram=3, max_ngram=2)}, "spec.max_ngram"),
+    ({"spec": SpecSpec(drafter="ngram", min_ngram=3, max_ngram=2)}, "spec.max_ngram"),
     ({"generation": GenerationSpec(max_new_tokens=0)}, "generation.max_new_tokens"),
     ({"generation": GenerationSpec(temperature=0)}, "generation.temperature"),
     ({"generation": GenerationSpec(top_p=0.0)}, "generation.top_p"),

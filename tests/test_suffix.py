@@ -147,9 +147,9 @@ def test_generator_keeps_one_suffix_drafter_and_stays_greedy_exact():
     gen = toolkit.build(recipe, target=target, tokenizer=tokenizer)
     prompt = "you may not use this file except in compliance with the license"
     first = gen.generate(prompt)
-    drafter = gen._suffix
+    drafter = gen._persistent_drafter
     second = gen.generate(prompt)
-    assert gen._suffix is drafter and len(drafter.cached_requests) == 1
+    assert gen._persistent_drafter is drafter and len(drafter.cached_requests) == 1
     reference = hf_greedy(target, tokenizer(prompt, return_tensors="pt").input_ids, 30)
     assert first.token_ids == reference and second.token_ids == reference
     assert second.stats.rounds < first.stats.rounds

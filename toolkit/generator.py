@@ -22,8 +22,7 @@ from toolkit.recipe import GenerationSpec, Recipe
 from toolkit.session import ModelPool, Plan, load_models, plan
 from toolkit.speculative.adaptive import make_controller
 from toolkit.speculative.decoder import SpeculativeDecoder
-from toolkit.speculative.drafters import DraftModel, NGramDrafter
-from toolkit.speculative.drafters.suffix import SuffixDrafter
+from toolkit.speculative.drafters import DrafterContext, build_drafter
 from toolkit.speculative.tree import TreeShape
 from toolkit.speculative.stats import GenerationResult, GenerationStats
 
@@ -48,7 +47,7 @@ class Generator:
         self.target_policy, self.draft_policy = plan.target_policy, plan.draft_policy
         self.weight_bytes = {"target": weight_bytes(target),
                              "draft": weight_bytes(draft_model) if draft_model is not None else 0}
-        self._suffix = None  # ONE suffix drafter per Generator: its memory of earlier requests persists
+        self._persistent_drafter = None  # a drafter whose config is `persistent` (memory across requests): ONE
 
     # -------------------------------------------------------------------------------------------- preparation
     def encode(self, prompt: str | list[dict]) -> torch.Tensor:
@@ -81,28 +80,16 @@ class Generator:
         return gen
 
     def _drafter(self, gen: GenerationSpec):
-        spec = self.recipe.spec
-        if spec.drafter == "ngram":
-            return NGramDrafter(spec.max_ngram, spec.min_ngram)
-        if spec.drafter == "suffix":
-            if self._suffix is None:
-                self._suffix = SuffixDrafter(spec.max_spec_factor, spec.min_token_prob, spec.max_cached_requests,
-                                             spec.suffix_depth)
-            return self._suffix
-        if spec.drafter in ("draft_model", "self"):
-            device = next(self.draft_model.parameters()).device
-            generator = torch.Generator(device=device).manual_seed(gen.seed + 1) if gen.do_sample else None
-            return DraftModel(self.draft_model, self.draft_policy, do_sample=gen.do_sample,
-                              temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p,
-                              confidence_threshold=spec.confidence_threshold, generator=generator)
-        if spec.drafter == "eagle":
-            from toolkit.speculative.drafters.eagle import EagleDrafter
-
-            device = next(self.target.parameters()).device
-            generator = torch.Generator(device=device).manual_seed(gen.seed + 1) if gen.do_sample else None
-            return EagleDrafter(self.target, self.draft_model, do_sample=gen.do_sample, temperature=gen.temperature,
-                                top_k=gen.top_k, top_p=gen.top_p, generator=generator)
-        return None
+        """The recipe's drafter for one call (``None`` = autoregressive), built through the drafter registry."""
+        config = self.recipe.spec.config
+        if config.persistent and self._persistent_drafter is not None:
+            return self._persistent_drafter
+        context = DrafterContext(self.target, self.draft_model, self.draft_policy, do_sample=gen.do_sample,
+                                 temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed)
+        drafter = build_drafter(config, context)
+        if config.persistent:
+            self._persistent_drafter = drafter
+        return drafter
 
     def decoder(self, gen: GenerationSpec) -> SpeculativeDecoder:
         """A fresh decode loop for one call (drafter and controller state are per call)."""

@@ -27,6 +27,8 @@ import yaml
 
 from toolkit.checks import check_choice, check_float, check_int
 from toolkit.errors import ConfigError
+from toolkit.speculative.drafters import DrafterConfig, config_type, drafter_names
+from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_UNUSED, config_types, owner_of
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
 BACKENDS = ("auto", "bitsandbytes", "torchao")
@@ -36,9 +38,9 @@ TORCHAO_COMPUTE_DTYPES = ("auto", "fp32", "fp16", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 COMPUTE_DTYPES = ("fp32", "fp16", "bf16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
-DRAFTERS = ("draft_model", "ngram", "self", "suffix", "eagle", "none")
-TREE_DRAFTERS = ("draft_model", "self", "suffix", "eagle")
 EAGLE_PRECISIONS = ("fp32", "bf16", "fp16")
+#: the registered drafter names (``spec.drafter``), from :mod:`toolkit.speculative.drafters`
+DRAFTERS = drafter_names()
 ADAPTIVE = ("constant", "ema")
 
 
@@ -122,75 +124,135 @@ class KVSpec:
         return cls(policy=data.pop("policy", "none"), params=data)
 
 
-@dataclass
+#: loop-level fields of ``spec`` (every other field belongs to the drafter's own config)
+LOOP_FIELDS = ("drafter", "num_draft_tokens", "adaptive", "k_min", "k_max", "ema_decay", "tree", "tree_budget",
+               "tree_depth", "tree_topk")
+
+
+@dataclass(init=False)
 class SpecSpec:
-    """How to speculate.
+    """How to speculate: the drafter (its own typed config) and the loop settings every drafter shares.
+
+    In YAML the drafter's fields sit flat next to ``drafter``
+    (``spec: {drafter: suffix, num_draft_tokens: 4, max_spec_factor: 2.0}``); in Python either the same keywords or a
+    config object: ``SpecSpec(NgramConfig(max_ngram=4), num_draft_tokens=3)``. The registered drafters and their
+    configs are in :mod:`toolkit.speculative.drafters` (``draft_model``, ``self``, ``ngram``, ``suffix``, ``eagle``,
+    ``none``, ...).
 
     Attributes:
-        drafter: ``draft_model`` (the recipe's draft), ``ngram`` (prompt lookup, no model), ``self`` (the target's
-            own weights at ``draft.precision``), ``suffix`` (SuffixDecoding: suffix tries over the request and over
-            earlier requests' outputs, no model), ``eagle`` (an EAGLE feature-level head: ``draft.source`` is the head
-            directory or ``embedded`` for the head shipped for the embedded target, ``draft.precision`` its dtype:
-            fp32, bf16 or fp16), or ``none`` (plain autoregressive decoding).
+        drafter: the registered drafter name (``spec.drafter``).
+        config: that drafter's config dataclass (only its own fields, e.g. ``max_ngram`` for ``ngram``).
         num_draft_tokens: draft length K (tokens proposed per round); with ``adaptive: ema`` the starting K.
         adaptive: ``constant`` K, or ``ema``: an acceptance-EMA controller that shrinks K when the EMA < 0.5 and
             grows it when > 0.85, within ``[k_min, k_max]``.
         ema_decay: weight of the past in the acceptance EMA.
-        confidence_threshold: stop drafting a round early when the draft's top probability falls below this
-            (HF dynamic speculation); ``null`` disables it.
-        max_ngram / min_ngram: n-gram sizes the prompt-lookup drafter tries, longest first.
-        tree: verify a token tree per round (SpecInfer / EAGLE-2) instead of one chain of K tokens; drafters
-            ``draft_model``, ``self`` (EAGLE-2 dynamic trees) and ``suffix`` (frequency-scored trees).
+        tree: verify a token tree per round (SpecInfer / EAGLE-2) instead of one chain of K tokens (drafters whose
+            config declares ``tree``).
         tree_budget: most tree nodes per round (the target verifies ``tree_budget + 1`` tokens), 1..256.
         tree_depth: most levels of a tree (the most draft tokens a round can accept), 1..64.
         tree_topk: children per expanded node and nodes expanded per level (EAGLE-2 dynamic trees), 1..64.
-        max_spec_factor: suffix drafter: at most ``ceil(max_spec_factor * match length)`` draft tokens (> 0).
-        min_token_prob: suffix drafter: smallest path probability of a drafted token, in [0, 1].
-        max_cached_requests: suffix drafter: earlier requests kept in memory (0 = none), 0..100000.
-        suffix_depth: suffix drafter: longest indexed substring in tokens (matches use at most half), 4..1024.
+
+    Old flat recipes load: a field of another drafter's config is dropped when it holds that config's default (the
+    form ``Recipe.to_dict`` wrote before drafters had their own configs) and is an error naming it otherwise.
     """
 
-    drafter: str = "draft_model"
-    num_draft_tokens: int = 4
-    adaptive: str = "constant"
-    k_min: int = 1
-    k_max: int = 8
-    ema_decay: float = 0.7
-    confidence_threshold: float | None = None
-    max_ngram: int = 3
-    min_ngram: int = 1
-    tree: bool = False
-    tree_budget: int = 16
-    tree_depth: int = 5
-    tree_topk: int = 4
-    max_spec_factor: float = 1.0
-    min_token_prob: float = 0.1
-    max_cached_requests: int = 16
-    suffix_depth: int = 48
+    drafter: str
+    num_draft_tokens: int
+    adaptive: str
+    k_min: int
+    k_max: int
+    ema_decay: float
+    tree: bool
+    tree_budget: int
+    tree_depth: int
+    tree_topk: int
+    config: Any
+
+    def __init__(self, drafter: Any = "draft_model", num_draft_tokens: int = 4, adaptive: str = "constant",
+                 k_min: int = 1, k_max: int = 8, ema_decay: float = 0.7, tree: bool = False, tree_budget: int = 16,
+                 tree_depth: int = 5, tree_topk: int = 4, config: Any = None, **drafter_fields: Any):
+        if isinstance(drafter, DrafterConfig):
+            drafter, config = drafter.name, drafter
+        self.drafter, self.num_draft_tokens, self.adaptive = drafter, num_draft_tokens, adaptive
+        self.k_min, self.k_max, self.ema_decay = k_min, k_max, ema_decay
+        self.tree, self.tree_budget, self.tree_depth, self.tree_topk = tree, tree_budget, tree_depth, tree_topk
+        self.config = config
+        self._pending = drafter_fields  # drafter fields, resolved into ``config`` by _resolve (errors wait for validate)
+        self._error: ConfigError | None = None
+        self._resolve()
+
+    def _resolve(self) -> None:
+        try:
+            kind = config_type(self.drafter)
+        except ConfigError as exc:
+            self._error = exc
+            return
+        if self.config is not None:
+            if not isinstance(self.config, kind) or self._pending:
+                self._error = ConfigError("spec.config", f"must be a {kind.__name__} for drafter {self.drafter!r}, "
+                                          "with no separate drafter fields")
+            return
+        own = {f.name: f for f in dataclasses.fields(kind)}
+        kwargs = {}
+        for key, value in self._pending.items():
+            if key in own:
+                kwargs[key] = value
+                continue
+            owners = owner_of(key)
+            if not owners:
+                self._error = ConfigError(f"spec.{key}", "unknown field", list(LOOP_FIELDS) + list(own))
+                return
+            if any(value == _default(c, key) for c in owners):
+                continue  # an old flat recipe's default for another drafter: nothing to apply
+            self._error = ConfigError(f"spec.{key}", f"applies to drafter {', '.join(c.name for c in owners)}, "
+                                      f"not {self.drafter!r}", list(own))
+            return
+        self.config = kind(**kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """Read access to the drafter config's fields (``spec.max_ngram``), as recipes exposed them before."""
+        config = self.__dict__.get("config")
+        if config is not None and name in {f.name for f in dataclasses.fields(config)}:
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__} has no field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SpecSpec) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return f"SpecSpec({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
+
+    def to_dict(self) -> dict:
+        """The flat YAML form: loop fields, then the drafter's own fields."""
+        data = {name: getattr(self, name) for name in LOOP_FIELDS}
+        if self.config is not None:
+            data.update(self.config.to_dict())
+        return data
 
     def validate(self, prefix: str) -> None:
-        check_choice(f"{prefix}.drafter", self.drafter, DRAFTERS)
+        if self._error is not None:
+            raise self._error
         check_int(f"{prefix}.num_draft_tokens", self.num_draft_tokens, low=1, high=64)
         check_choice(f"{prefix}.adaptive", self.adaptive, ADAPTIVE)
         check_int(f"{prefix}.k_min", self.k_min, low=1, high=64)
         check_int(f"{prefix}.k_max", self.k_max, low=self.k_min, high=64)
         check_float(f"{prefix}.ema_decay", self.ema_decay, low=0.0, high=1.0)
-        if self.confidence_threshold is not None:
-            check_float(f"{prefix}.confidence_threshold", self.confidence_threshold, low=0.0, high=1.0)
-        check_int(f"{prefix}.min_ngram", self.min_ngram, low=1)
-        check_int(f"{prefix}.max_ngram", self.max_ngram, low=self.min_ngram)
+        self.config.validate(prefix)
         if not isinstance(self.tree, bool):
             raise ConfigError(f"{prefix}.tree", f"must be true or false, got {self.tree!r}")
-        if self.tree and self.drafter not in TREE_DRAFTERS:
+        if self.tree and not self.config.tree:
             raise ConfigError(f"{prefix}.tree", f"tree speculation needs a tree drafter, got drafter="
-                              f"{self.drafter!r}", TREE_DRAFTERS)
+                              f"{self.drafter!r}", [c.name for c in config_types() if c.tree])
         check_int(f"{prefix}.tree_budget", self.tree_budget, low=1, high=256)
         check_int(f"{prefix}.tree_depth", self.tree_depth, low=1, high=64)
         check_int(f"{prefix}.tree_topk", self.tree_topk, low=1, high=64)
-        check_float(f"{prefix}.max_spec_factor", self.max_spec_factor, low=0.0, low_open=True)
-        check_float(f"{prefix}.min_token_prob", self.min_token_prob, low=0.0, high=1.0)
-        check_int(f"{prefix}.max_cached_requests", self.max_cached_requests, low=0, high=100000)
-        check_int(f"{prefix}.suffix_depth", self.suffix_depth, low=4, high=1024)
+
+
+def _default(config_type: type, name: str) -> Any:
+    for f in dataclasses.fields(config_type):
+        if f.name == name:
+            return f.default
+    raise KeyError(name)
 
 
 @dataclass
@@ -266,17 +328,17 @@ class Recipe:
         self.target.validate("target")
         if self.draft is not None:
             self.draft.validate("draft")
-        if self.spec.drafter in ("draft_model", "self") and self.draft is None:
-            raise ConfigError("draft", f"spec.drafter={self.spec.drafter!r} needs a draft section (its precision)")
-        if self.spec.drafter == "eagle":
-            if self.draft is None:
-                raise ConfigError("draft", "spec.drafter='eagle' needs a draft section: draft.source is the EAGLE "
-                                  "head directory (or 'embedded' for the shipped head), draft.precision its dtype")
+        self.spec.validate("spec")
+        needs = self.spec.config.draft
+        if needs != DRAFT_UNUSED and self.draft is None:
+            what = {DRAFT_EAGLE_HEAD: ": draft.source is the EAGLE head directory (or 'embedded' for the shipped "
+                                      "head), draft.precision its dtype"}.get(needs, " (its precision)")
+            raise ConfigError("draft", f"spec.drafter={self.spec.drafter!r} needs a draft section{what}")
+        if needs == DRAFT_EAGLE_HEAD:
             check_choice("draft.precision", self.draft.precision, EAGLE_PRECISIONS)
         if kv:
             self.kv.validate("kv")
             self.draft_kv.validate("draft_kv")
-        self.spec.validate("spec")
         self.generation.validate("generation")
         if not isinstance(self.prompts, str) or not self.prompts:
             raise ConfigError("prompts", "must name a prompt suite (short, long, memory) or a suite file path")
@@ -290,7 +352,7 @@ class Recipe:
             "draft": dataclasses.asdict(self.draft) if self.draft is not None else None,
             "kv": self.kv.to_dict(),
             "draft_kv": self.draft_kv.to_dict(),
-            "spec": dataclasses.asdict(self.spec),
+            "spec": self.spec.to_dict(),
             "generation": dataclasses.asdict(self.generation),
             "prompts": self.prompts,
         }
@@ -312,7 +374,12 @@ class Recipe:
             kwargs["draft"] = None if data["draft"] is None else _section(ModelSpec, data["draft"], "draft")
         kwargs["kv"] = KVSpec.from_dict(data.get("kv", {}), "kv")
         kwargs["draft_kv"] = KVSpec.from_dict(data.get("draft_kv", {}), "draft_kv")
-        kwargs["spec"] = _section(SpecSpec, data.get("spec", {}), "spec")
+        spec = data.get("spec", {})
+        if not isinstance(spec, dict):
+            raise ConfigError("spec", f"must be a mapping, got {spec!r}")
+        if "config" in spec:
+            raise ConfigError("spec.config", "unknown field: write the drafter's fields flat next to 'drafter'")
+        kwargs["spec"] = SpecSpec(**spec)
         kwargs["generation"] = _section(GenerationSpec, data.get("generation", {}), "generation")
         return cls(**kwargs)
 

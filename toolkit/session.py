@@ -22,8 +22,7 @@ from typing import Any
 from toolkit.errors import ConfigError
 from toolkit.kv import make_policy
 from toolkit.recipe import ModelSpec, Recipe
-
-MODEL_DRAFTERS = ("draft_model", "self")
+from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_TARGET
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,7 @@ def max_query_tokens(recipe: Recipe) -> int:
     draft that can be accepted (K, ``k_max`` with adaptive K, ``tree_depth`` under tree speculation; a tree's
     rejected branches are dropped by ``keep_tail`` before any policy compresses)."""
     spec = recipe.spec
-    if spec.drafter == "none":
+    if not spec.config.speculates:
         return 1
     k = max(spec.num_draft_tokens, spec.k_max if spec.adaptive == "ema" else 0)
     if spec.tree:
@@ -60,9 +59,10 @@ def max_query_tokens(recipe: Recipe) -> int:
 
 def draft_spec(recipe: Recipe) -> ModelSpec | None:
     """The draft LM a recipe loads: the draft section, or for ``self`` the target's source at draft precision."""
-    if recipe.spec.drafter not in MODEL_DRAFTERS:
+    config = recipe.spec.config
+    if not config.uses_draft_model:
         return None
-    if recipe.spec.drafter == "self":
+    if config.draft == DRAFT_TARGET:
         return dataclasses.replace(recipe.draft, source=recipe.target.source)
     return recipe.draft
 
@@ -139,7 +139,7 @@ def load_models(p: Plan, pool: ModelPool | None = None, target=None, tokenizer=N
     recipe = p.recipe
     if target is None:
         target, tokenizer = pool.get(recipe.target, "target")
-    if recipe.spec.drafter == "eagle":  # the EAGLE head plays the draft model's part; it shares the target's embedding
+    if recipe.spec.config.draft == DRAFT_EAGLE_HEAD:  # the EAGLE head plays the draft model's part; it shares the target's embedding
         if draft_model is None:
             from toolkit.eagle.checkpoint import load_head, resolve_head
             from toolkit.models.loading import _DTYPES

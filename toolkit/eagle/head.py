@@ -95,6 +95,10 @@ class HeadCache:
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
+    def kv_bytes(self) -> int:
+        """Bytes of the head's keys and values (what reports count as the drafter's KV memory)."""
+        return self.nbytes
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)

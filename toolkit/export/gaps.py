@@ -1,10 +1,12 @@
 """What a serving engine cannot express of a recipe: one warning per recipe field, shared by every exporter.
 
-Fields that recipe versions may not have yet (``spec.tree_*``, ``target.backend``, quantized KV parameters) are read
-with ``getattr`` so that the exporters work before and after those land.
+What a drafter is to the engines (its method name, its parameters, whether it runs a draft LM) comes from its
+registered config (:mod:`toolkit.speculative.drafters.registry`), never from comparing drafter names.
 """
 
 from __future__ import annotations
+
+from toolkit.speculative.drafters.registry import DRAFT_TARGET, DRAFT_UNUSED
 
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the checkpoint the embedded GGUF was made from
 
@@ -41,6 +43,14 @@ def model_path(spec, prefix: str, warnings: list[str]) -> str:
     return spec.source
 
 
+def draft_source(recipe) -> tuple:
+    """``(ModelSpec, role)`` of the draft LM a drafter runs: the target's own checkpoint for a drafter that drafts
+    with the target's weights (``self``), else the recipe's ``draft`` section."""
+    if recipe.spec.config.draft == DRAFT_TARGET:
+        return recipe.target, "target"
+    return recipe.draft, "draft"
+
+
 def eagle_variant(recipe) -> str:
     """``"eagle3"`` when the recipe's head directory holds an EAGLE-3 head, else ``"eagle"`` (EAGLE-1, also when the
     head cannot be read here). Read from the head's ``config.json`` the way :func:`toolkit.eagle.checkpoint.save_head`
@@ -70,7 +80,7 @@ def kv_warnings(recipe, engine: str) -> list[str]:
     for prefix, kv in (("kv", recipe.kv), ("draft_kv", recipe.draft_kv)):
         if kv.policy == "none":
             continue
-        if prefix == "draft_kv" and recipe.spec.drafter not in ("draft_model", "self", "eagle"):
+        if prefix == "draft_kv" and recipe.spec.config.draft == DRAFT_UNUSED:
             continue
         params = ", ".join(f"{k}={v}" for k, v in kv.params.items())
         what = {"streaming": "StreamingLLM eviction (attention sinks + window)",
@@ -92,16 +102,15 @@ def spec_warnings(recipe, engine: str) -> list[str]:
     if s.adaptive != "constant":
         out.append(f"spec.adaptive: {s.adaptive} (K in [{s.k_min}, {s.k_max}]) — adaptive draft length is not "
                    f"expressed; exported a constant K = spec.num_draft_tokens = {s.num_draft_tokens}")
-    if s.confidence_threshold is not None:
-        out.append(f"spec.confidence_threshold: {s.confidence_threshold} — early stop of a drafting round on low "
-                   f"draft confidence has no {name} setting")
-    if s.drafter == "self":
-        out.append(f"spec.drafter: self — the target's own weights at draft.precision={recipe.draft.precision} "
-                   "are exported as a separate draft model (the same checkpoint, loaded twice)")
-    if recipe.draft is not None and s.drafter in ("draft_model", "self") and recipe.draft.precision == "int4":
+    out += [f"spec.{field}: {what} has no {name} setting" for field, what in s.config.engine_gaps()]
+    if s.config.draft == DRAFT_TARGET:
+        out.append(f"spec.drafter: {s.drafter} — the target's own weights at draft.precision="
+                   f"{recipe.draft.precision} are exported as a separate draft model (the same checkpoint, loaded "
+                   "twice)")
+    if s.config.uses_draft_model and recipe.draft.precision == "int4":
         out.append(f"draft.precision: int4 (bitsandbytes NF4) — {name} cannot quantize a draft model to NF4 on "
                    "the fly; the draft runs at the engine's dtype unless you pass a pre-quantized draft checkpoint")
-    if recipe.draft is not None and s.drafter in ("draft_model", "self") and recipe.draft.precision == "int8":
+    if s.config.uses_draft_model and recipe.draft.precision == "int8":
         out.append(f"draft.precision: int8 (bitsandbytes LLM.int8()) — not expressible for a {name} draft; the "
                    "draft runs at the engine's dtype unless you pass a pre-quantized draft checkpoint")
     return out
@@ -118,7 +127,7 @@ def target_warnings(recipe, engine: str) -> list[str]:
         out.append(f"target.int8_threshold: {t.int8_threshold} — not expressible (engines use the default 6.0)")
     if t.precision == "int4" and not t.int4_double_quant:
         out.append("target.int4_double_quant: false — engines use their own bitsandbytes NF4 settings")
-    backend = getattr(t, "backend", "auto")
+    backend = t.backend
     if backend not in (None, "auto", "bitsandbytes") and t.precision in ("int8", "int4"):
         out.append(f"target.backend: {backend} — exported as bitsandbytes quantization; the engine's own {backend} "
                    "path needs a checkpoint quantized with it")

@@ -14,43 +14,34 @@ from __future__ import annotations
 import shlex
 
 from toolkit.export import Export
-from toolkit.export.gaps import eagle_variant, engine_warnings, model_path, target_config
+from toolkit.export.gaps import draft_source, eagle_variant, engine_warnings, model_path, target_config
+from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD
 
 
 def _speculative(recipe, warnings: list[str]) -> dict:
-    s = recipe.spec
+    s, config = recipe.spec, recipe.spec.config
     K = s.num_draft_tokens
-    tree = {k: getattr(s, k, None) for k in ("tree_budget", "tree_depth", "tree_topk")}
-    if s.drafter == "none":
+    if not config.speculates:
         return {}
-    if s.drafter in ("draft_model", "self"):
-        source = recipe.target if s.drafter == "self" else recipe.draft
-        out = {"speculative_algorithm": "STANDALONE",
-               "speculative_draft_model_path": model_path(source, "draft", [])}
-    elif s.drafter == "ngram":
-        out = {"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": s.min_ngram,
-               "speculative_ngram_max_match_window_size": s.max_ngram}
-        warnings.append("spec.drafter: ngram — SGLang's NGRAM speculation runs on CUDA only")
-    elif s.drafter == "eagle":
-        out = {"speculative_algorithm": eagle_variant(recipe).upper()}
-        if recipe.draft is not None:
-            out["speculative_draft_model_path"] = recipe.draft.source
-        else:
-            warnings.append("spec.drafter: eagle — the recipe names no trained head checkpoint; set "
-                            "--speculative-draft-model-path to an EAGLE head trained for this target")
-    else:
-        warnings.append(f"spec.drafter: {s.drafter} — no SGLang algorithm (suffix decoding is vLLM-only); exported "
-                        "without speculation")
+    if config.sglang_algorithm is None:
+        warnings.append(f"spec.drafter: {s.drafter} — no SGLang algorithm; exported without speculation")
         return {}
-    if getattr(s, "tree", False) and out["speculative_algorithm"] != "NGRAM":
-        depth, topk, budget = tree.get("tree_depth") or K, tree.get("tree_topk") or 1, tree.get("tree_budget")
-        out.update(speculative_num_steps=depth, speculative_eagle_topk=topk,
-                   speculative_num_draft_tokens=budget or depth * topk + 1)
-        if out["speculative_algorithm"] == "STANDALONE":
+    out = {"speculative_algorithm": config.sglang_algorithm, **config.engine_params("sglang")}
+    if config.uses_draft_model:
+        source, _ = draft_source(recipe)
+        out["speculative_draft_model_path"] = model_path(source, "draft", [])
+    elif config.draft == DRAFT_EAGLE_HEAD:
+        out["speculative_algorithm"] = eagle_variant(recipe).upper()
+        out["speculative_draft_model_path"] = recipe.draft.source
+    if out["speculative_algorithm"] == "NGRAM":
+        warnings.append(f"spec.drafter: {s.drafter} — SGLang's NGRAM speculation runs on CUDA only")
+        out["speculative_num_draft_tokens"] = K
+    elif s.tree:
+        out.update(speculative_num_steps=s.tree_depth, speculative_eagle_topk=s.tree_topk,
+                   speculative_num_draft_tokens=s.tree_budget)
+        if config.uses_draft_model:
             warnings.append("spec.tree_*: trees with a STANDALONE draft model are exported as SGLang's EAGLE-style "
                             "tree settings [uncertain: check that your SGLang version accepts topk > 1 here]")
-    elif out["speculative_algorithm"] == "NGRAM":
-        out["speculative_num_draft_tokens"] = K
     else:
         out.update(speculative_num_steps=K, speculative_eagle_topk=1, speculative_num_draft_tokens=K + 1)
     return out

@@ -14,37 +14,30 @@ import json
 import shlex
 
 from toolkit.export import Export
-from toolkit.export.gaps import eagle_variant, engine_warnings, model_path, target_config
+from toolkit.export.gaps import draft_source, eagle_variant, engine_warnings, model_path, target_config
+from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD
 
 
 def _speculative_config(recipe, warnings: list[str]) -> dict | None:
-    s = recipe.spec
-    if s.drafter == "none":
+    s, config = recipe.spec, recipe.spec.config
+    if not config.speculates:
         return None
-    cfg: dict = {"num_speculative_tokens": s.num_draft_tokens}
-    if s.drafter in ("draft_model", "self"):
-        source = recipe.target if s.drafter == "self" else recipe.draft
-        cfg = {"method": "draft_model", "model": model_path(source, "draft" if s.drafter == "draft_model"
-                                                            else "target", []), **cfg}
+    if config.vllm_method is None:
+        warnings.append(f"spec.drafter: {s.drafter} — no vLLM method; exported without speculation")
+        return None
+    cfg: dict = {"method": config.vllm_method, "num_speculative_tokens": s.num_draft_tokens,
+                 **config.engine_params("vllm")}
+    if config.uses_draft_model:
+        source, role = draft_source(recipe)
+        cfg["model"] = model_path(source, role, [])
         if recipe.draft.precision in ("fp32", "fp16", "bf16") and recipe.draft.precision != recipe.target.precision:
             warnings.append(f"draft.precision: {recipe.draft.precision} differs from the target's; vLLM runs the "
                             "draft at the engine's dtype")
-    elif s.drafter == "ngram":
-        cfg = {"method": "ngram", **cfg, "prompt_lookup_max": s.max_ngram, "prompt_lookup_min": s.min_ngram}
-    elif s.drafter == "suffix":
-        cfg = {"method": "suffix", **cfg}
-    elif s.drafter == "eagle":
-        cfg = {"method": eagle_variant(recipe), **cfg}
-        if recipe.draft is not None:
-            cfg["model"] = recipe.draft.source
-        else:
-            warnings.append("spec.drafter: eagle — the recipe names no trained head checkpoint; set "
-                            "speculative_config.model to an EAGLE head trained for this target")
-    else:
-        warnings.append(f"spec.drafter: {s.drafter} — no vLLM method; exported without speculation")
-        return None
-    tree = {k: getattr(s, k, None) for k in ("tree_budget", "tree_depth", "tree_topk")}
-    if getattr(s, "tree", False):
+    elif config.draft == DRAFT_EAGLE_HEAD:
+        cfg["method"] = eagle_variant(recipe)
+        cfg["model"] = recipe.draft.source
+    if s.tree:
+        tree = {k: getattr(s, k) for k in ("tree_budget", "tree_depth", "tree_topk")}
         warnings.append(f"spec.tree_*: {tree} — token-tree drafting is not exported to vLLM (its tree option is "
                         "experimental and EAGLE-only); linear drafting with K = spec.num_draft_tokens instead")
     return cfg

@@ -31,7 +31,7 @@ import torch
 from toolkit.kv import ops as kv_ops
 from toolkit.speculative.params import DecodeParams
 from toolkit.speculative.adaptive import ConstantK
-from toolkit.speculative.drafters.base import Drafter
+from toolkit.speculative.drafters.base import Drafter, TreeDrafterProtocol
 from toolkit.speculative.stats import GenerationStats
 from toolkit.speculative.tree import TreeShape
 from toolkit.speculative.tree_verify import greedy_tree_accept, tree_speculative_sample
@@ -59,7 +59,9 @@ class SpeculativeDecoder:
                  tree: TreeShape | None = None):
         self.target = target
         self.drafter = drafter
-        self.tree = tree if drafter is not None and hasattr(drafter, "propose_tree") else None
+        if tree is not None and drafter is not None and not isinstance(drafter, TreeDrafterProtocol):
+            raise TypeError(f"tree: {type(drafter).__name__} proposes no token trees (no propose_tree/commit_tree)")
+        self.tree = tree if drafter is not None else None
         self.dtype = next(target.parameters()).dtype
         if not self.dtype.is_floating_point:
             self.dtype = torch.float32
@@ -108,7 +110,7 @@ class SpeculativeDecoder:
     def _track_memory(self, stats: GenerationStats) -> None:
         stats.kv_bytes_target = kv_ops.kv_bytes(self.cache)
         stats.peak_kv_bytes_target = max(stats.peak_kv_bytes_target, stats.kv_bytes_target)
-        draft_cache = getattr(self.drafter, "cache", None)
+        draft_cache = self.drafter.cache if self.drafter is not None else None
         if draft_cache is not None:
             stats.kv_bytes_draft = kv_ops.kv_bytes(draft_cache)
             stats.peak_kv_bytes_draft = max(stats.peak_kv_bytes_draft, stats.kv_bytes_draft)
@@ -180,7 +182,7 @@ class SpeculativeDecoder:
             yield new_ids[before:]
         if self.drafter is not None:
             stats.draft_forwards = self.drafter.forwards
-            stats.compressions_draft = kv_ops.compressions(getattr(self.drafter, "cache", None))
+            stats.compressions_draft = kv_ops.compressions(self.drafter.cache)
         stats.compressions_target = kv_ops.compressions(self.cache)
         stats.new_tokens = len(new_ids)
         _sync(self.device)

@@ -1,18 +1,10 @@
-"""Drafters (one file each): cheap proposers of the next K tokens, behind one narrow interface (HF's CandidateGenerator shape).
+"""Drafters (one file each): cheap proposers of the next K tokens, behind one declared contract.
 
-The decode loop only calls:
-
-* ``reset()`` at the start of a generation;
-* ``propose(input_ids, num_draft_tokens) -> (tokens, draft_logits | None)`` with ``input_ids`` of shape ``(1, n)``
-  (every committed token, prompt included). ``tokens`` has shape ``(1, k)`` with ``0 <= k <= num_draft_tokens``;
-  ``draft_logits`` has shape ``(k, vocab)`` (raw logits, processed by the verifier exactly like the target's), or
-  ``None`` for a deterministic drafter (a one-hot q under sampling);
-* ``commit(num_accepted)`` after verification, so a stateful drafter rolls back what the target rejected.
-
-Tree drafters also implement ``propose_tree(input_ids, budget, depth, topk) -> TokenTree`` (at most ``budget`` nodes,
-``depth`` levels; see :class:`toolkit.speculative.tree.TokenTree` for the node/parent/depth/draft_probs contract)
-and ``commit_tree(accepted_nodes)`` (the accepted path's node indices, root child first). The decode loop uses them
-when the recipe sets ``spec.tree: true``.
+The contract (:class:`~toolkit.speculative.drafters.base.DrafterProtocol`, and
+:class:`~toolkit.speculative.drafters.base.TreeDrafterProtocol` for token trees) is in
+:mod:`toolkit.speculative.drafters.base`. Each file holds a config dataclass (only that drafter's fields) and the
+drafter class registered for it (:mod:`toolkit.speculative.drafters.registry`); the import lines at the bottom of
+this module are the registrations. To add a drafter: write one file like ``ngram.py`` and add one import here.
 
 Drafters here:
 
@@ -26,9 +18,18 @@ Drafters here:
   length. No model.
 """
 
-from toolkit.speculative.drafters.base import Drafter
-from toolkit.speculative.drafters.draft_model import DraftModel
-from toolkit.speculative.drafters.ngram import NGramDrafter
-from toolkit.speculative.drafters.suffix import SuffixDrafter
+from toolkit.speculative.drafters.base import Drafter, DrafterProtocol, TreeDrafterProtocol
+from toolkit.speculative.drafters.registry import (DrafterConfig, DrafterContext, build_drafter, config_type,
+                                                   drafter_names, register_drafter)
 
-__all__ = ["Drafter", "DraftModel", "NGramDrafter", "SuffixDrafter"]
+# The registrations, one line per drafter (registration order = the order of the allowed names in errors).
+from toolkit.speculative.drafters.draft_model import DraftModel, DraftModelConfig, SelfDraftConfig  # noqa: E402
+from toolkit.speculative.drafters.ngram import NgramConfig, NGramDrafter  # noqa: E402
+from toolkit.speculative.drafters.suffix import SuffixConfig, SuffixDrafter  # noqa: E402
+from toolkit.speculative.drafters.eagle import EagleConfig, EagleDrafter  # noqa: E402
+from toolkit.speculative.drafters.none import NoDrafterConfig  # noqa: E402
+
+__all__ = ["Drafter", "DrafterProtocol", "TreeDrafterProtocol", "DrafterConfig", "DrafterContext", "build_drafter",
+           "config_type", "drafter_names", "register_drafter", "DraftModel", "DraftModelConfig", "SelfDraftConfig",
+           "NGramDrafter", "NgramConfig", "SuffixDrafter", "SuffixConfig", "EagleDrafter", "EagleConfig",
+           "NoDrafterConfig"]

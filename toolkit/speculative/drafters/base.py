@@ -1,21 +1,73 @@
-"""The drafter protocol: ``reset`` / ``propose`` / ``commit`` (see :mod:`toolkit.speculative.drafters`)."""
+"""The drafter contract: the :class:`DrafterProtocol` / :class:`TreeDrafterProtocol` the decode loop relies on, and a
+:class:`Drafter` base class with the stateless defaults.
+
+The decode loop calls, per generation::
+
+    reset()                                    once, before the prefill (install hooks, empty caches)
+    propose(input_ids, K) -> (tokens, logits)  per round: input_ids (1, n) = every committed token, prompt included;
+                                               tokens (1, k) with 0 <= k <= K; logits (k, vocab) raw draft logits
+                                               (processed by the verifier like the target's) or None (deterministic
+                                               drafter: a one-hot q under sampling)
+    confidence() -> [p_1..p_k] | None          after propose: the drafter's estimate of P(token i accepted | tokens
+                                               1..i-1 accepted); the loop calibrates it and picks the verify length
+    commit(num_accepted)                       after verification of the first k' <= k tokens: roll back the rest
+    propose_tree / commit_tree                 tree drafters, when the recipe sets spec.tree
+    close()                                    once, in a finally: remove what reset installed on shared models
+
+and reads ``forwards`` (draft model forwards since ``reset``) and ``cache`` (the drafter's KV cache, whose bytes are
+reported, or ``None``). ``tests/test_drafter_contract.py`` checks every registered drafter against these protocols.
+"""
 
 from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 
+@runtime_checkable
+class DrafterProtocol(Protocol):
+    forwards: int
+
+    @property
+    def cache(self) -> Any: ...
+
+    def reset(self) -> None: ...
+
+    def propose(self, input_ids: torch.Tensor, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def confidence(self) -> list[float] | None: ...
+
+    def commit(self, num_accepted: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class TreeDrafterProtocol(DrafterProtocol, Protocol):
+    def propose_tree(self, input_ids: torch.Tensor, budget: int, depth: int, topk: int): ...
+
+    def commit_tree(self, accepted_nodes: list[int]) -> None: ...
+
+
 class Drafter:
-    """Base class: a drafter with no state. Subclasses implement :meth:`propose`."""
+    """Base class: a drafter with no state, no cache and no confidence estimate. Subclasses implement
+    :meth:`propose` (and may override the rest)."""
 
     #: model forwards run by this drafter since the last reset (0 for model-free drafters)
     forwards: int = 0
+    #: the drafter's KV cache (``None``: it keeps none)
+    cache: Any = None
 
     def reset(self) -> None:
         self.forwards = 0
 
     def propose(self, input_ids: torch.Tensor, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
+
+    def confidence(self) -> list[float] | None:
+        """Per-token acceptance estimates of the last proposal (``None``: no estimate)."""
+        return None
 
     def commit(self, num_accepted: int) -> None:
         pass

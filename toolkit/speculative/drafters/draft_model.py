@@ -3,16 +3,57 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
+from toolkit.checks import check_float
 from toolkit.kv import ops as kv_ops
 from toolkit.speculative.drafters.base import Drafter
+from toolkit.speculative.drafters.registry import DRAFT_MODEL, DRAFT_TARGET, DrafterConfig, register_drafter
 from toolkit.speculative.tree import TokenTree, TreeShape
 from toolkit.speculative.tree_dynamic import build_dynamic_tree
 from toolkit.speculative.verify import process_logits, sample_token
 
 
+@dataclass
+class DraftModelConfig(DrafterConfig):
+    """``drafter: draft_model`` — the recipe's ``draft`` section is a small causal LM sharing the target's vocabulary.
+
+    Attributes:
+        confidence_threshold: stop drafting a round early when the draft's top probability falls below this (HF
+            dynamic speculation), in [0, 1]; ``None`` drafts all K.
+    """
+
+    name = "draft_model"
+    draft = DRAFT_MODEL
+    tree = True
+    hf_baseline = "assisted"
+    vllm_method = "draft_model"
+    sglang_algorithm = "STANDALONE"
+    confidence_threshold: float | None = None
+
+    def validate(self, prefix: str) -> None:
+        if self.confidence_threshold is not None:
+            check_float(f"{prefix}.confidence_threshold", self.confidence_threshold, low=0.0, high=1.0)
+
+    def engine_gaps(self) -> list[tuple[str, str]]:
+        if self.confidence_threshold is None:
+            return []
+        return [("confidence_threshold", f"{self.confidence_threshold} — early stop of a drafting round on low "
+                 "draft confidence")]
+
+
+@dataclass
+class SelfDraftConfig(DraftModelConfig):
+    """``drafter: self`` — the target's own weights at ``draft.precision`` (e.g. int4) draft for it."""
+
+    name = "self"
+    draft = DRAFT_TARGET
+
+
+@register_drafter(SelfDraftConfig)
+@register_drafter(DraftModelConfig)
 class DraftModel(Drafter):
     """A small causal LM proposing tokens autoregressively from its own persistent KV cache.
 
@@ -47,6 +88,15 @@ class DraftModel(Drafter):
         self.cache = None
         self.cached = 0
         self._proposed_until = 0
+        self._confidence: list[float] | None = None
+
+    @classmethod
+    def from_config(cls, config: DraftModelConfig, context) -> DraftModel:
+        device = next(context.draft_model.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(context.seed + 1) if context.do_sample else None
+        return cls(context.draft_model, context.draft_policy, do_sample=context.do_sample,
+                   temperature=context.temperature, top_k=context.top_k, top_p=context.top_p,
+                   confidence_threshold=config.confidence_threshold, generator=generator)
 
     def reset(self) -> None:
         super().reset()

@@ -26,14 +26,30 @@ and speculative sampling stays lossless. Under greedy decoding ``draft_logits`` 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from toolkit.eagle.features import FeatureHook
 from toolkit.eagle.head import EagleHead, HeadCache
 from toolkit.speculative.drafters.base import Drafter
+from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DrafterConfig, register_drafter
 from toolkit.speculative.verify import process_logits, sample_token
 
 
+@dataclass
+class EagleConfig(DrafterConfig):
+    """``drafter: eagle`` — an EAGLE feature-level head: ``draft.source`` is the head directory (or ``embedded``
+    for the head shipped for the embedded target), ``draft.precision`` its dtype (fp32, bf16 or fp16)."""
+
+    name = "eagle"
+    draft = DRAFT_EAGLE_HEAD
+    tree = True
+    vllm_method = "eagle"
+    sglang_algorithm = "EAGLE"
+
+
+@register_drafter(EagleConfig)
 class EagleDrafter(Drafter):
     """Feature-level drafter over a loaded :class:`toolkit.eagle.head.EagleHead`.
 
@@ -58,6 +74,13 @@ class EagleDrafter(Drafter):
         self.fed = 0  # true pairs in the head cache (positions 0..fed-1)
         self.pending: torch.Tensor | None = None  # features (1, p, F) of positions fed..fed+p-1
 
+    @classmethod
+    def from_config(cls, config: EagleConfig, context) -> EagleDrafter:
+        device = next(context.target.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(context.seed + 1) if context.do_sample else None
+        return cls(context.target, context.draft_model, do_sample=context.do_sample,
+                   temperature=context.temperature, top_k=context.top_k, top_p=context.top_p, generator=generator)
+
     def reset(self) -> None:
         super().reset()
         self.close()
@@ -72,9 +95,9 @@ class EagleDrafter(Drafter):
             self.hook = None
 
     @property
-    def cache(self):
-        """The head's KV cache (``nbytes`` is what the decoder reports as draft KV bytes)."""
-        return None
+    def cache(self) -> HeadCache:
+        """The head's KV cache (its ``kv_bytes()`` is what the decoder reports as draft KV bytes)."""
+        return self.head_cache
 
     def _full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits ``(d,)`` -> target-vocabulary logits ``(vocab,)`` with ``-inf`` outside."""

@@ -2,11 +2,42 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from toolkit.checks import check_int
 from toolkit.speculative.drafters.base import Drafter
+from toolkit.speculative.drafters.registry import DrafterConfig, register_drafter
 
 
+@dataclass
+class NgramConfig(DrafterConfig):
+    """``drafter: ngram`` — prompt lookup decoding.
+
+    Attributes:
+        max_ngram / min_ngram: n-gram sizes tried, longest first (tokens), 1 <= min_ngram <= max_ngram.
+    """
+
+    name = "ngram"
+    hf_baseline = "prompt_lookup"
+    vllm_method = "ngram"
+    sglang_algorithm = "NGRAM"
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def validate(self, prefix: str) -> None:
+        check_int(f"{prefix}.min_ngram", self.min_ngram, low=1, high=64)
+        check_int(f"{prefix}.max_ngram", self.max_ngram, low=self.min_ngram, high=64)
+
+    def engine_params(self, engine: str) -> dict:
+        if engine == "vllm":
+            return {"prompt_lookup_max": self.max_ngram, "prompt_lookup_min": self.min_ngram}
+        return {"speculative_ngram_min_match_window_size": self.min_ngram,
+                "speculative_ngram_max_match_window_size": self.max_ngram}
+
+
+@register_drafter(NgramConfig)
 class NGramDrafter(Drafter):
     """Prompt lookup decoding: propose the continuation of the most recent earlier match of the last n tokens.
 
@@ -18,6 +49,10 @@ class NGramDrafter(Drafter):
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    @classmethod
+    def from_config(cls, config: NgramConfig, context) -> NGramDrafter:
+        return cls(config.max_ngram, config.min_ngram)
 
     def propose(self, input_ids: torch.Tensor, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids = input_ids[0]

@@ -24,10 +24,13 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
+from toolkit.checks import check_float, check_int
 from toolkit.speculative.drafters.base import Drafter
+from toolkit.speculative.drafters.registry import DrafterConfig, register_drafter
 from toolkit.speculative.drafters.suffix_trie import SuffixTrie, TrieNode
 from toolkit.speculative.tree import TokenTree
 
@@ -35,6 +38,35 @@ from toolkit.speculative.tree import TokenTree
 PROMPT_CONTEXT = 8
 
 
+@dataclass
+class SuffixConfig(DrafterConfig):
+    """``drafter: suffix`` — SuffixDecoding (see the module docstring).
+
+    Attributes:
+        max_spec_factor: at most ``ceil(max_spec_factor * match length)`` draft tokens (> 0).
+        min_token_prob: smallest path probability of a drafted token, in [0, 1].
+        max_cached_requests: earlier requests kept in memory (0 = none), 0..100000.
+        suffix_depth: longest indexed substring in tokens (matches use at most half), 4..1024.
+    """
+
+    name = "suffix"
+    tree = True
+    persistent = True
+    hf_baseline = "prompt_lookup"
+    vllm_method = "suffix"
+    max_spec_factor: float = 1.0
+    min_token_prob: float = 0.1
+    max_cached_requests: int = 16
+    suffix_depth: int = 48
+
+    def validate(self, prefix: str) -> None:
+        check_float(f"{prefix}.max_spec_factor", self.max_spec_factor, low=0.0, high=1000.0, low_open=True)
+        check_float(f"{prefix}.min_token_prob", self.min_token_prob, low=0.0, high=1.0)
+        check_int(f"{prefix}.max_cached_requests", self.max_cached_requests, low=0, high=100000)
+        check_int(f"{prefix}.suffix_depth", self.suffix_depth, low=4, high=1024)
+
+
+@register_drafter(SuffixConfig)
 class SuffixDrafter(Drafter):
     """Suffix-trie drafter with a bounded memory of earlier requests (see the module docstring).
 
@@ -58,6 +90,10 @@ class SuffixDrafter(Drafter):
         self._tokens: list[int] = []
         self._prompt_len = None
         self._request = None
+
+    @classmethod
+    def from_config(cls, config: SuffixConfig, context) -> SuffixDrafter:
+        return cls(config.max_spec_factor, config.min_token_prob, config.max_cached_requests, config.suffix_depth)
 
     # ------------------------------------------------------------------------------------------------ state
     def reset(self) -> None:
