@@ -33,7 +33,8 @@ import torch
 
 from eval import metrics as M
 from eval.results import EvalResult
-from eval.runners import OURS, PROMPT_LOOKUP_NGRAM, baseline_methods, runners_for
+from eval.runners import (OURS, PROMPT_LOOKUP_NGRAM, PROMPT_LOOKUPS, baseline_methods, prompt_lookup_tokens,
+                          runners_for)
 from toolkit.io import atomic_write_json, atomic_write_text
 from toolkit.recipe import ModelSpec, Recipe
 from toolkit.session import SHARED_POOL, load_models, plan
@@ -162,10 +163,11 @@ def _prompts(recipe: Recipe, prompts, generator, settings: EvalSettings) -> list
 
 def _baseline_key(method, recipe, target, draft_model, reference_model, items, gen, settings) -> tuple:
     """Identity of a baseline measurement: models (by object), prompts, generation settings, protocol."""
-    k = recipe.spec.num_draft_tokens if method in ("assisted", "prompt_lookup") else None
-    ngram = PROMPT_LOOKUP_NGRAM if method == "prompt_lookup" else None
+    k = {"assisted": recipe.spec.num_draft_tokens, "prompt_lookup": prompt_lookup_tokens(recipe),
+         "prompt_lookup_10": 10}.get(method)
+    ngram = PROMPT_LOOKUP_NGRAM if method in PROMPT_LOOKUPS else None
     models = {"ar": (id(target),), "ar_fp32": (id(reference_model),), "assisted": (id(target), id(draft_model)),
-              "prompt_lookup": (id(target),)}[method]
+              "prompt_lookup": (id(target),), "prompt_lookup_10": (id(target),)}[method]
     prompts = tuple(tuple(it.input_ids[0].tolist()) for it in items)
     return (method, models, k, ngram, prompts, json.dumps(dataclasses.asdict(gen), sort_keys=True),
             settings.repeats, settings.warmup)
@@ -275,7 +277,8 @@ def evaluate(recipe: Recipe, *, settings: EvalSettings | None = None, out_dir: s
     measured = measure(runners_for(generator, timed, eos_ids, reference_model, trajectory=True), items, gen,
                        repeats=settings.repeats, warmup=settings.warmup,
                        warm_gen=dataclasses.replace(gen, max_new_tokens=min(16, max_new)),
-                       meter=lambda: M.PeakMemory(str(device)), progress=progress, desc=f"eval {recipe.name}")
+                       meter=lambda: M.PeakMemory(str(device)), progress=progress, desc=f"eval {recipe.name}",
+                       before_repetition=lambda rep: generator.forget())  # no repetition sees another's prompts
     for m in timed:
         if m != OURS and settings.reuse_baselines:
             _BASELINES[_baseline_key(m, recipe, target, draft_model, reference_model, items, gen, settings)] = \
@@ -308,7 +311,8 @@ def evaluate(recipe: Recipe, *, settings: EvalSettings | None = None, out_dir: s
         return None
 
     ratios = {"ours_vs_ar": ratio("ours", "ar"), "ours_vs_assisted": ratio("ours", "assisted"),
-              "ours_vs_prompt_lookup": ratio("ours", "prompt_lookup"), "assisted_vs_ar": ratio("assisted", "ar"),
+              "ours_vs_prompt_lookup": ratio("ours", "prompt_lookup"),
+              "ours_vs_prompt_lookup_10": ratio("ours", "prompt_lookup_10"), "assisted_vs_ar": ratio("assisted", "ar"),
               "ours_vs_ar_fp32": ratio("ours", "ar_fp32")}
     ratios = {k: v for k, v in ratios.items() if v is not None}
 

@@ -10,16 +10,19 @@ Results are a :class:`RunResult`; ``to_dict()`` is the on-disk JSON contract (``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eval.runners import OURS, baseline_methods, runners_for
+from eval.fidelity import agreement, first_divergence
+from eval.runners import OURS, PROMPT_LOOKUPS, baseline_methods, runners_for
 from toolkit.generator import Generator, build
 from toolkit.harness import Measurement, Prompt, environment, measure, spread
 from toolkit.io import atomic_write_json, atomic_write_text
 from toolkit.prompts import Prompt as SuitePrompt
 from toolkit.prompts import load_suite
 from toolkit.recipe import Recipe
+from toolkit.session import SHARED_POOL
 from toolkit.speculative.stats import acceptance_summary
 from toolkit.timing import Summary
 
@@ -48,12 +51,17 @@ class Row:
     text: str
     accepted_at: list[int] | None = None
     drafted_at: list[int] | None = None
+    round_ms: dict | None = None
+    plain_steps: int = 0
+    divergence: dict | None = None
 
     def to_dict(self) -> dict:
         data = {k: (v.to_dict() if isinstance(v, Summary) else v) for k, v in self.__dict__.items()}
         if self.accepted_at is None:
-            data.pop("accepted_at")
-            data.pop("drafted_at")
+            for key in ("accepted_at", "drafted_at", "round_ms", "plain_steps"):
+                data.pop(key)
+        if self.divergence is None:
+            data.pop("divergence")
         return data
 
 
@@ -85,13 +93,19 @@ def run_recipe(recipe: Recipe, compare: bool = False, repeats: int = 3, prompts:
     spread over the suite's kinds, or all)."""
     prompts = prompts if prompts is not None else load_suite(recipe.prompts)  # fail fast, before loading models
     prompts = spread(prompts, num_prompts)
-    generator = generator or build(recipe)
+    generator = generator or build(recipe, pool=SHARED_POOL)
     gen = recipe.generation
     eos = generator.eos_token_ids(gen)
-    methods = [OURS] + (baseline_methods(recipe) if compare else [])
+    reference = None
+    if compare and recipe.target.precision != "fp32":  # fp32 AR next to a low-precision target, for reference
+        reference, _ = SHARED_POOL.get(dataclasses.replace(recipe.target, precision="fp32"), "reference")
+    methods = [OURS] + (baseline_methods(recipe, reference is not None) if compare else [])
     items = [Prompt(p.id, p.kind, generator.encode(p.prompt)) for p in prompts]
-    measured = measure(runners_for(generator, methods, eos), items, gen, repeats=repeats if compare else 1,
-                       warmup=1, progress=progress, desc=f"run {recipe.name}")
+    # every repetition starts from the same drafter state: memory across requests holds only the earlier prompts of
+    # the same repetition, never an earlier repetition of the same prompt
+    measured = measure(runners_for(generator, methods, eos, reference), items, gen,
+                       repeats=repeats if compare else 1, warmup=1, progress=progress, desc=f"run {recipe.name}",
+                       before_repetition=lambda rep: generator.forget())
     return _result(recipe, generator, measured, compare)
 
 
@@ -109,14 +123,18 @@ def _result(recipe: Recipe, generator: Generator, measured: Measurement, compare
 
             ids = calls[-1].token_ids
             ours = method == OURS
+            same = (ids == ar_ids[prompt.id]) if prompt.id in ar_ids else None
+            divergence = None
+            if same is False and method != "ar_fp32" and not recipe.generation.do_sample:
+                divergence = first_divergence(generator.target, prompt.input_ids, ar_ids[prompt.id], ids)
             rows.append(Row(
                 prompt.id, method, last.new_tokens, summary("throughput"), summary("ttft_ms"), summary("tpot_ms"),
                 summary("total_ms"), last.acceptance_rate if ours else None, last.tokens_per_round, last.rounds,
                 last.target_forwards, last.draft_forwards, last.kv_bytes_target, last.kv_bytes_draft,
-                last.compressions_target + last.compressions_draft, last.finish_reason,
-                (ids == ar_ids[prompt.id]) if prompt.id in ar_ids else None,
+                last.compressions_target + last.compressions_draft, last.finish_reason, same,
                 generator.tokenizer.decode(ids, skip_special_tokens=True),
-                last.accepted_at if ours else None, last.drafted_at if ours else None))
+                last.accepted_at if ours else None, last.drafted_at if ours else None,
+                _round_ms([c.stats for c in calls]) if ours else None, last.plain_steps, divergence))
     summary = {}
     for method in measured.methods:
         mine = [r for r in rows if r.method == method]
@@ -127,12 +145,28 @@ def _result(recipe: Recipe, generator: Generator, measured: Measurement, compare
     for method in measured.methods:
         if method != OURS and summary[method]["throughput"]:
             summary[OURS][f"speedup_vs_{method}"] = ours / summary[method]["throughput"]
+    lookups = [summary[m]["throughput"] for m in PROMPT_LOOKUPS if m in summary]
+    if lookups and max(lookups):
+        summary[OURS]["speedup_vs_best_prompt_lookup"] = ours / max(lookups)
     acc = acceptance_summary([c.stats for c in measured.last(OURS)])
     summary[OURS]["acceptance_rate"] = acc["acceptance_rate"]
     summary[OURS]["tokens_per_round"] = acc["tokens_per_round"]
+    summary[OURS]["round_ms"] = _round_ms([c.stats for rep in measured.calls[OURS] for c in rep])
     if compare and not recipe.generation.do_sample:
-        summary[OURS]["identical_to_ar"] = all(r.identical_to_ar for r in rows if r.method == OURS)
+        mine = [r for r in rows if r.method == OURS]
+        summary[OURS]["identical_to_ar"] = all(r.identical_to_ar for r in mine)
+        summary[OURS]["agreement"] = agreement([{"identical": r.identical_to_ar, "divergence": r.divergence}
+                                                 for r in mine])
     return RunResult(recipe, compare, generator.weight_bytes, rows, summary)
+
+
+def _round_ms(stats: list) -> dict:
+    """Where a round's time went, over ``stats`` (ms per round, and the overhead's share of the round)."""
+    rounds = sum(s.rounds for s in stats) or 1
+    draft, target, overhead = (sum(getattr(s, f) for s in stats) for f in ("draft_ms", "target_ms", "overhead_ms"))
+    total = draft + target + overhead
+    return {"draft": draft / rounds, "target": target / rounds, "overhead": overhead / rounds,
+            "overhead_pct": 100.0 * overhead / total if total else 0.0}
 
 
 def markdown_table(results: RunResult | dict) -> str:
@@ -144,20 +178,35 @@ def markdown_table(results: RunResult | dict) -> str:
         return f"{n / 2**20:.1f} MiB" if n else "-"
 
     lines = [f"## {results['recipe']['name']} ({results['config_hash']})", "",
-             "| prompt | method | new tok | tok/s median [min-max] | TTFT ms | TPOT ms | α | τ | KV target | "
-             "= AR |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| prompt | method | new tok | tok/s median [min-max] | TTFT ms | TPOT ms | α | τ | ms/round draft + "
+             "verify + overhead | overhead % | KV target | = AR |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in results["rows"]:
         thr = row["throughput"]
         alpha = f"{row['acceptance_rate']:.2f}" if row["acceptance_rate"] is not None else "-"
         same = {True: "yes", False: "NO", None: "-"}[row["identical_to_ar"]]
+        if row.get("divergence"):
+            same = f"no: token {row['divergence']['index']}, margin {row['divergence']['margin']:.2f}"
+        rms = row.get("round_ms")
+        split = f"{rms['draft']:.1f} + {rms['target']:.1f} + {rms['overhead']:.1f}" if rms else "-"
+        share = f"{rms['overhead_pct']:.1f}" if rms else "-"
         lines.append(f"| {row['prompt']} | {row['method']} | {row['new_tokens']} | {thr['median']:.1f} "
                      f"[{thr['min']:.1f}-{thr['max']:.1f}] | {row['ttft_ms']['median']:.0f} | "
-                     f"{row['tpot_ms']['median']:.1f} | {alpha} | {row['tokens_per_round']:.2f} | "
+                     f"{row['tpot_ms']['median']:.1f} | {alpha} | {row['tokens_per_round']:.2f} | {split} | {share} | "
                      f"{fmt_bytes(row['kv_bytes_target'])} | {same} |")
     lines += ["", "| method | new tokens | throughput tok/s | notes |", "|---|---|---|---|"]
     for method, s in results["summary"].items():
         notes = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
-                          for k, v in s.items() if k not in ("new_tokens", "throughput"))
+                          for k, v in s.items() if k not in ("new_tokens", "throughput", "round_ms", "agreement"))
+        if s.get("agreement"):
+            a = s["agreement"]
+            notes += (f", identical to AR on {a['identical']}/{a['prompts']} prompts ({100 * a['matched_fraction']:.0f}% "
+                      "of tokens before a divergence" + (f"; largest margin at a divergence "
+                                                        f"{a['max_divergence_margin']:.2f} logits" if
+                                                        a["max_divergence_margin"] is not None else "") + ")")
+        if "round_ms" in s:
+            r = s["round_ms"]
+            notes += (f", ms/round: draft {r['draft']:.2f} + verify {r['target']:.1f} + overhead {r['overhead']:.2f} "
+                      f"({r['overhead_pct']:.1f}%)")
         lines.append(f"| {method} | {s['new_tokens']} | {s['throughput']:.1f} | {notes} |")
     wb = results["weight_bytes"]
     if results["recipe"]["kv"]["policy"] != "none":

@@ -3,7 +3,9 @@
 * ``ours`` — the recipe's :class:`~toolkit.generator.Generator` decode loop;
 * ``ar`` — the recipe's target with plain HF ``generate`` (autoregressive, uncompressed ``DynamicCache``);
 * ``assisted`` — HF assisted generation with the same target/draft pair (``draft_model`` and ``self`` drafters);
-* ``prompt_lookup`` — HF prompt lookup decoding (for the ``ngram`` drafter: the same drafting idea in HF);
+* ``prompt_lookup`` — HF prompt lookup decoding (for model-free drafters: the same drafting idea in HF) with
+  ``prompt_lookup_num_tokens`` = the recipe's K for a constant-K recipe, else 4; ``prompt_lookup_10`` — the same
+  with 10 tokens (the value of HF's documentation). Reports compare with the faster of the two;
 * ``ar_fp32`` — the fp32 uncompressed reference target with plain ``generate`` (only when the recipe's target is
   not fp32): the quality/fidelity reference and the throughput bar of the memory scenario.
 
@@ -25,14 +27,22 @@ from toolkit.timing import synchronize
 OURS = "ours"
 #: HF prompt lookup's ``max_matching_ngram_size`` in every comparison (HF's default is 2; 3 was measured better here)
 PROMPT_LOOKUP_NGRAM = 3
+#: the HF prompt-lookup baselines timed next to a model-free drafter (see the module docstring)
+PROMPT_LOOKUPS = ["prompt_lookup", "prompt_lookup_10"]
 
 
 def baseline_methods(recipe: Recipe, has_reference: bool = False) -> list[str]:
     """The HF baselines that make sense next to this recipe's drafter (``ar`` always; ``ar_fp32`` with a reference)."""
     methods = ["ar"]
-    if recipe.spec.config.hf_baseline is not None:  # the HF method that drafts the same way (registry)
-        methods.append(recipe.spec.config.hf_baseline)
+    baseline = recipe.spec.config.hf_baseline  # the HF method that drafts the same way (registry)
+    if baseline is not None:
+        methods += PROMPT_LOOKUPS if baseline == "prompt_lookup" else [baseline]
     return methods + (["ar_fp32"] if has_reference else [])
+
+
+def prompt_lookup_tokens(recipe: Recipe) -> int:
+    """``prompt_lookup_num_tokens`` of the ``prompt_lookup`` baseline: the recipe's K where K is constant, else 4."""
+    return recipe.spec.num_draft_tokens if recipe.spec.adaptive == "constant" else 4
 
 
 def ours_runner(generator, eos_ids: list[int], trajectory: bool = False) -> Runner:
@@ -62,12 +72,15 @@ def baseline_runner(method: str, recipe: Recipe, eos_ids: list[int], *, target, 
     """A runner for HF baseline ``method``. Raises ``ValueError`` for an unknown method or a missing model."""
     k = recipe.spec.num_draft_tokens
     kwargs = {"ar": dict(model=target, method="ar"),
+              "prompt_lookup_10": dict(model=target, method="prompt_lookup", num_draft_tokens=10,
+                                       max_ngram=PROMPT_LOOKUP_NGRAM),
               "ar_fp32": dict(model=reference, method="ar"),
               "assisted": dict(model=target, method="assisted", assistant_model=draft_model, num_draft_tokens=k),
-              "prompt_lookup": dict(model=target, method="prompt_lookup", num_draft_tokens=k,
+              "prompt_lookup": dict(model=target, method="prompt_lookup", num_draft_tokens=prompt_lookup_tokens(recipe),
                                     max_ngram=PROMPT_LOOKUP_NGRAM)}.get(method)
     if kwargs is None:
-        raise ValueError(f"method: unknown baseline {method!r} (allowed: ar, ar_fp32, assisted, prompt_lookup)")
+        raise ValueError(f"method: unknown baseline {method!r} (allowed: ar, ar_fp32, assisted, prompt_lookup, "
+                         "prompt_lookup_10)")
     if kwargs["model"] is None:
         raise ValueError(f"method: baseline {method!r} needs a loaded model")
     model = kwargs.pop("model")

@@ -21,10 +21,12 @@ from toolkit.models import weight_bytes
 from toolkit.recipe import GenerationSpec, Recipe
 from toolkit.session import ModelPool, Plan, load_models, plan
 from toolkit.speculative.adaptive import make_controller
+from toolkit.speculative.cost_model import VerifyCost, load_or_measure
 from toolkit.speculative.decoder import SpeculativeDecoder
 from toolkit.speculative.drafters import DrafterContext, build_drafter
 from toolkit.speculative.tree import TreeShape
 from toolkit.speculative.stats import GenerationResult, GenerationStats
+from toolkit.speculative.verify_length import Calibrator
 
 log = logging.getLogger(__name__)
 logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)  # per-call int8 cast notice
@@ -48,6 +50,8 @@ class Generator:
         self.weight_bytes = {"target": weight_bytes(target),
                              "draft": weight_bytes(draft_model) if draft_model is not None else 0}
         self._persistent_drafter = None  # a drafter whose config is `persistent` (memory across requests): ONE
+        self._verify_cost = None  # the target's verify cost curve (adaptive: cost), measured or read once
+        self.calibrator = Calibrator()  # acceptance calibration (adaptive: cost), learned across calls
 
     # -------------------------------------------------------------------------------------------- preparation
     def encode(self, prompt: str | list[dict]) -> torch.Tensor:
@@ -91,11 +95,30 @@ class Generator:
             self._persistent_drafter = drafter
         return drafter
 
+    def forget(self) -> None:
+        """Drop what earlier calls taught this Generator: the drafter's memory of earlier requests and the
+        acceptance calibration (benchmarks call it between repetitions, so no repetition sees another's prompts)."""
+        if self._persistent_drafter is not None:
+            self._persistent_drafter.close()
+        self._persistent_drafter = None
+        self.calibrator = Calibrator()
+
+    @property
+    def verify_cost(self) -> VerifyCost:
+        """The target's verify cost curve on this machine (:mod:`toolkit.speculative.cost_model`): read from the
+        user cache, or measured once (a few seconds) and cached."""
+        if self._verify_cost is None:
+            self._verify_cost = load_or_measure(self.target, max(16, self.plan.max_query_tokens))
+        return self._verify_cost
+
     def decoder(self, gen: GenerationSpec) -> SpeculativeDecoder:
-        """A fresh decode loop for one call (drafter and controller state are per call)."""
+        """A fresh decode loop for one call (the drafter is per call unless its config is persistent; the cost curve
+        and the acceptance calibration are per Generator)."""
         spec = self.recipe.spec
         tree = TreeShape(spec.tree_budget, spec.tree_depth, spec.tree_topk) if spec.tree else None
-        return SpeculativeDecoder(self.target, self._drafter(gen), make_controller(spec), self.target_policy, tree)
+        cost = self.verify_cost if spec.adaptive == "cost" else None
+        controller = make_controller(spec, cost, self.calibrator, self.plan.max_query_tokens)
+        return SpeculativeDecoder(self.target, self._drafter(gen), controller, self.target_policy, tree)
 
     # -------------------------------------------------------------------------------------------- generation
     def _stop_check(self, gen: GenerationSpec):

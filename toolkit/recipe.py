@@ -41,7 +41,7 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 EAGLE_PRECISIONS = ("fp32", "bf16", "fp16")
 #: the registered drafter names (``spec.drafter``), from :mod:`toolkit.speculative.drafters`
 DRAFTERS = drafter_names()
-ADAPTIVE = ("constant", "ema")
+ADAPTIVE = ("constant", "ema", "cost")
 
 
 @dataclass
@@ -142,9 +142,13 @@ class SpecSpec:
     Attributes:
         drafter: the registered drafter name (``spec.drafter``).
         config: that drafter's config dataclass (only its own fields, e.g. ``max_ngram`` for ``ngram``).
-        num_draft_tokens: draft length K (tokens proposed per round); with ``adaptive: ema`` the starting K.
-        adaptive: ``constant`` K, or ``ema``: an acceptance-EMA controller that shrinks K when the EMA < 0.5 and
-            grows it when > 0.85, within ``[k_min, k_max]``.
+        num_draft_tokens: draft length K (tokens proposed per round); with ``adaptive: ema`` the starting K; with
+            ``adaptive: cost`` the most tokens asked of the drafter per round.
+        adaptive: ``constant`` K; ``ema``: an acceptance-EMA controller that shrinks K when the EMA < 0.5 and grows
+            it when > 0.85, within ``[k_min, k_max]``; ``cost``: each round verifies the number of proposed tokens
+            with the most expected tokens per millisecond, from the target's verify cost curve measured on this
+            machine and the drafter's calibrated confidence (0 = a plain one-token step;
+            :mod:`toolkit.speculative.verify_length`).
         ema_decay: weight of the past in the acceptance EMA.
         tree: verify a token tree per round (SpecInfer / EAGLE-2) instead of one chain of K tokens (drafters whose
             config declares ``tree``).

@@ -83,9 +83,11 @@ class SpeculativeDecoder:
 
     def _tree_round(self, sequence: torch.Tensor, depth: int, gen, generator, stats) -> list[int]:
         """One tree round (see the module docstring); returns the committed ids (path tokens + the next token)."""
+        start = time.perf_counter()
         committed = sequence.shape[1]
         shape = self.tree
         tree = self.drafter.propose_tree(sequence, budget=shape.budget, depth=depth, topk=shape.topk)
+        drafted_at = time.perf_counter()
         n = len(tree)
         tokens = tree.tokens.to(self.device)
         verify_input = torch.cat([sequence[:, -1:], tokens.view(1, -1)], dim=1)
@@ -100,12 +102,16 @@ class SpeculativeDecoder:
             path, next_id = tree_speculative_sample(tree, p, generator)
         else:
             path, next_id = greedy_tree_accept(tree, target_logits)
+        verified_at = time.perf_counter()
         kv_ops.keep_tail(self.cache, [0] + [i + 1 for i in path])
         kv_ops.commit(self.cache)
         self.drafter.commit_tree(path)
         stats.record_round(n, len(path))
         tokens = tree.token_list()
-        return [tokens[i] for i in path] + [next_id]
+        ids = [tokens[i] for i in path] + [next_id]
+        stats.record_time((drafted_at - start) * 1000, (verified_at - drafted_at) * 1000,
+                          (time.perf_counter() - start) * 1000, n + 1)
+        return ids
 
     def _track_memory(self, stats: GenerationStats) -> None:
         stats.kv_bytes_target = kv_ops.kv_bytes(self.cache)
@@ -173,12 +179,14 @@ class SpeculativeDecoder:
             if self.tree is not None and min(self.tree.depth, room) > 0:
                 round_ids = self._tree_round(sequence, min(self.tree.depth, room), gen, generator, stats)
             if round_ids is None:  # a chain (a drafter that proposed no tree falls back to one, too)
-                round_ids = self._chain_round(sequence, room, gen, generator, stats)
+                round_ids = self._chain_round(sequence, room, choose, gen, generator, stats)
+            bookkeeping = time.perf_counter()
             sequence = torch.cat([sequence, sequence.new_tensor([round_ids])], dim=1)
             before = len(new_ids)
             new_ids.extend(round_ids)
             finished = self._finish(new_ids, before, limit, eos, should_stop, stats)
             self._track_memory(stats)
+            stats.overhead_ms += (time.perf_counter() - bookkeeping) * 1000
             yield new_ids[before:]
         if self.drafter is not None:
             stats.draft_forwards = self.drafter.forwards
@@ -188,36 +196,54 @@ class SpeculativeDecoder:
         _sync(self.device)
         stats.total_ms = (time.perf_counter() - start_time) * 1000
 
-    def _chain_round(self, sequence: torch.Tensor, room: int, gen, generator, stats: GenerationStats) -> list[int]:
-        """One draft + verify round over a chain of at most ``min(K, room)`` draft tokens after ``sequence``
-        ``(1, n)``; rolls both caches back to the accepted tokens and returns the round's committed ids."""
+    def _chain_round(self, sequence: torch.Tensor, room: int, choose, gen, generator,
+                     stats: GenerationStats) -> list[int]:
+        """One round over a chain of at most ``min(K, room)`` draft tokens after ``sequence`` ``(1, n)``: propose,
+        let the controller choose how many to verify (0 = a plain one-token step) and the forward's width, verify,
+        roll both caches back to the accepted tokens. Returns the round's committed ids."""
+        start = time.perf_counter()
         committed = sequence.shape[1]
-        num_draft = min(self.controller.next_k(), room) if self.drafter else 0
-        draft_tokens, draft_logits = (sequence.new_empty((1, 0)), None)
-        if num_draft > 0:
-            draft_tokens, draft_logits = self.drafter.propose(sequence, num_draft)
+        asked = min(self.controller.next_k(), room) if self.drafter is not None else 0
+        draft_tokens, draft_logits, confidence = sequence.new_empty((1, 0)), None, None
+        if asked > 0:
+            draft_tokens, draft_logits = self.drafter.propose(sequence, asked)
             draft_tokens = draft_tokens.to(self.device)
-        k = draft_tokens.shape[1]
-        verify_input = torch.cat([sequence[:, -1:], draft_tokens], dim=1)
-        target_logits = self._target_forward(verify_input, committed - 1, k + 1)
-        stats.target_forwards += 1
-        if gen.do_sample:
-            p = process_logits(target_logits, gen.temperature, gen.top_k, gen.top_p)
-            q = None if draft_logits is None else process_logits(
-                draft_logits.to(self.device), gen.temperature, gen.top_k, gen.top_p)
-            num_accepted, next_token = speculative_sample(draft_tokens[0], q, p, generator)
+            confidence = self.drafter.confidence() if self.controller.uses_confidence else None
+        drafted_at = time.perf_counter()
+        sampled = gen.do_sample and draft_logits is not None  # drafts drawn from q: see CostAwareK.plan
+        k, width = self.controller.plan(confidence, draft_tokens.shape[1], sampled)
+        if k == 0 and width == 1:  # a plain step: no verify machinery
+            accepted, next_id = 0, int(choose(self._target_forward(sequence[:, -1:], committed - 1, 1)[0]))
+            draft_tokens = draft_tokens[:, :0]
         else:
-            num_accepted, next_token = greedy_accept(draft_tokens[0], target_logits)
-        accepted, next_id = torch.stack([num_accepted, next_token]).tolist()  # the round's one host sync
-        # Roll back: drop the rejected draft tokens from the target cache; the drafter rolls back its own.
-        if k - accepted > 0:
-            self.cache.crop(accepted - k)
+            draft_tokens = draft_tokens[:, :k]
+            padding = sequence[:, -1:].expand(1, width - k - 1)  # positions past the draft: cropped below
+            verify_input = torch.cat([sequence[:, -1:], draft_tokens, padding], dim=1)
+            target_logits = self._target_forward(verify_input, committed - 1, width)[: k + 1]
+            if gen.do_sample:
+                p = process_logits(target_logits, gen.temperature, gen.top_k, gen.top_p)
+                q = None if draft_logits is None else process_logits(
+                    draft_logits[:k].to(self.device), gen.temperature, gen.top_k, gen.top_p)
+                num_accepted, next_token = speculative_sample(draft_tokens[0], q, p, generator)
+            else:
+                num_accepted, next_token = greedy_accept(draft_tokens[0], target_logits)
+            accepted, next_id = torch.stack([num_accepted, next_token]).tolist()  # the round's one host sync
+        verified_at = time.perf_counter()
+        stats.target_forwards += 1
+        # Roll back: drop the rejected draft tokens (and padding) from the target cache; the drafter rolls back its own.
+        if width - accepted - 1 > 0:
+            self.cache.crop(accepted + 1 - width)
         kv_ops.commit(self.cache)
-        if self.drafter is not None and num_draft > 0:
+        if asked > 0:
             self.drafter.commit(accepted)
-        self.controller.update(k, accepted)
+        self.controller.update(k, accepted, confidence)
         stats.record_round(k, accepted)
-        return draft_tokens[0, :accepted].tolist() + [next_id]
+        ids = draft_tokens[0, :accepted].tolist() + [next_id]
+        end = time.perf_counter()
+        verify_ms = (verified_at - drafted_at) * 1000
+        stats.record_time((drafted_at - start) * 1000, verify_ms, (end - start) * 1000, width)
+        self.controller.timed(width, verify_ms, (end - verified_at) * 1000)
+        return ids
 
     @staticmethod
     def _finish(new_ids: list[int], before: int, limit: int, eos: set[int],

@@ -15,6 +15,12 @@ class GenerationStats:
     counts rounds that drafted a token at position i, so ``accepted_at[i] / drafted_at[i]`` is the acceptance
     curve by draft position. ``committed = accepted + rounds`` (one target token per round, bonus or correction),
     before truncation at ``max_new_tokens`` / EOS / stop strings.
+
+    Where a round's time goes (sums over rounds, ms; the prefill is TTFT and not in them): ``draft_ms`` the drafter's
+    proposal, ``target_ms`` the verify forward up to the accepted count on the host (the round's one sync),
+    ``overhead_ms`` everything else of the round (choosing the verify length, rollback, commit, bookkeeping).
+    ``verify_tokens`` sums the widths of the verify forwards (padding included); ``plain_steps`` counts rounds that
+    verified no draft token (a one-token step).
     """
 
     prompt_tokens: int = 0
@@ -37,6 +43,11 @@ class GenerationStats:
     compressions_target: int = 0
     compressions_draft: int = 0
     finish_reason: str = ""
+    draft_ms: float = 0.0
+    target_ms: float = 0.0
+    overhead_ms: float = 0.0
+    verify_tokens: int = 0
+    plain_steps: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -58,12 +69,28 @@ class GenerationStats:
         """Generated tokens per second over the whole call (prefill included)."""
         return self.new_tokens / (self.total_ms / 1000.0) if self.total_ms > 0 else 0.0
 
+    @property
+    def round_ms(self) -> dict:
+        """Mean milliseconds per round: ``draft``, ``target``, ``overhead``, and ``overhead_pct`` of the round."""
+        n = max(self.rounds, 1)
+        total = self.draft_ms + self.target_ms + self.overhead_ms
+        return {"draft": self.draft_ms / n, "target": self.target_ms / n, "overhead": self.overhead_ms / n,
+                "overhead_pct": 100.0 * self.overhead_ms / total if total > 0 else 0.0}
+
+    def record_time(self, draft_ms: float, target_ms: float, round_ms: float, width: int) -> None:
+        """Add one round's times (ms) and verify width (tokens)."""
+        self.draft_ms += draft_ms
+        self.target_ms += target_ms
+        self.overhead_ms += max(0.0, round_ms - draft_ms - target_ms)
+        self.verify_tokens += width
+
     def record_round(self, drafted: int, accepted: int) -> None:
         """Count one draft + verify round that proposed ``drafted`` tokens and accepted ``accepted`` of them."""
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
         self.committed += accepted + 1
+        self.plain_steps += drafted == 0
         self.draft_lengths.append(drafted)
         while len(self.drafted_at) < drafted:
             self.drafted_at.append(0)
@@ -77,7 +104,7 @@ class GenerationStats:
         data = dataclasses.asdict(self)
         data.pop("draft_lengths")
         data.update(acceptance_rate=self.acceptance_rate, tokens_per_round=self.tokens_per_round,
-                    tpot_ms=self.tpot_ms, throughput=self.throughput)
+                    tpot_ms=self.tpot_ms, throughput=self.throughput, round_ms=self.round_ms)
         return data
 
 

@@ -13,6 +13,9 @@ Drafters here:
 * :class:`NGramDrafter` — prompt lookup decoding (Saxena, 2023; HF ``prompt_lookup_num_tokens``): find the most
   recent earlier occurrence of the last n tokens (n from ``max_ngram`` down to ``min_ngram``) in prompt + output
   and propose what followed it. No model.
+* :class:`LookupDrafter` — the longest earlier match of the sequence's suffix anywhere in the request (most recent
+  on ties) or in a suffix-trie memory of earlier requests, with a per-token acceptance estimate from the match length
+  for the cost-aware verify length. No model.
 * :class:`SuffixDrafter` — SuffixDecoding (Oliaro et al., 2025): suffix tries over the request and over earlier
   requests' outputs (bounded memory), frequency-scored chains or trees, speculation length adapted to the match
   length. No model.
@@ -28,8 +31,9 @@ from toolkit.speculative.drafters.ngram import NgramConfig, NGramDrafter  # noqa
 from toolkit.speculative.drafters.suffix import SuffixConfig, SuffixDrafter  # noqa: E402
 from toolkit.speculative.drafters.eagle import EagleConfig, EagleDrafter  # noqa: E402
 from toolkit.speculative.drafters.none import NoDrafterConfig  # noqa: E402
+from toolkit.speculative.drafters.lookup import LookupConfig, LookupDrafter  # noqa: E402
 
 __all__ = ["Drafter", "DrafterProtocol", "TreeDrafterProtocol", "DrafterConfig", "DrafterContext", "build_drafter",
            "config_type", "drafter_names", "register_drafter", "DraftModel", "DraftModelConfig", "SelfDraftConfig",
            "NGramDrafter", "NgramConfig", "SuffixDrafter", "SuffixConfig", "EagleDrafter", "EagleConfig",
-           "NoDrafterConfig"]
+           "NoDrafterConfig", "LookupDrafter", "LookupConfig"]

@@ -123,18 +123,25 @@ class DraftModel(Drafter):
         if num_draft_tokens == 0:
             return input_ids.new_empty((1, 0)), None
         logits = self._forward(input_ids[:, self.cached:].to(self.device))
-        tokens, all_logits = [], []
+        tokens, all_logits, confidence = [], [], []
         for step in range(num_draft_tokens):
             all_logits.append(logits)
-            needs_probs = self.do_sample or self.confidence_threshold is not None
-            probs = process_logits(logits, self.temperature, self.top_k, self.top_p) if needs_probs else None
+            probs = process_logits(logits, self.temperature, self.top_k, self.top_p)
             token = sample_token(probs.unsqueeze(0), self.generator)[0] if self.do_sample else logits.argmax()
             tokens.append(token)
+            confidence.append(probs.max())  # known before the token is drawn: see CostAwareK.plan
             if self.confidence_threshold is not None and probs.max().item() < self.confidence_threshold:
                 break
             if step + 1 < num_draft_tokens:
                 logits = self._forward(token.view(1, 1))
+        self._confidence = torch.stack(confidence)
         return torch.stack(tokens).view(1, -1), torch.stack(all_logits)
+
+    def confidence(self) -> list[float] | None:
+        """The draft's top probability at each drafted position (q(token) under greedy), read before the token is
+        sampled so that a verify length chosen from it keeps sampling lossless (a host sync: the loop asks only when
+        its controller uses it)."""
+        return None if self._confidence is None else self._confidence.tolist()
 
     def close(self) -> None:
         """Undo what :meth:`reset` installed on the draft model (the policy's attention hook, if any)."""

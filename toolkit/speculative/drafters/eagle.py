@@ -73,6 +73,7 @@ class EagleDrafter(Drafter):
         self.head_cache = HeadCache()
         self.fed = 0  # true pairs in the head cache (positions 0..fed-1)
         self.pending: torch.Tensor | None = None  # features (1, p, F) of positions fed..fed+p-1
+        self._confidence: torch.Tensor | None = None
 
     @classmethod
     def from_config(cls, config: EagleConfig, context) -> EagleDrafter:
@@ -104,13 +105,15 @@ class EagleDrafter(Drafter):
         full = draft_logits.new_full((self.vocab_size,), float("-inf"), dtype=torch.float32)
         return full.index_copy_(0, self.head.draft_to_target, draft_logits.float())
 
-    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Head output logits ``(d,)`` -> (target token id (), full logits or None)."""
+    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Head output logits ``(d,)`` -> (target token id (), full logits or None, the head's top probability ())."""
         if not self.do_sample:
-            return self.head.draft_to_target[logits.argmax()], None
+            best = logits.argmax()
+            return self.head.draft_to_target[best], None, torch.softmax(logits.float(), -1)[best]
         full = self._full_logits(logits)
         probs = process_logits(full, self.temperature, self.top_k, self.top_p)
-        return sample_token(probs.unsqueeze(0), self.generator)[0], full
+        token = sample_token(probs.unsqueeze(0), self.generator)[0]
+        return token, full, probs.max()  # known before the token is drawn: see CostAwareK.plan
 
     @torch.inference_mode()
     def propose(self, input_ids: torch.Tensor, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -118,19 +121,25 @@ class EagleDrafter(Drafter):
             return input_ids.new_empty((1, 0)), None
         head, device = self.head, self.head.lm_head.weight.device
         last = self._feed_pending(input_ids)
-        drafted, all_logits = [], []
+        drafted, all_logits, confidence = [], [], []
         for step in range(num_draft_tokens):
-            token, full = self._choose(head.logits(last[0, -1]))
+            token, full, prob = self._choose(head.logits(last[0, -1]))
             drafted.append(token)
             all_logits.append(full)
+            confidence.append(prob)
             if step + 1 == num_draft_tokens:
                 break
             tok = token.view(1, 1)
             position = torch.tensor([[self.fed + step]], device=device)
             last, _ = head(head.step_input(last, tok), tok, position, self.head_cache)
             self.forwards += 1
+        self._confidence = torch.stack(confidence)
         tokens_out = torch.stack(drafted).view(1, -1)
         return tokens_out, (torch.stack(all_logits) if self.do_sample else None)
+
+    def confidence(self) -> list[float] | None:
+        """The head's top probability at each drafted position (a host sync: asked only by cost-aware controllers)."""
+        return None if self._confidence is None else self._confidence.tolist()
 
     def _feed_pending(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Crop the head cache to the true pairs, append the pending ones; returns the last output ``(1, 1, H)``."""

@@ -1,0 +1,238 @@
+"""The cost-aware verify length: the measured cost curve, its cache, the calibrated choice of how many draft tokens a
+round verifies (0 = a plain step, padding to a cheaper width), and that none of it changes the output."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+
+import pytest
+import torch
+
+from conftest import perturbed_copy, tiny_llama, tiny_neox
+from test_decoder import INIT, hf_greedy, make_prompt, speculate
+from toolkit.kv import make_policy
+from toolkit.recipe import KVSpec
+from toolkit.speculative.cost_model import VerifyCost, load_or_measure, measure_verify_cost
+from toolkit.speculative.drafters import DraftModel, NGramDrafter
+from toolkit.speculative.verify_length import Calibrator, CostAwareK
+
+FLAT = [10.0] * 16                                      # verifying 16 tokens costs one step: always draft
+STEEP = [10.0 * n for n in range(1, 17)]                # n tokens cost n steps: never worth it
+DIP = [10.0, 19.0, 20.0, 13.0, 13.5, 14.0] + [20.0] * 10  # 4 tokens cheaper than 2 (the fp32 shape of issue 22)
+
+
+def controller(curve, k=8, widest=9, **kw) -> CostAwareK:
+    return CostAwareK(VerifyCost(list(curve), learn=False), Calibrator(), k, widest, **kw)
+
+
+# ------------------------------------------------------------------------------------------------------ the curve
+def test_measured_curve_covers_every_length_and_is_cached(tmp_path):
+    model = tiny_llama(seed=0)
+    cost = measure_verify_cost(model, max_tokens=9, context=32, repeats=2)
+    assert len(cost.step_ms) == 9 and all(ms > 0 for ms in cost.step_ms) and cost.relative(1) == 1.0
+    first = load_or_measure(model, 9, cache_dir=tmp_path)
+    assert first.source == "measured" and len(list(tmp_path.iterdir())) == 1
+    again = load_or_measure(model, 9, cache_dir=tmp_path)
+    assert again.source == "cache" and again.step_ms == pytest.approx(first.step_ms, abs=1e-3)
+    (path,) = tmp_path.iterdir()
+    path.write_text("{not json")  # a damaged cache file is measured again, not trusted
+    assert load_or_measure(model, 9, cache_dir=tmp_path).source == "measured"
+    assert json.loads(path.read_text())["key"] == first.key
+    other = tiny_neox(seed=0)  # another model: another key
+    load_or_measure(other, 9, cache_dir=tmp_path)
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_curve_extrapolates_and_picks_cheaper_padding():
+    cost = VerifyCost(list(DIP))
+    assert cost.cheapest_at_least(2, cap=9) == 4 and cost.cheapest_at_least(5, cap=9) == 5
+    assert cost.cheapest_at_least(2, cap=3) == 2  # padding stays within the widest forward the plan allows
+    assert cost.ms(20) == pytest.approx(20.0)  # past the curve: its last slope (flat here)
+    with pytest.raises(ValueError):
+        cost.ms(0)
+
+
+# ------------------------------------------------------------------------------------------------------ the choice
+def test_confident_drafts_on_a_flat_curve_are_verified_whole():
+    assert controller(FLAT).plan([0.9] * 8, 8) == (8, 9)
+
+
+def test_unlikely_drafts_on_a_steep_curve_give_a_plain_step():
+    assert controller(STEEP).plan([0.3] * 8, 8) == (0, 1)
+    assert controller(STEEP).plan(None, 0) == (0, 1)
+
+
+def test_short_draft_is_padded_to_the_cheaper_width():
+    assert controller(DIP).plan([0.9], 1) == (1, 4)  # 1 draft token in a forward of 4: cheaper than of 2
+    assert controller(DIP).plan([0.9, 0.05], 2) == (2, 4)  # a second token rides along for free
+
+
+def test_every_choice_expects_at_least_a_plain_steps_rate():
+    for curve in (FLAT, STEEP, DIP):
+        ctl = controller(curve)
+        for p in (0.05, 0.3, 0.6, 0.95):
+            j, n = ctl.plan([p] * 8, 8)
+            expected = sum(ctl.calibrator.prob(p, 1) ** i for i in range(j + 1))
+            assert expected / ctl.cost.ms(n) >= 1 / ctl.cost.ms(1) - 1e-9
+
+
+def test_sampled_drafts_use_a_stopping_rule():
+    """With sampled drafts the decision for token i may not look at later confidences (they depend on token i):
+    where the rate dips at 2 tokens (a jump in the curve) and recovers later, the chain stops at 1 instead of
+    verifying all 8."""
+    ctl = controller([10.0, 11.0, 30.0, 30.5, 31.0, 31.5, 32.0, 32.5, 33.0])
+    assert ctl.plan([0.99] * 8, 8, sampled=False)[0] == 8
+    assert ctl.plan([0.99] * 8, 8, sampled=True)[0] == 1
+
+
+def test_calibration_learns_the_real_acceptance_and_each_request_its_own_level():
+    cal = Calibrator()
+    for _ in range(200):  # tokens reported at 0.9: 6 tested per 3 rounds, 4 of them accepted
+        cal.observe([0.9, 0.9, 0.9], verified=3, accepted=0)
+        cal.observe([0.9, 0.9, 0.9], verified=3, accepted=1)
+        cal.observe([0.9, 0.9, 0.9], verified=3, accepted=3)
+    cal.begin_request()
+    assert cal.prob(0.9, 1) == pytest.approx(4 / 6, abs=0.02)
+    for _ in range(30):  # this request accepts nothing
+        cal.observe([0.9], verified=1, accepted=0)
+    assert cal.request_factor() < 0.3 and cal.prob(0.9, 1) < 0.2
+    cal.begin_request()
+    assert cal.request_factor() == 1.0
+
+
+# ------------------------------------------------------------------------------------------------------ outputs unchanged
+@pytest.mark.parametrize("make", [tiny_llama, tiny_neox])
+@pytest.mark.parametrize("curve", [FLAT, STEEP, DIP], ids=["flat", "steep", "dip"])
+def test_greedy_output_is_ar_whatever_the_curve(make, curve):
+    target = make(seed=0, **INIT)
+    draft = perturbed_copy(target, scale=0.1, seed=1)
+    prompt = make_prompt(0)
+    reference = hf_greedy(target, prompt, 40)
+    ids, stats, _ = speculate(target, DraftModel(draft), prompt, controller(curve, k=6, widest=7))
+    assert ids == reference
+    assert stats.target_forwards == stats.rounds + 1
+    if curve is STEEP:
+        assert stats.drafted == 0 and stats.plain_steps == stats.rounds
+    else:
+        assert stats.accepted > 0
+
+
+@pytest.mark.parametrize("kv", [
+    {"policy": "streaming", "sink_tokens": 4, "window": 24, "compress_interval": 4},
+    {"policy": "quantized", "quant_bits": 4, "quant_group_size": 16, "residual_length": 12},
+    {"policy": "l2norm", "budget": 40, "compress_interval": 4},
+], ids=lambda kv: kv["policy"])
+def test_padding_and_plain_steps_under_compressed_caches_match_the_same_policy_ar(kv):
+    target = tiny_llama(seed=0, **INIT)
+    base = make_prompt(9, length=6)[0]
+    prompt = torch.cat([base, base, base[:3]]).view(1, -1)
+    policy = make_policy(KVSpec.from_dict(kv, "kv"))
+    from test_kv_streaming import run as run_with_policy  # (model, drafter, policy, prompt, new_tokens)
+
+    ar, _ = run_with_policy(target, None, make_policy(KVSpec.from_dict(kv, "kv")), prompt, 60)
+    from toolkit.recipe import GenerationSpec
+    from toolkit.speculative.decoder import SpeculativeDecoder
+    from toolkit.speculative.stats import GenerationStats
+
+    class OneToken(NGramDrafter):  # proposes one token: under the DIP curve it is verified padded to 4
+        def propose(self, input_ids, num_draft_tokens):
+            tokens, _ = super().propose(input_ids, num_draft_tokens)
+            return tokens[:, :1], None
+
+    stats = GenerationStats()
+    loop = SpeculativeDecoder(target, OneToken(), controller(DIP, k=6, widest=7), policy)
+    ids = [t for c in loop.decode(prompt, GenerationSpec(max_new_tokens=60, ignore_eos=True), stats) for t in c]
+    assert ids == ar
+    assert stats.drafted > 0 and stats.verify_tokens > stats.drafted + stats.rounds  # padding ran
+
+
+def test_round_time_breakdown_adds_up():
+    target = tiny_llama(seed=0, **INIT)
+    base = make_prompt(9, length=6)[0]
+    prompt = torch.cat([base, base, base[:3]]).view(1, -1)
+    _, stats, _ = speculate(target, NGramDrafter(), prompt, controller(FLAT))
+    split = stats.round_ms
+    assert stats.draft_ms > 0 and stats.target_ms > 0 and stats.overhead_ms > 0
+    total = stats.draft_ms + stats.target_ms + stats.overhead_ms
+    assert total <= stats.total_ms - stats.ttft_ms + 1e-6  # the rounds' parts never exceed the decode time
+    assert 0 < split["overhead_pct"] < 100
+
+
+# ------------------------------------------------------------------------------------------------------ sampling
+def _marginals(target, prompt, draft, make_controller, runs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Empirical distribution of the 2nd and 3rd generated tokens over ``runs`` seeds, and the exact one."""
+    from toolkit.recipe import GenerationSpec
+    from toolkit.speculative.decoder import SpeculativeDecoder
+    from toolkit.speculative.stats import GenerationStats
+
+    vocab = target.config.vocab_size
+    counts = np.zeros((2, vocab))
+    for seed in range(runs):
+        gen = GenerationSpec(max_new_tokens=4, do_sample=True, ignore_eos=True, seed=seed)
+        drafter = DraftModel(draft, do_sample=True, generator=torch.Generator().manual_seed(10_000 + seed))
+        loop = SpeculativeDecoder(target, drafter, make_controller())
+        ids = [t for c in loop.decode(prompt, gen, GenerationStats()) for t in c]
+        counts[0, ids[1]] += 1
+        counts[1, ids[2]] += 1
+    with torch.no_grad():
+        p1 = target(prompt).logits[0, -1].softmax(-1)
+        seq1 = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab).view(-1, 1)], dim=1)
+        p2 = target(seq1).logits[:, -1].softmax(-1)  # (t1, t2)
+        joint12 = p1[:, None] * p2
+        seq2 = torch.cat([seq1.repeat_interleave(vocab, 0), torch.arange(vocab).repeat(vocab).view(-1, 1)], dim=1)
+        p3 = target(seq2).logits[:, -1].softmax(-1).view(vocab, vocab, vocab)
+        exact = np.stack([joint12.sum(0).double().numpy(), (joint12[:, :, None] * p3).sum((0, 1)).double().numpy()])
+        exact /= exact.sum(1, keepdims=True)
+    return counts, exact
+
+
+class _PeekingController(CostAwareK):
+    """A planted bug: verifies the draft only when its first token is the target's favourite — the choice depends
+    on the sampled token itself (what the stopping rule forbids), so that token comes out too often."""
+
+    def plan(self, confidence, proposed, sampled=False):
+        return (proposed, proposed + 1) if self.peek() else (0, 1)
+
+
+def test_sampling_with_cost_aware_verify_length_is_lossless():
+    from scipy.stats import chisquare
+
+    target = tiny_llama(seed=4, vocab=12, initializer_range=0.3)
+    draft = perturbed_copy(target, scale=0.3, seed=5)
+    prompt = make_prompt(2, vocab=12, length=6)
+    curve = [10.0, 11.0, 30.0, 30.5]  # the rate dips at 2 tokens and recovers at 3: the lookahead would differ
+    counts, exact = _marginals(target, prompt, draft, lambda: controller(curve, k=2, widest=3), 1000)
+    for row in range(2):
+        assert chisquare(counts[row], exact[row] * counts[row].sum()).pvalue > 0.01
+
+
+def test_the_sampling_test_catches_a_verify_length_that_peeks_at_the_drafted_tokens():
+    from scipy.stats import chisquare
+
+    target = tiny_llama(seed=4, vocab=12, initializer_range=0.3)
+    draft = copy.deepcopy(target)  # q = p: every verified token is accepted, so the peek's bias is plain to see
+    prompt = make_prompt(2, vocab=12, length=6)
+    seen: dict = {}
+    original = DraftModel.propose
+
+    def spy(self, input_ids, k):  # remember the drafted token and the target's favourite for the planted peek
+        tokens, logits = original(self, input_ids, k)
+        with torch.no_grad():
+            seen["best"] = int(target(input_ids).logits[0, -1].argmax())
+        seen["first"] = int(tokens[0, 0])
+        return tokens, logits
+
+    def make():
+        ctl = _PeekingController(VerifyCost([10.0] * 4, learn=False), Calibrator(), 2, 3)
+        ctl.peek = lambda: seen["first"] == seen["best"]
+        return ctl
+
+    DraftModel.propose = spy
+    try:
+        counts, exact = _marginals(target, prompt, draft, make, 1000)
+    finally:
+        DraftModel.propose = original
+    assert chisquare(counts[0], exact[0] * counts[0].sum()).pvalue < 1e-6

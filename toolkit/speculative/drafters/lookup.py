@@ -1,0 +1,191 @@
+"""Lookup drafting: prompt lookup (Saxena 2023) with the longest match anywhere in the request, plus a suffix-trie
+memory of earlier requests (SuffixDecoding, Oliaro et al. 2025), whichever is expected to give more tokens this
+round, with a per-token acceptance estimate for the cost-aware verify length.
+
+Each round, for the committed sequence ``x_1..x_n``:
+
+* **request** — the longest suffix of the sequence (up to ``max_match`` tokens) that occurred earlier in the prompt or
+  output, the most recent occurrence on ties; the draft is what followed that occurrence, read on through the draft
+  itself when the occurrence runs into the present (periodic text). HF's prompt lookup instead takes the *first*
+  occurrence of at most 2-3 tokens.
+* **memory** — the longest match in a suffix trie over earlier requests' outputs (``max_cached_requests`` of them,
+  oldest dropped first; :mod:`toolkit.speculative.drafters.suffix_trie`), continued by the most frequent child.
+
+Acceptance of the next token rises steeply with the match length ``m`` (measured over the ``short`` training suite's
+greedy outputs: 0.22 at m = 1, 0.51 at 2, 0.67 at 3, 0.84 at 5-7, 0.96 at >= 16). The drafter reports for draft token
+``i`` the estimate ``sigmoid(prior_bias + prior_slope * ln(m + i))`` (times the continuation's share of the observed
+continuations for memory matches); the decode loop calibrates these online and verifies as many tokens as pay
+(:mod:`toolkit.speculative.verify_length`). Of the two candidates the one with the larger expected accepted length
+(the sum of the running products of the estimates) is proposed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from toolkit.checks import check_float, check_int
+from toolkit.speculative.drafters.base import Drafter
+from toolkit.speculative.drafters.registry import DrafterConfig, register_drafter
+from toolkit.speculative.drafters.suffix_trie import SuffixTrie
+
+#: prompt tokens stored before each earlier output in the memory trie (so a first output token can match the
+#: chat template's assistant header)
+PROMPT_CONTEXT = 8
+#: occurrences of the last token examined per round (the most recent ones)
+MAX_OCCURRENCES = 256
+
+
+@dataclass
+class LookupConfig(DrafterConfig):
+    """``drafter: lookup`` — longest-match prompt lookup over the request plus a memory of earlier requests.
+
+    Attributes:
+        max_match: longest match looked for, in tokens (1..256).
+        max_cached_requests: earlier requests kept in the memory trie (0 = no memory across requests), 0..100000.
+        memory_depth: longest substring indexed by the memory trie, in tokens (4..1024; matches use half).
+        prior_bias / prior_slope: the acceptance estimate ``sigmoid(bias + slope * ln(match length))`` before online
+            calibration (fitted on the ``short`` suite by ``bench/fit_lookup_prior.py``).
+    """
+
+    name = "lookup"
+    persistent = True
+    hf_baseline = "prompt_lookup"
+    vllm_method = "suffix"
+    max_match: int = 32
+    max_cached_requests: int = 16
+    memory_depth: int = 48
+    prior_bias: float = -1.1
+    prior_slope: float = 1.55
+
+    def validate(self, prefix: str) -> None:
+        check_int(f"{prefix}.max_match", self.max_match, low=1, high=256)
+        check_int(f"{prefix}.max_cached_requests", self.max_cached_requests, low=0, high=100000)
+        check_int(f"{prefix}.memory_depth", self.memory_depth, low=4, high=1024)
+        check_float(f"{prefix}.prior_bias", self.prior_bias, low=-20.0, high=20.0)
+        check_float(f"{prefix}.prior_slope", self.prior_slope, low=0.0, high=20.0)
+
+
+@register_drafter(LookupConfig)
+class LookupDrafter(Drafter):
+    """See the module docstring. One instance serves every ``generate`` call of a Generator: ``reset()`` moves the
+    previous request into the memory trie.
+
+    Args: the fields of :class:`LookupConfig`.
+    """
+
+    def __init__(self, max_match: int = 32, max_cached_requests: int = 16, memory_depth: int = 48,
+                 prior_bias: float = -1.1, prior_slope: float = 1.55):
+        self.max_match, self.max_cached_requests = max_match, max_cached_requests
+        self.prior_bias, self.prior_slope = prior_bias, prior_slope
+        self.memory = SuffixTrie(memory_depth)
+        self.cached_requests: OrderedDict[int, list[int]] = OrderedDict()
+        self._next_id = 0
+        self._tokens: list[int] = []
+        self._where: dict[int, list[int]] = {}
+        self._prompt_len: int | None = None
+        self._memory_cursor = self.memory.matcher()
+        self._confidence: list[float] | None = None
+
+    @classmethod
+    def from_config(cls, config: LookupConfig, context) -> LookupDrafter:
+        return cls(config.max_match, config.max_cached_requests, config.memory_depth, config.prior_bias,
+                   config.prior_slope)
+
+    # ------------------------------------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Archive the previous request (if any) in the memory trie; start an empty request."""
+        super().reset()
+        self._archive()
+        self._tokens, self._where, self._prompt_len = [], {}, None
+        self._memory_cursor = self.memory.matcher()
+
+    def _archive(self) -> None:
+        if self._prompt_len is None or self.max_cached_requests == 0:
+            return
+        stored = self._tokens[max(0, self._prompt_len - PROMPT_CONTEXT):]
+        if len(stored) <= PROMPT_CONTEXT:
+            return
+        self.memory.insert(stored)
+        self.cached_requests[self._next_id] = stored
+        self._next_id += 1
+        while len(self.cached_requests) > self.max_cached_requests:
+            _, old = self.cached_requests.popitem(last=False)
+            self.memory.remove(old)
+
+    def _sync(self, input_ids: torch.Tensor) -> None:
+        """Index the committed tokens not seen yet (the whole prompt on the first call)."""
+        if self._prompt_len is None:
+            self._prompt_len = max(0, input_ids.shape[1] - 1)  # the decoder's first call: prompt + first token
+        for token in input_ids[0, len(self._tokens):].tolist():
+            self._where.setdefault(token, []).append(len(self._tokens))
+            self._tokens.append(token)
+            self._memory_cursor.append(token)
+
+    # ------------------------------------------------------------------------------------------------ drafting
+    def _estimate(self, match: int) -> float:
+        return 1.0 / (1.0 + math.exp(-(self.prior_bias + self.prior_slope * math.log(match))))
+
+    def _request_candidate(self, k: int) -> tuple[list[int], list[float]]:
+        """The continuation of the longest (most recent on ties) earlier match of the sequence's suffix."""
+        seq = self._tokens
+        last = len(seq) - 1
+        best_len, best_at = 0, -1
+        for at in reversed(self._where.get(seq[last], [])[-MAX_OCCURRENCES - 1:]):
+            if at >= last:
+                continue
+            length = 1
+            while length < self.max_match and at - length >= 0 and seq[at - length] == seq[last - length]:
+                length += 1
+            if length > best_len:
+                best_len, best_at = length, at
+                if length == self.max_match:
+                    break
+        if best_len == 0:
+            return [], []
+        tokens: list[int] = []
+        for i in range(k):  # read on through the draft itself where the occurrence runs into the present
+            j = best_at + 1 + i
+            tokens.append(seq[j] if j <= last else tokens[j - last - 1])
+        return tokens, [self._estimate(best_len + i) for i in range(k)]
+
+    def _memory_candidate(self, k: int) -> tuple[list[int], list[float]]:
+        """The most frequent continuation of the longest match in the memory of earlier requests."""
+        node, match = self._memory_cursor.longest_match(self.memory.depth // 2)
+        tokens: list[int] = []
+        confidence: list[float] = []
+        while node is not None and node.children and len(tokens) < k and match + len(tokens) < self.memory.depth:
+            total = sum(child.count for child in node.children.values())
+            token, node = max(node.children.items(), key=lambda item: item[1].count)
+            tokens.append(token)
+            confidence.append(self._estimate(match + len(tokens) - 1) * node.count / total)
+        return tokens, confidence
+
+    @staticmethod
+    def _expected(confidence: list[float]) -> float:
+        total, chain = 0.0, 1.0
+        for p in confidence:
+            chain *= p
+            total += chain
+        return total
+
+    def propose(self, input_ids: torch.Tensor, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """At most ``num_draft_tokens`` tokens of the better candidate; ``(1, 0)`` when nothing matches."""
+        self._sync(input_ids)
+        tokens, confidence = self._request_candidate(num_draft_tokens)
+        if self.max_cached_requests:
+            other, other_confidence = self._memory_candidate(num_draft_tokens)
+            if self._expected(other_confidence) > self._expected(confidence):
+                tokens, confidence = other, other_confidence
+        self._confidence = confidence
+        return torch.tensor([tokens], dtype=torch.long).view(1, -1), None
+
+    def confidence(self) -> list[float] | None:
+        return self._confidence
+
+    def memory_nodes(self) -> int:
+        """Nodes of the memory trie: the drafter's memory across requests."""
+        return self.memory.nodes
