@@ -4,7 +4,7 @@
         [--repeats 3] [--head-precision bf16] [--out bench/results]
 
 Prompts: the ``short`` suite (``recipes/prompts/short.yaml``) and ``UNSEEN`` below (written for this benchmark, used
-by no training run). Timing is :func:`toolkit.harness.measure` per suite: one warm-up call per method, then
+by no training run). Timing is :func:`toolkit.measure.harness.measure` per suite: one warm-up call per method, then
 ``--repeats`` repetitions over the suite's prompts, the methods back to back per prompt (interleaved) and their
 order rotated between repetitions, the same ``max_new_tokens`` (EOS ignored): ``ar`` (HF ``generate``), ``ar_loop``
 (our decode loop with no drafter), ``assisted`` (HF assisted generation, NF4 copy of the target as assistant,
@@ -27,18 +27,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from toolkit.baselines import hf_generate  # noqa: E402
+from toolkit.dtypes import torch_dtype  # noqa: E402
 from toolkit.eagle.checkpoint import load_head, resolve_head  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
+from toolkit.measure.baselines import hf_generate  # noqa: E402
+from toolkit.measure.harness import Call, Prompt, environment, measure  # noqa: E402
+from toolkit.measure.prompts import load_suite  # noqa: E402
 from toolkit.models import load_model  # noqa: E402
-from toolkit.models.loading import _DTYPES  # noqa: E402
-from toolkit.prompts import load_suite  # noqa: E402
 from toolkit.recipe import GenerationSpec, ModelSpec  # noqa: E402
 from toolkit.speculative.adaptive import ConstantK  # noqa: E402
 from toolkit.speculative.decoder import SpeculativeDecoder  # noqa: E402
 from toolkit.speculative.drafters.eagle import EagleDrafter  # noqa: E402
 from toolkit.speculative.stats import GenerationStats, acceptance_summary  # noqa: E402
-from toolkit.harness import Call, Prompt, environment, measure  # noqa: E402
 
 UNSEEN = [
     "Describe how a refrigerator keeps food cold, in one paragraph.",
@@ -82,7 +82,7 @@ def main() -> None:
     logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
 
     target, tokenizer = load_model(ModelSpec(source="embedded", precision=args.target_precision, device="cpu"))
-    head = load_head(resolve_head(args.head), target, dtype=_DTYPES[args.head_precision])
+    head = load_head(resolve_head(args.head), target, dtype=torch_dtype(args.head_precision))
     assistant = None
     if not args.no_assisted:
         assistant, _ = load_model(ModelSpec(source="embedded", precision="int4", device="cpu"), "draft")

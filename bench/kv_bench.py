@@ -27,12 +27,12 @@ sys.path.insert(0, str(ROOT))
 from eval.metrics import perplexity_through_cache  # noqa: E402
 from eval.runners import ours_runner  # noqa: E402
 from toolkit.generator import build  # noqa: E402
-from toolkit.harness import Call, Prompt, measure  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from toolkit.kv import make_policy  # noqa: E402
+from toolkit.measure.harness import Call, Prompt, measure  # noqa: E402
+from toolkit.measure.timing import Summary  # noqa: E402
 from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec, Recipe, SpecSpec  # noqa: E402
 from toolkit.session import ModelPool  # noqa: E402
-from toolkit.timing import Summary  # noqa: E402
 
 PROMPT = ("Write a detailed, multi-chapter guide to learning the Python programming language, from installing it "
           "to writing tests, packaging and profiling. Use headings and code examples.")

@@ -12,7 +12,7 @@ self-speculation.
    (packed codes + scales + zero points + residual, or the backend's tensors) vs the bf16 ``DynamicCache``.
 3. **Decode speed** through ``model.generate(past_key_values=cache)`` (same loop for every cache): median of
    ``--repeats`` runs of ``--new-tokens`` greedy tokens after a ``--prompt-tokens`` prompt; prefill excluded; the
-   caches interleaved and rotated by :func:`toolkit.harness.measure`.
+   caches interleaved and rotated by :func:`toolkit.measure.harness.measure`.
 4. **Rollback**: rounds of (5 wrong draft tokens, ``crop(-5)``, the true token) vs a cache that only saw the true
    tokens: the first round where next-token logits differ, for each cache; and speculative (n-gram drafter, K = 4)
    vs AR greedy output with each cache as the target cache: the first diverging token.
@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 from eval.data import heldout_ids  # noqa: E402
 from eval.metrics import perplexity_through_cache  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
-from toolkit.harness import Call, Prompt, measure  # noqa: E402
 from toolkit.kv import make_policy, ops  # noqa: E402
+from toolkit.measure.harness import Call, Prompt, measure  # noqa: E402
 from toolkit.models import load_model  # noqa: E402
 from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec  # noqa: E402
 from toolkit.speculative.adaptive import ConstantK  # noqa: E402
@@ -58,8 +58,22 @@ def hf_cache_class():
     from transformers import QuantizedCache
 
     class HFQuantizedCacheBytes(QuantizedCache):
-        """HF ``QuantizedCache`` + exact ``kv_bytes`` (the backend's packed data, scales and zero points +
-        the full-precision residual)."""
+        """HF ``QuantizedCache`` through the toolkit's cache contract (:mod:`toolkit.kv.contract`): exact
+        ``kv_bytes`` (the backend's packed data, scales and zero points + the full-precision residual); HF
+        quantizes whenever its residual fills, so a commit point has nothing to do and trees are not supported."""
+
+        compressions = 0
+
+        def commit(self) -> None:
+            pass
+
+        def keep_tail(self, keep) -> None:
+            raise NotImplementedError("HF's QuantizedCache cannot keep a token-tree path")
+
+        def forward_kwargs(self, position_ids, tree_mask=None) -> dict:
+            if tree_mask is not None:
+                raise NotImplementedError("HF's QuantizedCache takes no tree mask here")
+            return {"position_ids": position_ids}
 
         def kv_bytes(self) -> int:
             total = 0

@@ -7,7 +7,7 @@ For each configuration (fp32, bf16, bitsandbytes int8 / NF4, torchao int8 weight
 * speed — ms of one target forward at a ``--context``-token context: a 1-token decode step and a 5-token verify
   step (K = 4 drafts + the last committed token). The context is prefilled once into a ``DynamicCache``; every timed
   step is cropped back (``cache.crop``), so all steps see the same context. All models stay loaded and
-  :func:`toolkit.harness.measure` interleaves them (one warm-up step each, then ``--repeats`` repetitions in a
+  :func:`toolkit.measure.harness.measure` interleaves them (one warm-up step each, then ``--repeats`` repetitions in a
   rotated order; medians with min-max), so a change in the machine's load hits every configuration alike; the
   device is synchronized around each step.
 * quality on held-out prose (the first ``--ppl-tokens`` tokens of the GPL-3 and Apache-2.0 license texts, one
@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 from eval.metrics import perplexity_sliding_window  # noqa: E402
 from toolkit.errors import ConfigError, ModelLoadError  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
+from toolkit.measure.harness import Call, Prompt, measure  # noqa: E402
 from toolkit.models import load_model, weight_bytes  # noqa: E402
-from toolkit.harness import Call, Prompt, measure  # noqa: E402
 from toolkit.recipe import GenerationSpec, ModelSpec  # noqa: E402
 from toolkit.speculative.stats import GenerationStats  # noqa: E402
 
@@ -125,7 +125,7 @@ class StepTimer:
 
 def interleaved_step_times(timers: dict[str, StepTimer], repeats: int) -> dict:
     """Per label, median (min-max) ms of decode (1 token) and verify (5 tokens) steps, timed by
-    :func:`toolkit.harness.measure`: one warm-up step each, then ``repeats`` repetitions that time every (model,
+    :func:`toolkit.measure.harness.measure`: one warm-up step each, then ``repeats`` repetitions that time every (model,
     width) once, in an order rotated between repetitions, so a change in machine load hits every model alike."""
 
     def step_runner(timer: StepTimer, width: int):

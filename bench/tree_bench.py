@@ -14,7 +14,7 @@ then asked again with a small edit), greedy, the same prompts and ``max_new_toke
 * with ``--draft-model``: ``self-linear`` / ``self-tree`` — the target's own weights at NF4 as draft (K = 4; EAGLE-2
   dynamic tree) — slow on this CPU.
 
-Timing is :func:`toolkit.harness.measure`: one untimed warm-up call per method (16 tokens), then ``--repeats``
+Timing is :func:`toolkit.measure.harness.measure`: one untimed warm-up call per method (16 tokens), then ``--repeats``
 repetitions; in each, every prompt of the suite in order and, per prompt, the methods back to back (interleaved,
 so load drift on a shared machine hits them alike), their order rotated between repetitions. Our methods get a
 fresh Generator before every repetition, so the suffix drafter's memory holds only the earlier requests of that
@@ -41,13 +41,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import toolkit  # noqa: E402
-from toolkit.baselines import hf_generate  # noqa: E402
-from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
-from toolkit.models import load_model  # noqa: E402
-from toolkit.prompts import load_suite  # noqa: E402
-from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec  # noqa: E402
-from toolkit.harness import Call, Measurement, Prompt, environment, measure  # noqa: E402
 from eval.runners import ours_runner  # noqa: E402
+from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
+from toolkit.measure.baselines import hf_generate  # noqa: E402
+from toolkit.measure.harness import Call, Measurement, Prompt, environment, measure  # noqa: E402
+from toolkit.measure.prompts import load_suite  # noqa: E402
+from toolkit.models import load_model  # noqa: E402
+from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec  # noqa: E402
 
 SUFFIX_K = 16
 SUFFIX = {"drafter": "suffix", "max_spec_factor": 2.0, "min_token_prob": 0.05, "max_cached_requests": 16}
@@ -80,7 +80,7 @@ def make_generator(method: str, spec, target, tokenizer, draft, gen: GenerationS
 
 
 def make_runners(methods: dict, target, tokenizer, draft, gen: GenerationSpec, eos_ids: list[int]):
-    """``(runners, fresh)`` for :func:`toolkit.harness.measure`: HF rows call ``hf_generate`` on the
+    """``(runners, fresh)`` for :func:`toolkit.measure.harness.measure`: HF rows call ``hf_generate`` on the
     target; our rows run the decode loop of a Generator that ``fresh(rep)`` rebuilds before every repetition (a
     fresh suffix memory: it holds only the earlier prompts of this repetition, never an earlier repetition of the
     same prompt)."""

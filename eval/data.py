@@ -113,7 +113,6 @@ def load_text(source: str = "prose", split: str = "test", max_chars: int = 200_0
     if not files:
         raise RuntimeError(f"text source {source!r} has no {split} documents on this machine")
     from datasets import load_dataset
-
     from datasets.utils.logging import disable_progress_bar
 
     disable_progress_bar()

@@ -16,7 +16,7 @@ prompts; reported as median with min-max over repetitions.
 
 Injection points for tests and for the search (which keeps models loaded between trials): ``target``,
 ``tokenizer``, ``draft_model``, ``reference_model`` (already-loaded models), ``prompts`` (token-id lists or
-:class:`toolkit.prompts.Prompt`), ``ppl_ids`` (token ids of the perplexity text).
+:class:`toolkit.measure.prompts.Prompt`), ``ppl_ids`` (token ids of the perplexity text).
 """
 
 from __future__ import annotations
@@ -33,12 +33,11 @@ import torch
 
 from eval import metrics as M
 from eval.results import EvalResult
-from eval.runners import (OURS, PROMPT_LOOKUP_NGRAM, PROMPT_LOOKUPS, baseline_methods, prompt_lookup_tokens,
-                          runners_for)
+from eval.runners import OURS, PROMPT_LOOKUP_NGRAM, PROMPT_LOOKUPS, baseline_methods, prompt_lookup_tokens, runners_for
 from toolkit.io import atomic_write_json, atomic_write_text
+from toolkit.measure.harness import Prompt, environment, measure, spread
 from toolkit.recipe import ModelSpec, Recipe
 from toolkit.session import SHARED_POOL, load_models, plan
-from toolkit.harness import Prompt, environment, measure, spread
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +143,7 @@ def load_recipe_models(recipe: Recipe, reference: bool = True):
 def _prompts(recipe: Recipe, prompts, generator, settings: EvalSettings) -> list[Prompt]:
     """Harness prompts from injected prompts (token-id lists, tensors, suite prompts) or the recipe's suite."""
     if prompts is None:
-        from toolkit.prompts import load_suite
+        from toolkit.measure.prompts import load_suite
 
         prompts = load_suite(recipe.prompts)
     out = []
@@ -195,7 +194,6 @@ def evaluate(recipe: Recipe, *, settings: EvalSettings | None = None, out_dir: s
         ConfigError / ModelLoadError: from recipe validation and model loading.
         ValueError: invalid settings, no prompts, or metrics that do not match the schema.
     """
-    from tqdm.auto import tqdm
 
     from toolkit.generator import build
 

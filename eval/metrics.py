@@ -113,7 +113,7 @@ def perplexity_sliding_window(model, ids: list[int], window: int = 1024, stride:
 
 
 # ------------------------------------------------------------------------------------------------------ acceptance
-from toolkit.speculative.stats import acceptance_summary as acceptance  # noqa: E402  (one summary, re-exported)
+from toolkit.speculative.stats import acceptance_summary as acceptance  # noqa: E402,F401  (one summary, re-exported)
 from toolkit.speculative.stats import check_acceptance  # noqa: E402,F401
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from toolkit.io import atomic_write_text
+from toolkit.io import atomic_write_png, atomic_write_text
 from toolkit.speculative.drafters import config_type
 from toolkit.speculative.drafters.registry import DRAFT_UNUSED
 
@@ -96,21 +96,6 @@ def markdown(m: dict) -> str:
     return "\n".join(lines)
 
 
-def _save(fig, path: Path) -> None:
-    """Save a figure atomically (temp file in the same directory, then rename)."""
-    import os
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=100, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def plots(m: dict, out: Path) -> dict:
     """Write the three PNGs into ``out``; returns ``{name: filename}``."""
     import matplotlib
@@ -133,7 +118,7 @@ def plots(m: dict, out: Path) -> dict:
     ax.set_title("Throughput vs generated length")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    _save(fig, out / "throughput_vs_length.png")
+    atomic_write_png(out / "throughput_vs_length.png", fig)
     plt.close(fig)
     files["throughput_vs_length"] = "throughput_vs_length.png"
     # KV bytes vs generated length
@@ -152,7 +137,7 @@ def plots(m: dict, out: Path) -> dict:
     ax.set_title("KV bytes vs generated length")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    _save(fig, out / "kv_bytes_vs_length.png")
+    atomic_write_png(out / "kv_bytes_vs_length.png", fig)
     plt.close(fig)
     files["kv_bytes_vs_length"] = "kv_bytes_vs_length.png"
     # acceptance by draft position
@@ -164,7 +149,7 @@ def plots(m: dict, out: Path) -> dict:
     ax.set_ylim(0, 1)
     ax.set_title(f"Acceptance by draft position (α = {m['acceptance']['acceptance_rate']:.2f})")
     fig.tight_layout()
-    _save(fig, out / "acceptance_by_position.png")
+    atomic_write_png(out / "acceptance_by_position.png", fig)
     plt.close(fig)
     files["acceptance_by_position"] = "acceptance_by_position.png"
     return files

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from toolkit.timing import Summary
+from toolkit.measure.timing import Summary
 
 MB = 2**20
 

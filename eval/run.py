@@ -2,7 +2,7 @@
 
 With ``--compare`` the same prompts also run, on the same model objects and precision, through HF ``generate``
 (autoregressive), HF assisted generation with the same pair and constant K (for model drafters) and HF prompt lookup
-(for the n-gram drafter), all timed by :func:`toolkit.harness.measure` (warm-up, interleaved repetitions, medians
+(for the n-gram drafter), all timed by :func:`toolkit.measure.harness.measure` (warm-up, interleaved repetitions, medians
 with min-max). Greedy runs also report whether each method's text is identical to AR greedy.
 
 Results are a :class:`RunResult`; ``to_dict()`` is the on-disk JSON contract (``results/run/<name>-<hash>.json``).
@@ -17,14 +17,14 @@ from pathlib import Path
 from eval.fidelity import agreement, first_divergence
 from eval.runners import OURS, PROMPT_LOOKUPS, baseline_methods, runners_for
 from toolkit.generator import Generator, build
-from toolkit.harness import Measurement, Prompt, environment, measure, spread
 from toolkit.io import atomic_write_json, atomic_write_text
-from toolkit.prompts import Prompt as SuitePrompt
-from toolkit.prompts import load_suite
+from toolkit.measure.harness import Measurement, Prompt, environment, measure, spread
+from toolkit.measure.prompts import Prompt as SuitePrompt
+from toolkit.measure.prompts import load_suite
+from toolkit.measure.timing import Summary
 from toolkit.recipe import Recipe
 from toolkit.session import SHARED_POOL
 from toolkit.speculative.stats import acceptance_summary
-from toolkit.timing import Summary
 
 
 @dataclass

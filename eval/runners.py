@@ -1,4 +1,4 @@
-"""Runners for :func:`toolkit.harness.measure`: our decoder and the in-process HF baselines, on the same models.
+"""Runners for :func:`toolkit.measure.harness.measure`: our decoder and the in-process HF baselines, on the same models.
 
 * ``ours`` — the recipe's :class:`~toolkit.generator.Generator` decode loop;
 * ``ar`` — the recipe's target with plain HF ``generate`` (autoregressive, uncompressed ``DynamicCache``);
@@ -9,7 +9,7 @@
 * ``ar_fp32`` — the fp32 uncompressed reference target with plain ``generate`` (only when the recipe's target is
   not fp32): the quality/fidelity reference and the throughput bar of the memory scenario.
 
-Baselines go through :func:`toolkit.baselines.hf_generate`, which leaves the shared models as it found them.
+Baselines go through :func:`toolkit.measure.baselines.hf_generate`, which leaves the shared models as it found them.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from toolkit.baselines import hf_generate
-from toolkit.harness import Call, Runner
+from toolkit.measure.baselines import hf_generate
+from toolkit.measure.harness import Call, Runner
+from toolkit.measure.timing import synchronize
 from toolkit.recipe import GenerationSpec, Recipe
 from toolkit.speculative.stats import GenerationStats
-from toolkit.timing import synchronize
 
 OURS = "ours"
 #: HF prompt lookup's ``max_matching_ngram_size`` in every comparison (HF's default is 2; 3 was measured better here)

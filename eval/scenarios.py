@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 from eval.results import MB, EvalResult
 
-
 OBJECTIVES = ("throughput", "ppl", "memory_mb")
 DIRECTIONS = ("maximize", "minimize", "minimize")
 

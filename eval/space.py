@@ -1,4 +1,4 @@
-"""Search spaces: editable YAML files ``recipes/search/<scenario>.yaml`` (read as package data, see :func:`data_path`).
+"""Search spaces: editable YAML files ``recipes/search/<scenario>.yaml`` (read as package data, see :func:`toolkit.resources.shipped`).
 
 Format::
 
@@ -43,25 +43,10 @@ import yaml
 
 from toolkit.errors import ConfigError
 from toolkit.recipe import Recipe
+from toolkit.resources import shipped, shipped_name
 from toolkit.session import plan
 
-def data_path(*parts: str) -> Path:
-    """Path of a data file shipped under ``recipes/`` (search spaces, prompt suites, recipes), found by
-    :func:`toolkit.resources.recipes_root` (the one place that knows where package data lives)."""
-    from toolkit.resources import recipes_root
-
-    return recipes_root().joinpath(*parts)
-
-
-def data_name(path: Path) -> str:
-    """A machine-independent name of a shipped data file (``recipes/search/short.yaml``) or the path as given."""
-    try:
-        return "recipes/" + Path(path).resolve().relative_to(data_path().resolve()).as_posix()
-    except ValueError:
-        return str(path)
-
-
-SPACES_DIR = data_path("search")
+SPACES_DIR = shipped("search")
 
 
 @dataclass
@@ -237,12 +222,12 @@ def load_space(source: str | Path | dict) -> SearchSpace:
     else:
         path = Path(source)
         if not path.suffix:
-            path = data_path("search", f"{source}.yaml")
+            path = shipped("search") / f"{source}.yaml"
         if not path.is_file():
             raise ConfigError("scenario", f"no search space file {path}",
-                              sorted(p.stem for p in data_path("search").glob("*.yaml")))
+                              sorted(p.stem for p in shipped("search").glob("*.yaml")))
         data = yaml.safe_load(path.read_text()) or {}
-        where = data_name(path)
+        where = shipped_name(path)
     known = {"scenario", "trials", "timeout_s", "constraints", "base", "eval", "heldout", "seeds", "space",
              "description"}
     for key in data:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 from toolkit.threads import thread_environment  # noqa: I001 (must run before torch loads OpenMP)
 
@@ -10,6 +11,9 @@ thread_environment()  # idle OpenMP threads sleep: a busy machine does not stall
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# verify cost curves measured by tests (tiny random models) go to a throwaway directory, not the user's cache
+os.environ.setdefault("TOOLKIT_VERIFY_COST_DIR", tempfile.mkdtemp(prefix="toolkit-verify-cost-"))
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one process per core (make test: pytest -n 2): one thread each
     torch.set_num_threads(1)

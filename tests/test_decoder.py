@@ -13,8 +13,8 @@ import copy
 
 import pytest
 import torch
-
 from conftest import perturbed_copy, tiny_llama, tiny_neox
+
 from toolkit.recipe import GenerationSpec
 from toolkit.speculative.adaptive import ConstantK, EmaK
 from toolkit.speculative.decoder import SpeculativeDecoder

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_llama
+
 from toolkit.distill import DistillConfig, distill, latest_checkpoint
 from toolkit.errors import ConfigError
 
@@ -203,7 +203,7 @@ def test_cli_reports_the_field(tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from toolkit.distill.cli import distill_command
+    from toolkit_cli.distill import distill_command
 
     app = typer.Typer()
     app.command()(distill_command)

@@ -5,17 +5,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import perturbed_copy, tiny_llama
 from test_decoder import hf_greedy, make_prompt
+
 from toolkit.distill.eagle_train import build_head
 from toolkit.errors import ConfigError
 from toolkit.kv import ops as kv_ops
 from toolkit.recipe import ModelSpec, Recipe, SpecSpec
 from toolkit.speculative.adaptive import ConstantK
 from toolkit.speculative.decoder import SpeculativeDecoder
-from toolkit.speculative.drafters import (DrafterContext, DrafterProtocol, NgramConfig, TreeDrafterProtocol,
-                                          build_drafter, config_type, drafter_names)
+from toolkit.speculative.drafters import (
+    DrafterContext,
+    DrafterProtocol,
+    NgramConfig,
+    TreeDrafterProtocol,
+    build_drafter,
+    config_type,
+    drafter_names,
+)
 from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_UNUSED, config_types
 from toolkit.speculative.params import DecodeParams  # noqa: F401  (the loop's view of generation settings)
 from toolkit.speculative.stats import GenerationStats, check_acceptance

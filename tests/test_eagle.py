@@ -16,10 +16,10 @@ import json
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
-
 from conftest import tiny_llama
+from scipy.stats import chisquare
 from test_decoder import hf_greedy, make_prompt, speculate
+
 from toolkit.distill.eagle_train import build_head, head_loss, unroll
 from toolkit.eagle.checkpoint import load_head, save_head
 from toolkit.eagle.features import FeatureHook

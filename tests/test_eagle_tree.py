@@ -11,7 +11,8 @@ import torch
 pytest.importorskip("toolkit.speculative.tree_dynamic")
 
 from test_decoder import hf_greedy, make_prompt  # noqa: E402
-from test_eagle import INIT, NEW_TOKENS, trained_head, target  # noqa: E402,F401  (fixtures)
+from test_eagle import INIT, NEW_TOKENS, target, trained_head  # noqa: E402,F401  (fixtures)
+
 from toolkit.recipe import GenerationSpec  # noqa: E402
 from toolkit.speculative.adaptive import ConstantK  # noqa: E402
 from toolkit.speculative.decoder import SpeculativeDecoder  # noqa: E402

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import perturbed_copy, tiny_llama
+
 from eval.evaluate import EvalSettings, evaluate, results_dir, validate_metrics
 from toolkit.recipe import KVSpec, Recipe
 

@@ -6,12 +6,11 @@ import math
 
 import pytest
 import torch
-
 from conftest import perturbed_copy, tiny_llama
+
 from eval import metrics as M
 from toolkit.recipe import Recipe
 from toolkit.speculative.stats import GenerationStats
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -78,9 +78,9 @@ def test_unknown_engine_is_a_config_error():
 
 
 def test_shipped_recipes_export(tmp_path):
-    from eval.space import data_path
+    from toolkit.resources import shipped
 
-    for path in sorted(data_path().glob("*.yaml")):
+    for path in sorted(shipped("").glob("*.yaml")):
         r = Recipe.load(path)
         for engine in ("vllm", "sglang"):
             e = export(r, engine)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 
 import pytest
-
-import toolkit
 from conftest import perturbed_copy, tiny_llama
 from test_decoder import hf_greedy
+
+import toolkit
 from toolkit.errors import ConfigError
 from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec
 

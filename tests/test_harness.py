@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from toolkit.harness import Call, Prompt, measure
+from toolkit.measure.harness import Call, Prompt, measure
 from toolkit.recipe import GenerationSpec
 from toolkit.speculative.stats import GenerationStats
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import tiny_llama
+
 from toolkit.errors import ConfigError
 from toolkit.kv import POLICIES, make_policy
 from toolkit.recipe import KVSpec, Recipe

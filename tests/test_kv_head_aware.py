@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_llama, tiny_neox
+
 from toolkit.kv import calibration, make_policy, ops
 from toolkit.recipe import GenerationSpec, KVSpec
 from toolkit.speculative.adaptive import ConstantK

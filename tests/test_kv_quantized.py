@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import perturbed_copy, tiny_llama, tiny_neox
+
 from toolkit.errors import ConfigError
 from toolkit.kv import make_policy, ops
 from toolkit.kv.quant_pack import dequantize, quantize

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import perturbed_copy, tiny_llama, tiny_neox
+
 from toolkit.kv import make_policy
 from toolkit.recipe import GenerationSpec, KVSpec
 from toolkit.speculative.adaptive import ConstantK

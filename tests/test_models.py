@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import toolkit
 from conftest import tiny_llama
 from test_generator import word_tokenizer
+
+import toolkit
 from toolkit.errors import ConfigError, ModelLoadError, TokenizerMismatchError
 from toolkit.models import cache_dir, check_same_vocab, load_model, weight_bytes
 from toolkit.recipe import PRECISIONS, ModelSpec, Recipe, SpecSpec

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_llama
 from test_generator import word_tokenizer
+
 from toolkit.errors import ConfigError, ModelLoadError
 from toolkit.models import load_model, weight_bytes
 from toolkit.quant import BACKENDS, choose_backend

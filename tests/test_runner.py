@@ -7,12 +7,12 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from tests.conftest import perturbed_copy, tiny_llama
 from eval.run import markdown_table, run_recipe, write_results
-from toolkit_cli import app
+from tests.conftest import perturbed_copy, tiny_llama
 from toolkit.generator import Generator, build
-from toolkit.prompts import load_suite
+from toolkit.measure.prompts import load_suite
 from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec
+from toolkit_cli import app
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,11 @@ import random
 
 import pytest
 import torch
-
 from conftest import perturbed_copy, tiny_llama
+
 from eval import search as S
 from eval.scenarios import Scenario
+from toolkit.errors import ConfigError
 from toolkit.recipe import Recipe
 
 EVAL = {"num_prompts": 1, "max_new_tokens": 24, "repeats": 1, "warmup": 0, "ppl_tokens": 64, "ppl_window": 32, "baselines": ["ar"],
@@ -94,13 +95,14 @@ def test_tiny_search_end_to_end_infeasible_never_chosen_and_recipe_runs(tmp_path
 
 def test_choose_never_picks_infeasible():
     sc = Scenario("short", primary="throughput")
-    rows = [{"number": 0, "values": [100.0, 10.0, 5.0], "feasible": False},
-            {"number": 1, "values": [50.0, 10.0, 5.0], "feasible": True},
-            {"number": 2, "values": [60.0, 12.0, 5.0], "feasible": True}]
-    assert S.choose(rows, sc)["number"] == 2
+    rows = [S.TrialRow(0, {}, [100.0, 10.0, 5.0], {"ppl_ratio": 0.5}),
+            S.TrialRow(1, {}, [50.0, 10.0, 5.0], {"ppl_ratio": -0.1}),
+            S.TrialRow(2, {}, [60.0, 12.0, 5.0], {"ppl_ratio": -0.1})]
+    assert S.choose(rows, sc).number == 2
     assert S.choose([rows[0]], sc) is None
-    assert S.choose(rows, Scenario("memory", primary="memory_mb"))["number"] == 1  # tie on memory: lower PPL
-    assert [r["number"] for r in S.pareto_front(rows)] == [1, 2]
+    assert S.choose(rows, Scenario("memory", primary="memory_mb")).number == 1  # tie on memory: lower PPL
+    assert [r.number for r in S.pareto_front(rows)] == [1, 2]
+    assert rows[1].to_dict()["feasible"] and not rows[0].to_dict()["feasible"]
     assert not S.is_feasible({"ppl_ratio": 0.01}) and S.is_feasible({"ppl_ratio": -0.1, "budget_mb": 0.0})
 
 
@@ -295,3 +297,57 @@ def test_a_trial_that_raises_is_failed_with_its_error_and_the_study_goes_on(tmp_
     failed = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
     assert {t.params["drafter"] for t in failed} == {"ngram"} and all(t.user_attrs["error"] for t in failed)
     assert result["best"]["params"]["drafter"] == "draft"
+
+
+def test_resume_with_other_settings_is_refused_and_reuse_follows_what_changes_a_result(tmp_path, tiny):
+    first = _run(tmp_path, tiny, heldout=False, trials=2)
+    assert first["counts"]["complete"] == 2
+    with pytest.raises(ConfigError, match="another eval") as excinfo:  # other evaluation settings, same study
+        _run(tmp_path, tiny, heldout=False, trials=3, eval_overrides={"max_new_tokens": 16})
+    assert excinfo.value.field == "search"
+    with pytest.raises(ConfigError, match="another scenario"):  # other bounds: feasibility would be stale
+        _run(tmp_path, tiny, heldout=False, trials=3, budget_mb=1.0)
+    # a new study (another name) with other settings measures again: nothing is reused across settings
+    calls: list[str] = []
+    other = _run(tmp_path, tiny, calls=calls, trials=2, study_name="other", eval_overrides={"max_new_tokens": 16})
+    assert other["counts"]["reused"] == 0 and len(calls) == 2
+
+
+def test_a_second_search_on_the_same_out_is_refused(tmp_path, tiny):
+    from filelock import FileLock
+
+    (tmp_path / "found" / "short").mkdir(parents=True)
+    held = FileLock(str(tmp_path / "found" / "short" / ".search.lock"))
+    held.acquire()
+    try:
+        with pytest.raises(ConfigError, match="another search is running") as excinfo:
+            _run(tmp_path, tiny, heldout=False, trials=1)
+        assert excinfo.value.field == "out"
+    finally:
+        held.release()
+    assert _run(tmp_path, tiny, heldout=False, trials=1)["counts"]["complete"] == 1  # free again
+
+
+def test_storage_password_never_written_or_passed_on_the_command_line(tmp_path, monkeypatch):
+    url = "postgresql://user:s3cret@db.example:5432/studies"
+    assert S.safe_url(url) == "postgresql://user:***@db.example:5432/studies"
+    started: list = []
+
+    class Fake:
+        pid, returncode = 1, 0
+
+        def __init__(self, cmd, env):
+            started.append((cmd, env))
+
+        def wait(self):
+            return 0
+
+    from eval.search import study as study_module
+
+    monkeypatch.setattr(study_module.subprocess, "Popen", Fake)
+    study_module.start_workers(2, {"scenario": "short", "study_name": "s", "trials": 4, "out": tmp_path,
+                                   "timeout": 10.0, "space": None, "enable": [], "budget_mb": None,
+                                   "heartbeat_s": None}, url)
+    assert len(started) == 2
+    for cmd, env in started:
+        assert not any("s3cret" in part for part in cmd) and env[S.STORAGE_ENV] == url

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +57,7 @@ def _space(model: Path) -> dict:
 def test_two_workers_share_a_postgres_study_and_survive_a_killed_worker(tmp_path, postgres_url):
     import optuna
 
-    from eval.search import _driver_url
+    from eval.search import driver_url
 
     model = _tiny_model_dir(tmp_path / "tiny-model")
     space = tmp_path / "space.yaml"
@@ -76,7 +75,7 @@ def test_two_workers_share_a_postgres_study_and_survive_a_killed_worker(tmp_path
         while killed is None and time.monotonic() < deadline and main.poll() is None:
             time.sleep(0.2)
             try:
-                study = optuna.load_study(study_name="workers-test", storage=_driver_url(postgres_url))
+                study = optuna.load_study(study_name="workers-test", storage=driver_url(postgres_url))
             except KeyError:
                 continue
             for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
@@ -93,7 +92,7 @@ def test_two_workers_share_a_postgres_study_and_survive_a_killed_worker(tmp_path
     assert main.returncode == 0, output
     assert f"worker {killed[1]} exited with status -9" in output
 
-    study = optuna.load_study(study_name="workers-test", storage=_driver_url(postgres_url))
+    study = optuna.load_study(study_name="workers-test", storage=driver_url(postgres_url))
     TS = optuna.trial.TrialState
     complete = study.get_trials(states=(TS.COMPLETE,))
     assert len(complete) >= 6  # the requested number completed (a worker may finish one in flight past it)

@@ -7,11 +7,11 @@ import copy
 
 import pytest
 import torch
-
 from conftest import perturbed_copy, tiny_llama
-from toolkit.baselines import hf_generate
+
 from toolkit.errors import ConfigError
 from toolkit.generator import build
+from toolkit.measure.baselines import hf_generate
 from toolkit.recipe import GenerationSpec, ModelSpec, Recipe
 from toolkit.session import ModelPool, plan
 

@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 import torch
-
-import toolkit
 from conftest import tiny_llama
 from test_decoder import hf_greedy
 from test_generator import word_tokenizer
+
+import toolkit
 from toolkit.errors import ConfigError
 from toolkit.recipe import GenerationSpec, Recipe, SpecSpec
 from toolkit.speculative.drafters.suffix import PROMPT_CONTEXT, SuffixDrafter

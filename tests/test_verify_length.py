@@ -7,12 +7,11 @@ import copy
 import json
 
 import numpy as np
-
 import pytest
 import torch
-
 from conftest import perturbed_copy, tiny_llama, tiny_neox
 from test_decoder import INIT, hf_greedy, make_prompt, speculate
+
 from toolkit.kv import make_policy
 from toolkit.recipe import KVSpec
 from toolkit.speculative.cost_model import VerifyCost, load_or_measure, measure_verify_cost

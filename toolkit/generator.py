@@ -24,8 +24,8 @@ from toolkit.speculative.adaptive import make_controller
 from toolkit.speculative.cost_model import VerifyCost, load_or_measure
 from toolkit.speculative.decoder import SpeculativeDecoder
 from toolkit.speculative.drafters import DrafterContext, build_drafter
-from toolkit.speculative.tree import TreeShape
 from toolkit.speculative.stats import GenerationResult, GenerationStats
+from toolkit.speculative.tree import TreeShape
 from toolkit.speculative.verify_length import Calibrator
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from toolkit.errors import ConfigError
 
-
 _SOURCE_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
@@ -28,6 +27,14 @@ def recipes_root() -> Path:
 def shipped(kind: str) -> Path:
     """``recipes_root()`` for ``kind`` ``""`` (recipes), ``"prompts"`` (suites) or ``"search"`` (search spaces)."""
     return recipes_root() / kind if kind else recipes_root()
+
+
+def shipped_name(path: str | Path) -> str:
+    """A machine-independent name of a shipped data file (``recipes/search/short.yaml``), or the path as given."""
+    try:
+        return "recipes/" + Path(path).resolve().relative_to(recipes_root().resolve()).as_posix()
+    except ValueError:
+        return str(path)
 
 
 def resolve(name_or_path: str | Path, kind: str, field: str) -> Path:

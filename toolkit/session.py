@@ -141,10 +141,10 @@ def load_models(p: Plan, pool: ModelPool | None = None, target=None, tokenizer=N
         target, tokenizer = pool.get(recipe.target, "target")
     if recipe.spec.config.draft == DRAFT_EAGLE_HEAD:  # the EAGLE head plays the draft model's part; it shares the target's embedding
         if draft_model is None:
+            from toolkit.dtypes import torch_dtype
             from toolkit.eagle.checkpoint import load_head, resolve_head
-            from toolkit.models.loading import _DTYPES
 
-            draft_model = load_head(resolve_head(recipe.draft.source), target, dtype=_DTYPES[recipe.draft.precision])
+            draft_model = load_head(resolve_head(recipe.draft.source), target, dtype=torch_dtype(recipe.draft.precision))
         return target, tokenizer, draft_model
     if p.draft_spec is None:
         return target, tokenizer, None

@@ -139,8 +139,8 @@ def search(scenario: str = typer.Option(..., help="short, long or memory"),
 
 
 def _register_distill() -> None:
-    """``toolkit draft distill``: every option of :func:`toolkit.distill.cli.distill_command` (see there)."""
-    from toolkit.distill.cli import distill_command
+    """``toolkit draft distill``: every option of :func:`toolkit_cli.distill.distill_command` (see there)."""
+    from toolkit_cli.distill import distill_command
 
     draft_app.command("distill", help="Train a small draft for a target by knowledge distillation (KL at τ).")(
         distill_command)
@@ -150,8 +150,8 @@ _register_distill()
 
 
 def _register_eagle() -> None:
-    """``toolkit draft eagle``: every option of :func:`toolkit.distill.eagle_cli.eagle_command` (see there)."""
-    from toolkit.distill.eagle_cli import eagle_command
+    """``toolkit draft eagle``: every option of :func:`toolkit_cli.eagle.eagle_command` (see there)."""
+    from toolkit_cli.eagle import eagle_command
 
     draft_app.command("eagle", help="Train an EAGLE feature-level draft head for a target.")(eagle_command)
 

@@ -14,7 +14,7 @@ Python::
     from toolkit.distill import DistillConfig, distill
     metrics = distill(DistillConfig(target="embedded", layers=2, tokens="2M", out="results/distill/smollm2-2l"))
 
-CLI (see :mod:`toolkit.distill.cli`)::
+CLI (see :mod:`toolkit_cli.distill`)::
 
     toolkit draft distill --target embedded --layers 2 --tokens 2M --out results/distill/smollm2-2l
 """

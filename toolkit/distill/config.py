@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.errors import ConfigError
 from toolkit.checks import check_choice, check_float, check_int
+from toolkit.errors import ConfigError
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DEVICES = ("auto", "cpu", "cuda")

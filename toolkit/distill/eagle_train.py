@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from toolkit.checks import check_choice, check_float, check_int
 from toolkit.errors import ConfigError
-from toolkit.io import atomic_write_json
+from toolkit.io import atomic_write_json, atomic_write_png
 
 log = logging.getLogger(__name__)
 
@@ -362,9 +362,7 @@ def _plot(curve: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, path)
+    atomic_write_png(path, fig)
     plt.close(fig)
 
 

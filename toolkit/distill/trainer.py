@@ -43,12 +43,12 @@ from toolkit.distill.config import RESUME_KEYS, DistillConfig
 from toolkit.distill.data import BlockSampler, heldout_windows, load_streams
 from toolkit.distill.draft import build_draft, check_target, set_trainable
 from toolkit.distill.evaluate import evaluate, kd_loss
+from toolkit.dtypes import torch_dtype
 from toolkit.errors import ConfigError
 from toolkit.io import atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _FINAL_MARKER = "distill_config.json"
 
 
@@ -229,7 +229,7 @@ def distill(config: DistillConfig | None = None, *, target_model=None, tokenizer
 
     device = resolve_device(config.device)
     precision = config.precision if config.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    dtype = _DTYPES[precision]
+    dtype = torch_dtype(precision)
     autocast_dtype = None if dtype == torch.float32 else dtype
 
     _check_out(config)  # fail fast on bad input, before loading anything or touching the output directory

@@ -71,6 +71,8 @@ class HeadCache:
     """The head's KV cache: ``keys`` / ``values`` ``(batch, kv_heads, length, head_dim)``; ``crop(n)`` keeps the
     first ``n`` entries (``n < 0``: drop the last ``-n``), exactly like ``DynamicCache.crop``."""
 
+    compressions = 0  # never compressed (the toolkit.kv.contract.MemoryReport reports read)
+
     def __init__(self):
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None

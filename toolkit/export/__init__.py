@@ -1,8 +1,9 @@
 """Export a recipe to a serving engine's configuration: ``toolkit export vllm|sglang RECIPE``.
 
 Each engine has one module (:mod:`toolkit.export.vllm`, :mod:`toolkit.export.sglang`) that maps what the engine can
-express; :mod:`toolkit.export.gaps` lists, per engine, what it cannot (our KV compression policies, NF4 drafts,
-adaptive K, ...) as warnings that travel with the output — nothing in the recipe is dropped silently.
+express (on the shared core in :mod:`toolkit.export.common`); :mod:`toolkit.export.gaps` lists, per engine, what it
+cannot (our KV compression policies, NF4 drafts, adaptive K, ...) as warnings that travel with the output — nothing
+in the recipe is dropped silently.
 """
 
 from __future__ import annotations

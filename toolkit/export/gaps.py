@@ -1,76 +1,15 @@
-"""What a serving engine cannot express of a recipe: one warning per recipe field, shared by every exporter.
-
-What a drafter is to the engines (its method name, its parameters, whether it runs a draft LM) comes from its
-registered config (:mod:`toolkit.speculative.drafters.registry`), never from comparing drafter names.
-"""
+"""What a serving engine cannot express of a recipe: one warning per recipe field, shared by every exporter."""
 
 from __future__ import annotations
 
+from toolkit.export.common import ENGINE_NAMES
 from toolkit.speculative.drafters.registry import DRAFT_TARGET, DRAFT_UNUSED
-
-EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the checkpoint the embedded GGUF was made from
-
-ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
-#: the engines' ``dtype`` for each target precision (int8 / int4 load in-flight quantized, dtype picked by the engine)
-DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "auto", "int4": "auto"}
-
-
-def target_config(recipe, model_key: str, warnings: list[str]) -> dict:
-    """The engine arguments every exporter shares: the model (under ``model_key``), dtype, quantization, KV dtype."""
-    config: dict = {model_key: model_path(recipe.target, "target", warnings), "dtype": DTYPES[recipe.target.precision]}
-    if recipe.target.precision in ("int8", "int4"):
-        config["quantization"] = "bitsandbytes"
-    config["kv_cache_dtype"] = "auto"
-    return config
 
 
 def engine_warnings(recipe, engine: str) -> list[str]:
     """Everything of ``recipe`` that ``engine`` cannot express: target, speculation, KV caches, generation."""
     return (target_warnings(recipe, engine) + spec_warnings(recipe, engine) + kv_warnings(recipe, engine)
             + generation_warnings(recipe))
-
-
-def model_path(spec, prefix: str, warnings: list[str]) -> str:
-    """The engine's model argument for a ``ModelSpec`` (``embedded`` maps to its hub checkpoint)."""
-    if spec.source == "embedded":
-        warnings.append(f"{prefix}.source: 'embedded' is the Q4_1 GGUF of {EMBEDDED_HUB_ID} dequantized; the "
-                        f"engine loads the original hub checkpoint {EMBEDDED_HUB_ID} (higher precision, so outputs "
-                        "can differ slightly from this toolkit's)")
-        return EMBEDDED_HUB_ID
-    if spec.source.endswith(".gguf"):
-        warnings.append(f"{prefix}.source: a .gguf file; the engine's GGUF support is partial — prefer the "
-                        "original HF checkpoint")
-    return spec.source
-
-
-def draft_source(recipe) -> tuple:
-    """``(ModelSpec, role)`` of the draft LM a drafter runs: the target's own checkpoint for a drafter that drafts
-    with the target's weights (``self``), else the recipe's ``draft`` section."""
-    if recipe.spec.config.draft == DRAFT_TARGET:
-        return recipe.target, "target"
-    return recipe.draft, "draft"
-
-
-def eagle_variant(recipe) -> str:
-    """``"eagle3"`` when the recipe's head directory holds an EAGLE-3 head, else ``"eagle"`` (EAGLE-1, also when the
-    head cannot be read here). Read from the head's ``config.json`` the way :func:`toolkit.eagle.checkpoint.save_head`
-    writes it (``toolkit_eagle.variant``) or the published layouts name it (``architectures``: ``...Eagle3``)."""
-    import json
-    from pathlib import Path
-
-    from toolkit.eagle.checkpoint import SHIPPED
-
-    if recipe.draft is None:
-        return "eagle"
-    path = SHIPPED.get(recipe.draft.source, Path(str(recipe.draft.source)).expanduser()) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return "eagle"
-    variant = (raw.get("toolkit_eagle") or {}).get("variant")
-    if variant is None:
-        variant = "eagle3" if any("Eagle3" in a for a in raw.get("architectures") or []) else "eagle1"
-    return "eagle3" if variant == "eagle3" else "eagle"
 
 
 def kv_warnings(recipe, engine: str) -> list[str]:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import shlex
 
 from toolkit.export import Export
-from toolkit.export.gaps import draft_source, eagle_variant, engine_warnings, model_path, target_config
+from toolkit.export.common import draft_source, eagle_variant, model_path, target_config
+from toolkit.export.gaps import engine_warnings
 from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD
 
 

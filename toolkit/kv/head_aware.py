@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from toolkit.checks import check_int
 from toolkit.errors import ConfigError
 from toolkit.kv import register
 from toolkit.kv.attention import align_mask, causal_mask
 from toolkit.kv.base import gather_seq
 from toolkit.kv.l2norm import L2Norm
-from toolkit.checks import check_int
 
 
 class TieredLayer(DynamicLayer):

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from toolkit.checks import check_int
 from toolkit.errors import ConfigError
 from toolkit.kv import register
 from toolkit.kv.base import KVPolicy
-from toolkit.checks import check_int
 
 
 @register("l2norm")

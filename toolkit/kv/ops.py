@@ -1,4 +1,5 @@
-"""The narrow protocol between the decode loop and a KV cache, compressed or not.
+"""The narrow protocol between the decode loop and a KV cache, compressed or not (declared in
+:mod:`toolkit.kv.contract`: :class:`~toolkit.kv.contract.CacheProtocol`).
 
 The decoder never asks which policy it runs. It calls, for the target and for the draft:
 
@@ -15,7 +16,8 @@ The decoder never asks which policy it runs. It calls, for the target and for th
 Caches made by :func:`new_cache` compress only at explicit commit points (their ``auto_commit``, used when a cache
 is handed to ``model.generate``, is switched off).
 
-A plain ``transformers.DynamicCache`` satisfies the protocol with no compression.
+Without a policy the cache is a :class:`~toolkit.kv.contract.PlainCache` (a ``DynamicCache`` that records its
+commit point).
 """
 
 from __future__ import annotations
@@ -23,15 +25,17 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from transformers import DynamicCache
+
+from toolkit.kv.contract import CacheProtocol, MemoryReport, PlainCache
 
 
-def new_cache(policy, model) -> DynamicCache:
-    """A fresh cache for ``model``: a ``DynamicCache`` when ``policy`` is None, else ``policy.make_cache(model)``."""
+def new_cache(policy, model) -> CacheProtocol:
+    """A fresh cache for ``model``: a :class:`~toolkit.kv.contract.PlainCache` when ``policy`` is None, else
+    ``policy.make_cache(model)`` (with ``auto_commit`` off: this loop commits after verification itself)."""
     if policy is None:
-        return DynamicCache(config=model.config)
+        return PlainCache(model)
     cache = policy.make_cache(model)
-    cache.auto_commit = False  # this loop calls commit() itself, after verification
+    cache.auto_commit = False
     return cache
 
 
@@ -42,26 +46,17 @@ def attached(policy, model):
     return policy.attached(model)
 
 
-def model_inputs(cache, position_ids: torch.Tensor, tree_mask: torch.Tensor | None = None,
-                 dtype: torch.dtype = torch.float32) -> dict:
+def model_inputs(cache: CacheProtocol, position_ids: torch.Tensor, tree_mask: torch.Tensor | None = None) -> dict:
     """Forward kwargs for a query at absolute ``position_ids`` (shape ``(1, q)``) against ``cache``.
 
     ``tree_mask`` (token trees): boolean ``(q, t)`` with ``t >= q``, the visibility of the *last* ``t`` keys of
     ``[cache entries, new tokens]`` for each query (True = attend); every earlier key stays visible. ``None`` = plain
-    causal attention. ``dtype``: the model's float dtype (of the additive mask).
+    causal attention.
 
     Returns a dict with ``position_ids`` and, when needed, ``attention_mask`` (additive ``(1, 1, q, held + q)``, or
     ``(1, 1, q, t)`` right-aligned for caches whose layers hold different lengths, see :mod:`toolkit.kv.attention`).
     """
-    hook = getattr(cache, "forward_kwargs", None)
-    if hook is None:
-        if tree_mask is None:
-            return {"position_ids": position_ids}
-        return {"position_ids": position_ids,
-                "attention_mask": tree_additive_mask(tree_mask, cache.get_seq_length(), dtype)}
-    if tree_mask is None:
-        return hook(position_ids)
-    return hook(position_ids, tree_mask=tree_mask)
+    return cache.forward_kwargs(position_ids, tree_mask=tree_mask)
 
 
 def tree_additive_mask(tree_mask: torch.Tensor, held: int, dtype: torch.dtype) -> torch.Tensor:
@@ -76,17 +71,9 @@ def tree_additive_mask(tree_mask: torch.Tensor, held: int, dtype: torch.dtype) -
         ~visible, torch.finfo(dtype).min)[None, None]
 
 
-def commit(cache) -> None:
-    """Mark everything now in ``cache`` as committed; a compressed cache may evict entries here.
-
-    A cache without a ``commit`` hook (plain ``DynamicCache``) gets its commit point recorded (the length now
-    held), which :func:`keep_tail` needs to know which entries are pending.
-    """
-    hook = getattr(cache, "commit", None)
-    if hook is not None:
-        hook()
-    elif cache is not None:
-        cache._toolkit_committed = cache.get_seq_length()
+def commit(cache: CacheProtocol) -> None:
+    """Mark everything now in ``cache`` as committed; a compressed cache may evict entries here."""
+    cache.commit()
 
 
 def check_keep(keep, pending: int) -> list[int]:
@@ -107,43 +94,22 @@ def gather_tail(tensor: torch.Tensor, pending: int, keep: list[int]) -> torch.Te
     return torch.cat((tensor[..., : held - pending, :], tensor.index_select(-2, index)), dim=-2)
 
 
-def keep_tail(cache, keep) -> None:
+def keep_tail(cache: CacheProtocol, keep) -> None:
     """After a forward that appended ``n`` entries since the last commit point, keep only the pending entries at
     offsets ``keep`` (1-D, ascending, values in ``[0, n)``) and drop the others; the logical length becomes
     ``committed + len(keep)``.
 
-    A cache with its own ``keep_tail(keep)`` (every :class:`~toolkit.kv.base.CompressedCache`) does it itself; a plain
-    ``DynamicCache`` is gathered layer by layer (its commit point is recorded by :func:`commit`).
-
     Raises:
         ValueError: offsets out of range, unsorted or repeated.
     """
-    hook = getattr(cache, "keep_tail", None)
-    if hook is not None:
-        hook(keep)
-        return
-    committed = getattr(cache, "_toolkit_committed", 0)
-    pending = cache.get_seq_length() - committed
-    keep = check_keep(keep, pending)
-    for layer in cache.layers:
-        if getattr(layer, "is_initialized", True) and torch.is_tensor(getattr(layer, "keys", None)):
-            layer.keys = gather_tail(layer.keys, pending, keep)
-            layer.values = gather_tail(layer.values, pending, keep)
+    cache.keep_tail(keep)
 
 
-def kv_bytes(cache) -> int:
-    """Exact bytes held by the cache's key and value tensors (sum of ``nbytes``)."""
-    hook = getattr(cache, "kv_bytes", None)
-    if hook is not None:
-        return int(hook())
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if torch.is_tensor(tensor):
-                total += tensor.numel() * tensor.element_size()
-    return total
+def kv_bytes(cache: MemoryReport | None) -> int:
+    """Exact bytes held by the cache's key and value tensors (0 for no cache)."""
+    return 0 if cache is None else int(cache.kv_bytes())
 
 
-def compressions(cache) -> int:
-    """How many compression events the cache has run (0 for an uncompressed cache)."""
-    return int(getattr(cache, "compressions", 0))
+def compressions(cache: MemoryReport | None) -> int:
+    """How many compression events the cache has run (0 for no cache or an uncompressed one)."""
+    return 0 if cache is None else int(cache.compressions)

@@ -49,8 +49,6 @@ from toolkit.kv.quant_pack import BITS, Packed, dequantize, quantize
 from toolkit.kv.streaming import StreamingLLM
 
 
-
-
 def check_quant_fields(bits, group, residual) -> None:
     """Field checks shared by :class:`QuantizedKV` and :class:`QuantizedStreamingLLM` (raise :class:`ConfigError`)."""
     check_choice("quant_bits", bits, BITS)
@@ -361,7 +359,6 @@ class QuantizedKVCache(CompressedCache):
         """
         self._maybe_auto_commit()
         policy = self.policy
-        q = position_ids.shape[-1]
         start = int(position_ids[0, 0])
         if start != self._length:
             raise ValueError(f"position_ids start at {start} but the quantized cache holds {self._length} tokens")

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
+from toolkit.checks import check_int
 from toolkit.errors import ConfigError
 from toolkit.kv import register
 from toolkit.kv.base import CompressedCache, KVPolicy
 from toolkit.kv.rope import find_inv_freq, shift_positions
-from toolkit.checks import check_int
 
 POSITION_MODES = ("absolute", "reindex")
 

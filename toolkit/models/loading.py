@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.dtypes import torch_dtype
 from toolkit.errors import ConfigError, ModelLoadError
 from toolkit.models.embedded import resolve_source
 from toolkit.quant import bitsandbytes as bnb_backend
@@ -16,7 +17,6 @@ from toolkit.quant import torchao as torchao_backend
 from toolkit.recipe import ModelSpec
 
 log = logging.getLogger("toolkit.quant")
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -54,7 +54,7 @@ def load_model(spec: ModelSpec, field: str = "model"):
         torchao_backend.import_quietly(field)  # fail before reading weights when torchao is missing
         kwargs["dtype"] = torchao_backend.compute_dtype(spec, device)
     else:
-        kwargs["dtype"] = _DTYPES[spec.precision]
+        kwargs["dtype"] = torch_dtype(spec.precision)
     try:
         tokenizer = AutoTokenizer.from_pretrained(location)
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs)

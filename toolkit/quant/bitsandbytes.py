@@ -13,10 +13,10 @@ import logging
 
 import torch
 
+from toolkit.dtypes import torch_dtype
 from toolkit.errors import ModelLoadError
 
 log = logging.getLogger("toolkit.quant")
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _SAID: set[str] = set()
 
 
@@ -87,7 +87,7 @@ def from_pretrained_kwargs(spec, device: torch.device, field: str) -> dict:
         config = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
-            bnb_4bit_compute_dtype=_DTYPES[spec.int4_compute_dtype],
+            bnb_4bit_compute_dtype=torch_dtype(spec.int4_compute_dtype),
             bnb_4bit_use_double_quant=spec.int4_double_quant,
         )
     return {

@@ -22,13 +22,13 @@ import warnings
 
 import torch
 
+from toolkit.dtypes import torch_dtype
 from toolkit.errors import ConfigError, ModelLoadError
 
 log = logging.getLogger("toolkit.quant")
 INT8_MODES = ("weight_only", "dynamic")
 INT4_GROUP_SIZES_CPU = (32, 64, 128)
 INT4_GROUP_SIZES_CUDA = (32, 64, 128, 256)
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _SAID: set[str] = set()
 
 
@@ -52,12 +52,12 @@ def compute_dtype(spec, device: torch.device) -> torch.dtype:
     """Dtype of activations and of the unquantized weights: ``torchao_compute_dtype``, or with ``auto`` bf16 for
     int4 (the tinygemm kernels' dtype) and fp32 for int8 (keeps int8 within 1% of fp32 perplexity)."""
     if spec.torchao_compute_dtype != "auto":
-        return _DTYPES[spec.torchao_compute_dtype]
+        return torch_dtype(spec.torchao_compute_dtype)
     if spec.precision == "int4":
         return torch.bfloat16
     if spec.precision == "int8":
         return torch.float32
-    return _DTYPES[spec.precision]
+    return torch_dtype(spec.precision)
 
 
 def check_kernel(spec, device: torch.device, field: str) -> None:
@@ -98,7 +98,9 @@ def config_for(spec, device: torch.device, field: str):
         return quantization.Int8DynamicActivationInt8WeightConfig()
     if spec.precision == "int4":
         if device.type == "cpu":
-            from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+            from torchao.prototype.quantization.int4 import (
+                PrototypeInt4WeightOnlyConfig,
+            )
 
             return PrototypeInt4WeightOnlyConfig(group_size=spec.torchao_group_size)
         return quantization.Int4WeightOnlyConfig(group_size=spec.torchao_group_size,

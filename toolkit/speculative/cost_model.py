@@ -4,7 +4,8 @@ Why: what a round costs decides what it may verify. On a 2-core CPU a forward ov
 one-token step in fp32 (the GEMM path for a handful of rows is poor, and it differs between machines), while in bf16
 up to 9 tokens cost about one step. A fixed draft length K is right on one machine and wrong on the next, so the
 curve is measured once per model x weight format x device x threads and cached (JSON) in the user cache directory:
-``<cache_dir>/verify-cost/<key>.json``, where ``cache_dir`` is ``$TOOLKIT_CACHE_DIR`` or the XDG user cache.
+``<cache_dir>/verify-cost/<key>.json``, where ``cache_dir`` is ``$TOOLKIT_CACHE_DIR`` or the XDG user cache
+(``$TOOLKIT_VERIFY_COST_DIR`` overrides the whole directory; the test suite points it at a temporary one).
 
 :func:`measure_verify_cost` runs the target over a random context of ``context`` tokens, then times forwards of
 ``n = 1 ... max_tokens`` new tokens (rolled back with ``crop`` after each), lengths interleaved within each repetition
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
 import statistics
 import time
@@ -168,14 +170,15 @@ def _cpu_name() -> str:
 def load_or_measure(model, max_tokens: int = 16, cache_dir: Path | None = None) -> VerifyCost:
     """The cached curve of ``model`` on this machine, measured (and cached atomically) on first use.
 
-    ``cache_dir`` defaults to :func:`toolkit.models.embedded.cache_dir` ``/ "verify-cost"``. A cache file that cannot
-    be read or does not cover ``max_tokens`` is measured again.
+    ``cache_dir`` defaults to ``$TOOLKIT_VERIFY_COST_DIR`` or :func:`toolkit.models.embedded.cache_dir`
+    ``/ "verify-cost"``. A cache file that cannot be read or does not cover ``max_tokens`` is measured again.
     """
     from toolkit.io import atomic_write_json
     from toolkit.models.embedded import cache_dir as models_cache_dir
 
     key = cost_key(model)
-    path = (cache_dir or models_cache_dir() / "verify-cost") / f"{key}.json"
+    default = os.environ.get("TOOLKIT_VERIFY_COST_DIR") or models_cache_dir() / "verify-cost"
+    path = Path(cache_dir or default) / f"{key}.json"
     try:
         data = json.loads(path.read_text())
         if len(data["step_ms"]) >= max_tokens and all(x > 0 for x in data["step_ms"]):

@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterator
 import torch
 
 from toolkit.kv import ops as kv_ops
-from toolkit.speculative.params import DecodeParams
 from toolkit.speculative.adaptive import ConstantK
 from toolkit.speculative.drafters.base import Drafter, TreeDrafterProtocol
+from toolkit.speculative.params import DecodeParams
 from toolkit.speculative.stats import GenerationStats
 from toolkit.speculative.tree import TreeShape
 from toolkit.speculative.tree_verify import greedy_tree_accept, tree_speculative_sample
@@ -62,9 +62,6 @@ class SpeculativeDecoder:
         if tree is not None and drafter is not None and not isinstance(drafter, TreeDrafterProtocol):
             raise TypeError(f"tree: {type(drafter).__name__} proposes no token trees (no propose_tree/commit_tree)")
         self.tree = tree if drafter is not None else None
-        self.dtype = next(target.parameters()).dtype
-        if not self.dtype.is_floating_point:
-            self.dtype = torch.float32
         self.controller = controller or ConstantK(4)
         self.target_policy = target_policy
         self.device = next(target.parameters()).device
@@ -92,7 +89,7 @@ class SpeculativeDecoder:
         tokens = tree.tokens.to(self.device)
         verify_input = torch.cat([sequence[:, -1:], tokens.view(1, -1)], dim=1)
         positions = tree.positions(committed - 1, self.device)
-        inputs = kv_ops.model_inputs(self.cache, positions, tree_mask=tree.mask(self.device), dtype=self.dtype)
+        inputs = kv_ops.model_inputs(self.cache, positions, tree_mask=tree.mask(self.device))
         out = self.target(input_ids=verify_input, past_key_values=self.cache, use_cache=True,
                           logits_to_keep=n + 1, **inputs)
         target_logits = out.logits[0]

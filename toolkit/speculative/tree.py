@@ -131,6 +131,27 @@ class TokenTree:
         return (torch.cat([torch.zeros(1, dtype=torch.long), self.depth]) + root_position).to(device).unsqueeze(0)
 
 
+def expansion_mask(parents: list[int], slot_of: dict[int, int], parent_of: dict[int, int], held: int,
+                   prefix: int = 0, device=None) -> torch.Tensor:
+    """Visibility ``(m, held + m)`` for ``m`` tree nodes expanded in one draft forward (EAGLE-2 dynamic trees):
+    row ``r`` sees the first ``prefix`` of the ``held`` cached entries (the committed context), the cache slots of
+    its ancestors and itself (its own new entry, at ``held + r``), nothing else.
+
+    ``parents[r]`` is node ``r``'s parent (``-1`` = the root); ``slot_of[node]`` is the cache slot of an already
+    expanded node and ``parent_of[node]`` its parent, for every ancestor of the expanded nodes (ancestors are always
+    expanded before their children).
+    """
+    m = len(parents)
+    visible = torch.zeros(m, held + m, dtype=torch.bool)
+    visible[:, :prefix] = True
+    for row, parent in enumerate(parents):
+        while parent >= 0:
+            visible[row, slot_of[parent]] = True
+            parent = parent_of[parent]
+        visible[row, held + row] = True
+    return visible.to(device) if device is not None else visible
+
+
 @dataclass(frozen=True)
 class TreeShape:
     """Size limits of a draft tree (EAGLE-2's dynamic tree, Li et al. 2024).

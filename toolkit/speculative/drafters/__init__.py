@@ -22,16 +22,22 @@ Drafters here:
 """
 
 from toolkit.speculative.drafters.base import Drafter, DrafterProtocol, TreeDrafterProtocol
-from toolkit.speculative.drafters.registry import (DrafterConfig, DrafterContext, build_drafter, config_type,
-                                                   drafter_names, register_drafter)
 
 # The registrations, one line per drafter (registration order = the order of the allowed names in errors).
 from toolkit.speculative.drafters.draft_model import DraftModel, DraftModelConfig, SelfDraftConfig  # noqa: E402
-from toolkit.speculative.drafters.ngram import NgramConfig, NGramDrafter  # noqa: E402
-from toolkit.speculative.drafters.suffix import SuffixConfig, SuffixDrafter  # noqa: E402
 from toolkit.speculative.drafters.eagle import EagleConfig, EagleDrafter  # noqa: E402
-from toolkit.speculative.drafters.none import NoDrafterConfig  # noqa: E402
 from toolkit.speculative.drafters.lookup import LookupConfig, LookupDrafter  # noqa: E402
+from toolkit.speculative.drafters.ngram import NgramConfig, NGramDrafter  # noqa: E402
+from toolkit.speculative.drafters.none import NoDrafterConfig  # noqa: E402
+from toolkit.speculative.drafters.registry import (
+                                                   DrafterConfig,
+                                                   DrafterContext,
+                                                   build_drafter,
+                                                   config_type,
+                                                   drafter_names,
+                                                   register_drafter,
+)
+from toolkit.speculative.drafters.suffix import SuffixConfig, SuffixDrafter  # noqa: E402
 
 __all__ = ["Drafter", "DrafterProtocol", "TreeDrafterProtocol", "DrafterConfig", "DrafterContext", "build_drafter",
            "config_type", "drafter_names", "register_drafter", "DraftModel", "DraftModelConfig", "SelfDraftConfig",

@@ -11,7 +11,7 @@ from toolkit.checks import check_float
 from toolkit.kv import ops as kv_ops
 from toolkit.speculative.drafters.base import Drafter
 from toolkit.speculative.drafters.registry import DRAFT_MODEL, DRAFT_TARGET, DrafterConfig, register_drafter
-from toolkit.speculative.tree import TokenTree, TreeShape
+from toolkit.speculative.tree import TokenTree, TreeShape, expansion_mask
 from toolkit.speculative.tree_dynamic import build_dynamic_tree
 from toolkit.speculative.verify import process_logits, sample_token
 
@@ -177,16 +177,10 @@ class DraftModel(Drafter):
         parent_of: dict[int, int] = {}
 
         def expand(nodes: list[int], tokens: list[int], parents: list[int], depths: list[int]) -> torch.Tensor:
-            m, t = len(nodes), len(fed) + len(nodes)
-            visible = torch.zeros(m, t, dtype=torch.bool)
-            for row, parent in enumerate(parents):
-                while parent >= 0:  # every ancestor of an expanded node was expanded (fed) before
-                    visible[row, offset_of[parent]] = True
-                    parent = parent_of[parent]
-                visible[row, len(fed) + row] = True
+            m = len(nodes)
+            visible = expansion_mask(parents, offset_of, parent_of, len(fed))  # over the entries fed this round
             positions = (committed - 1 + torch.tensor(depths, device=self.device)).unsqueeze(0)
-            inputs = kv_ops.model_inputs(self.cache, positions, tree_mask=visible.to(self.device),
-                                         dtype=self._dtype())
+            inputs = kv_ops.model_inputs(self.cache, positions, tree_mask=visible.to(self.device))
             out = self.model(input_ids=torch.tensor([tokens], device=self.device), past_key_values=self.cache,
                              use_cache=True, logits_to_keep=m, **inputs)
             self.forwards += 1
@@ -207,7 +201,3 @@ class DraftModel(Drafter):
         kv_ops.keep_tail(self.cache, keep)
         self.cached = self._committed_before + len(path_fed)
         kv_ops.commit(self.cache)
-
-    def _dtype(self) -> torch.dtype:
-        dtype = next(self.model.parameters()).dtype
-        return dtype if dtype.is_floating_point else torch.float32

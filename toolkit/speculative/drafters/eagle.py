@@ -173,7 +173,7 @@ class EagleDrafter(Drafter):
         """EAGLE-2 dynamic tree after ``input_ids`` ``(1, n)``: at most ``budget`` nodes, ``depth`` levels, ``topk``
         children per expanded node. Head forwards: one over the pending true pairs, then one per level below the
         first over the (at most ``topk``) expanded nodes. Returns a ``TokenTree`` (``draft_probs = None``)."""
-        from toolkit.speculative.tree import TreeShape
+        from toolkit.speculative.tree import TreeShape, expansion_mask
         from toolkit.speculative.tree_dynamic import build_dynamic_tree
 
         head, device = self.head, self.head.lm_head.weight.device
@@ -184,14 +184,8 @@ class EagleDrafter(Drafter):
         parent_of: dict[int, int] = {}
 
         def expand(nodes: list[int], tokens: list[int], parents: list[int], depths: list[int]) -> torch.Tensor:
-            m, fed_now = len(nodes), len(self.head_cache)
-            visible = torch.zeros(m, fed_now + m, dtype=torch.bool, device=device)
-            visible[:, :base] = True
-            for row, parent in enumerate(parents):
-                while parent >= 0:  # every ancestor of an expanded node was expanded before
-                    visible[row, offset_of[parent]] = True
-                    parent = parent_of[parent]
-                visible[row, fed_now + row] = True
+            fed_now = len(self.head_cache)
+            visible = expansion_mask(parents, offset_of, parent_of, fed_now, prefix=base, device=device)
             tok = torch.tensor([tokens], device=device)
             prev = torch.stack([outputs[p] for p in parents]).unsqueeze(0)  # (1, m, H)
             positions = (base - 1 + torch.tensor(depths, device=device)).unsqueeze(0)

@@ -1,11 +1,7 @@
-"""``toolkit draft eagle``: train an EAGLE head for a target (see :mod:`toolkit.distill.eagle_train`).
+"""``toolkit draft eagle``: train an EAGLE head for a target (see :mod:`toolkit.distill.eagle_train`); registered
+on the ``draft`` sub-app in :mod:`toolkit_cli.app`.
 
-Wiring (in the CLI module)::
-
-    from toolkit.distill.eagle_cli import eagle_command
-    draft_app.command("eagle")(eagle_command)
-
-Standalone: ``python -m toolkit.distill.eagle_cli --target embedded --minutes 40 --out results/eagle/smollm2``.
+Standalone: ``python -m toolkit_cli.eagle --target embedded --minutes 40 --out results/eagle/smollm2``.
 Exit status 0 on success, 2 on a configuration error (the message names the field).
 """
 

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from toolkit.measure.timing import Summary
 from toolkit.recipe import GenerationSpec
 from toolkit.speculative.stats import GenerationStats
-from toolkit.timing import Summary
+
 
 @dataclass
 class Call:
@@ -124,7 +125,7 @@ class Measurement:
 
     def tau(self, method: str) -> float:
         """Median over repetitions of tokens per round τ (committed / rounds over the prompts; an HF baseline
-        counts one round per target forward after prefill, see :func:`toolkit.baselines.hf_generate`)."""
+        counts one round per target forward after prefill, see :func:`toolkit.measure.baselines.hf_generate`)."""
         return statistics.median(_tau(rep) for rep in self.calls[method])
 
     def ratio(self, method: str, baseline: str) -> float | None:

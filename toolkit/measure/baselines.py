@@ -18,9 +18,9 @@ import time
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from toolkit.measure.timing import synchronize
 from toolkit.recipe import GenerationSpec
 from toolkit.speculative.stats import GenerationStats
-from toolkit.timing import synchronize
 
 BASELINES = ("ar", "assisted", "prompt_lookup")
 

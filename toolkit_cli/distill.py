@@ -1,11 +1,7 @@
-"""``toolkit draft distill``: a plain function with typer-friendly arguments, wired into ``toolkit_cli/app.py``.
+"""``toolkit draft distill``: train a small draft for a target (:mod:`toolkit.distill`); registered on the
+``draft`` sub-app in :mod:`toolkit_cli.app`.
 
-Wiring (in the CLI module)::
-
-    from toolkit.distill.cli import distill_command
-    draft_app.command("distill")(distill_command)
-
-Standalone: ``python -m toolkit.distill.cli --target embedded --layers 2 --tokens 2M --out DIR``.
+Standalone: ``python -m toolkit_cli.distill --target embedded --layers 2 --tokens 2M --out DIR``.
 Exit status: 0 on success, 2 on a configuration error (the message names the field), 130 on Ctrl-C and 143 on
 SIGTERM (a checkpoint is saved first; rerun with ``--resume``).
 """

@@ -1,0 +1,16 @@
+"""The one table from the precision names of recipes (``fp32``, ``fp16``, ``bf16``) to torch dtypes."""
+
+from __future__ import annotations
+
+import torch
+
+#: float precision name -> torch dtype (int8 / int4 are weight formats of a quantization backend, not dtypes)
+FLOAT_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a float precision name. Raises ``KeyError`` naming the allowed names."""
+    try:
+        return FLOAT_DTYPES[name]
+    except KeyError:
+        raise KeyError(f"{name!r} is not a float precision (allowed: {', '.join(FLOAT_DTYPES)})") from None
