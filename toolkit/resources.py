@@ -1,4 +1,5 @@
-"""Files shipped with the package: recipes, prompt suites and search spaces (the repository's ``recipes/``).
+"""Where the toolkit's files are: the user cache directory, and the files shipped with the package — recipes, prompt
+suites and search spaces (the repository's ``recipes/``).
 
 ``recipes/`` is installed as the package ``toolkit.recipes`` (a setuptools package-dir mapping, see ``setup.py``)
 and read through :mod:`importlib.resources`, so a regular ``pip install .`` works the same as an editable checkout.
@@ -7,11 +8,23 @@ Nothing is ever written here: outputs go to the working directory or ``--out``.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from toolkit.errors import ConfigError
 
 _SOURCE_RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def cache_dir() -> Path:
+    """The user cache directory of the toolkit (converted models, verify cost curves, KV calibrations):
+    ``$TOOLKIT_CACHE_DIR`` or the XDG user cache dir of ``llm-toolkit``."""
+    env = os.environ.get("TOOLKIT_CACHE_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("llm-toolkit"))
 
 
 def recipes_root() -> Path:

@@ -213,7 +213,7 @@ class CompressedCache(DynamicCache):
         Raises:
             ValueError: offsets out of ``[0, pending)``, unsorted or repeated.
         """
-        from toolkit.kv.ops import check_keep, gather_tail
+        from toolkit.kv.tail import check_keep, gather_tail
 
         pending = self._pending
         keep = check_keep(keep, pending)
@@ -260,7 +260,7 @@ class CompressedCache(DynamicCache):
         """
         if tree_mask is None:
             return {"position_ids": position_ids, "attention_mask": None}
-        from toolkit.kv.ops import tree_additive_mask
+        from toolkit.kv.tail import tree_additive_mask
 
         if self.policy.uses_attention_hook:
             return {"position_ids": position_ids,

@@ -14,7 +14,7 @@ Python standard-library sources; the GPL-3 text is left out so that it can serve
 Token ids come from the model's tokenizer when it can be loaded locally from ``config._name_or_path``, else from
 the UTF-8 bytes of the text modulo the vocabulary (random-weight test models).
 
-Results are stored as JSON in ``toolkit.models.cache_dir() / "kv-calibration"``, written atomically and keyed by
+Results are stored as JSON in ``toolkit.resources.cache_dir() / "kv-calibration"``, written atomically and keyed by
 the model (type, shape, a hash of weights) and the measurement settings.
 """
 
@@ -125,7 +125,7 @@ def load_or_calibrate(model, files: list[str] | None = None, num_tokens: int = 1
         ValueError: the calibration text is shorter than ``num_tokens``.
         FileNotFoundError: a calibration file does not exist.
     """
-    from toolkit.models import cache_dir
+    from toolkit.resources import cache_dir
 
     files = [str(f) for f in (files or default_files())]
     for f in files:

@@ -86,7 +86,7 @@ class PlainCache(DynamicCache):
         Raises:
             ValueError: offsets out of range, unsorted or repeated.
         """
-        from toolkit.kv.ops import check_keep, gather_tail
+        from toolkit.kv.tail import check_keep, gather_tail
 
         pending = self.get_seq_length() - self.committed
         keep = check_keep(keep, pending)
@@ -98,7 +98,7 @@ class PlainCache(DynamicCache):
     def forward_kwargs(self, position_ids: torch.Tensor, tree_mask: torch.Tensor | None = None) -> dict:
         if tree_mask is None:
             return {"position_ids": position_ids}
-        from toolkit.kv.ops import tree_additive_mask
+        from toolkit.kv.tail import tree_additive_mask
 
         return {"position_ids": position_ids,
                 "attention_mask": tree_additive_mask(tree_mask, self.get_seq_length(), self.dtype)}

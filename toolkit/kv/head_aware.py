@@ -83,7 +83,7 @@ class TieredLayer(DynamicLayer):
 
     def keep_tail(self, pending: int, keep: list[int]) -> None:
         """Keep only the last-``pending`` entries at offsets ``keep`` in every tier (token-tree commit)."""
-        from toolkit.kv.ops import gather_tail
+        from toolkit.kv.tail import gather_tail
 
         self.tier_keys = [gather_tail(k, pending, keep) for k in self.tier_keys]
         self.tier_values = [gather_tail(v, pending, keep) for v in self.tier_values]

@@ -141,7 +141,7 @@ class StreamingCache(CompressedCache):
                                  f"{self.max_positions}: the prompt is longer than the model's context")
         mask = None
         if tree_mask is not None and not policy.exact_window:
-            from toolkit.kv.ops import tree_additive_mask
+            from toolkit.kv.tail import tree_additive_mask
 
             mask = tree_additive_mask(tree_mask, held, self.dtype)
         elif policy.exact_window:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from toolkit.errors import ModelLoadError
+from toolkit.resources import cache_dir
 
 log = logging.getLogger("toolkit.models")
 
@@ -34,16 +35,6 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 _CONVERTED_FORMAT = "v1"  # bump when the on-disk layout of converted copies changes
 MANIFEST = "toolkit-manifest.json"
 LOCK_TIMEOUT_S = 1800.0  # a conversion takes ~20 s; waiting longer than this means the holder is stuck
-
-
-def cache_dir() -> Path:
-    """Directory holding converted models: ``$TOOLKIT_CACHE_DIR`` or the XDG user cache dir of ``toolkit``."""
-    env = os.environ.get("TOOLKIT_CACHE_DIR")
-    if env:
-        return Path(env)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("llm-toolkit"))
 
 
 def embedded_gguf_path() -> Path:

@@ -170,14 +170,14 @@ def _cpu_name() -> str:
 def load_or_measure(model, max_tokens: int = 16, cache_dir: Path | None = None) -> VerifyCost:
     """The cached curve of ``model`` on this machine, measured (and cached atomically) on first use.
 
-    ``cache_dir`` defaults to ``$TOOLKIT_VERIFY_COST_DIR`` or :func:`toolkit.models.embedded.cache_dir`
+    ``cache_dir`` defaults to ``$TOOLKIT_VERIFY_COST_DIR`` or :func:`toolkit.resources.cache_dir`
     ``/ "verify-cost"``. A cache file that cannot be read or does not cover ``max_tokens`` is measured again.
     """
     from toolkit.io import atomic_write_json
-    from toolkit.models.embedded import cache_dir as models_cache_dir
+    from toolkit.resources import cache_dir as user_cache_dir
 
     key = cost_key(model)
-    default = os.environ.get("TOOLKIT_VERIFY_COST_DIR") or models_cache_dir() / "verify-cost"
+    default = os.environ.get("TOOLKIT_VERIFY_COST_DIR") or user_cache_dir() / "verify-cost"
     path = Path(cache_dir or default) / f"{key}.json"
     try:
         data = json.loads(path.read_text())

@@ -12,10 +12,11 @@ Each round, for the committed sequence ``x_1..x_n``:
   oldest dropped first; :mod:`toolkit.speculative.drafters.suffix_trie`), continued by the most frequent child.
 
 Acceptance of the next token rises steeply with the match length ``m`` (measured over the ``short`` training suite's
-greedy outputs: 0.22 at m = 1, 0.51 at 2, 0.67 at 3, 0.84 at 5-7, 0.96 at >= 16). The drafter reports for draft token
-``i`` the estimate ``sigmoid(prior_bias + prior_slope * ln(m + i))`` (times the continuation's share of the observed
-continuations for memory matches); the decode loop calibrates these online and verifies as many tokens as pay
-(:mod:`toolkit.speculative.verify_length`). Of the two candidates the one with the larger expected accepted length
+greedy outputs: 0.22 at m = 1, 0.51 at 2, 0.67 at 3, 0.84 at 5-7, 0.96 at >= 16) and falls where the equally long
+earlier matches disagree on what comes next. The drafter reports for draft token ``i`` the estimate
+``sigmoid(prior_bias + prior_slope * ln(m + i) + prior_share * share)``, ``share`` being the fraction of the equally
+long matches (memory: of the observed continuations) that agree with the token; the decode loop calibrates these
+online and verifies as many tokens as pay (:mod:`toolkit.speculative.verify_length`). Of the two candidates the one with the larger expected accepted length
 (the sum of the running products of the estimates) is proposed.
 """
 
@@ -47,8 +48,10 @@ class LookupConfig(DrafterConfig):
         max_match: longest match looked for, in tokens (1..256).
         max_cached_requests: earlier requests kept in the memory trie (0 = no memory across requests), 0..100000.
         memory_depth: longest substring indexed by the memory trie, in tokens (4..1024; matches use half).
-        prior_bias / prior_slope: the acceptance estimate ``sigmoid(bias + slope * ln(match length))`` before online
-            calibration (fitted on the ``short`` suite by ``bench/fit_lookup_prior.py``).
+        prior_bias / prior_slope / prior_share: the acceptance estimate of a drafted token,
+            ``sigmoid(bias + slope * ln(match length) + share_weight * share)`` where ``share`` is the fraction of the
+            equally long earlier matches that continue with that token, before online calibration (fitted by
+            logistic regression on the ``short`` and ``repeat`` suites' greedy outputs: ``bench/fit_lookup_prior.py``).
     """
 
     name = "lookup"
@@ -58,8 +61,9 @@ class LookupConfig(DrafterConfig):
     max_match: int = 32
     max_cached_requests: int = 16
     memory_depth: int = 48
-    prior_bias: float = -1.1
-    prior_slope: float = 1.55
+    prior_bias: float = -1.79  # bench/fit_lookup_prior.py (fp32, short + repeat suites)
+    prior_slope: float = 1.22
+    prior_share: float = 1.30
 
     def validate(self, prefix: str) -> None:
         check_int(f"{prefix}.max_match", self.max_match, low=1, high=256)
@@ -67,6 +71,7 @@ class LookupConfig(DrafterConfig):
         check_int(f"{prefix}.memory_depth", self.memory_depth, low=4, high=1024)
         check_float(f"{prefix}.prior_bias", self.prior_bias, low=-20.0, high=20.0)
         check_float(f"{prefix}.prior_slope", self.prior_slope, low=0.0, high=20.0)
+        check_float(f"{prefix}.prior_share", self.prior_share, low=0.0, high=20.0)
 
 
 @register_drafter(LookupConfig)
@@ -78,9 +83,9 @@ class LookupDrafter(Drafter):
     """
 
     def __init__(self, max_match: int = 32, max_cached_requests: int = 16, memory_depth: int = 48,
-                 prior_bias: float = -1.1, prior_slope: float = 1.55):
+                 prior_bias: float = -1.79, prior_slope: float = 1.22, prior_share: float = 1.30):
         self.max_match, self.max_cached_requests = max_match, max_cached_requests
-        self.prior_bias, self.prior_slope = prior_bias, prior_slope
+        self.prior_bias, self.prior_slope, self.prior_share = prior_bias, prior_slope, prior_share
         self.memory = SuffixTrie(memory_depth)
         self.cached_requests: OrderedDict[int, list[int]] = OrderedDict()
         self._next_id = 0
@@ -89,11 +94,12 @@ class LookupDrafter(Drafter):
         self._prompt_len: int | None = None
         self._memory_cursor = self.memory.matcher()
         self._confidence: list[float] | None = None
+        self._features: list[tuple[int, float]] = []
 
     @classmethod
     def from_config(cls, config: LookupConfig, context) -> LookupDrafter:
         return cls(config.max_match, config.max_cached_requests, config.memory_depth, config.prior_bias,
-                   config.prior_slope)
+                   config.prior_slope, config.prior_share)
 
     # ------------------------------------------------------------------------------------------------ state
     def reset(self) -> None:
@@ -126,14 +132,18 @@ class LookupDrafter(Drafter):
             self._memory_cursor.append(token)
 
     # ------------------------------------------------------------------------------------------------ drafting
-    def _estimate(self, match: int) -> float:
-        return 1.0 / (1.0 + math.exp(-(self.prior_bias + self.prior_slope * math.log(match))))
+    def _estimate(self, match: int, share: float = 1.0) -> float:
+        """``sigmoid(bias + slope * ln(match) + share_weight * share)``: the prior acceptance estimate of a token
+        that continues a match of ``match`` tokens, ``share`` of whose equally long occurrences it agrees with."""
+        z = self.prior_bias + self.prior_slope * math.log(match) + self.prior_share * share
+        return 1.0 / (1.0 + math.exp(-z))
 
     def _request_candidate(self, k: int) -> tuple[list[int], list[float]]:
-        """The continuation of the longest (most recent on ties) earlier match of the sequence's suffix."""
+        """The continuation of the longest (most recent on ties) earlier match of the sequence's suffix, with each
+        token's estimate from the match length and the share of the equally long matches that agree with it."""
         seq = self._tokens
         last = len(seq) - 1
-        best_len, best_at = 0, -1
+        best_len, ties = 0, []
         for at in reversed(self._where.get(seq[last], [])[-MAX_OCCURRENCES - 1:]):
             if at >= last:
                 continue
@@ -141,28 +151,36 @@ class LookupDrafter(Drafter):
             while length < self.max_match and at - length >= 0 and seq[at - length] == seq[last - length]:
                 length += 1
             if length > best_len:
-                best_len, best_at = length, at
-                if length == self.max_match:
-                    break
+                best_len, ties = length, [at]
+            elif length == best_len:
+                ties.append(at)
         if best_len == 0:
             return [], []
         tokens: list[int] = []
+        features: list[tuple[int, float]] = []
         for i in range(k):  # read on through the draft itself where the occurrence runs into the present
-            j = best_at + 1 + i
-            tokens.append(seq[j] if j <= last else tokens[j - last - 1])
-        return tokens, [self._estimate(best_len + i) for i in range(k)]
+            def next_of(at: int) -> int:
+                j = at + 1 + i
+                return seq[j] if j <= last else tokens[j - last - 1]
 
-    def _memory_candidate(self, k: int) -> tuple[list[int], list[float]]:
+            token = next_of(ties[0])
+            agree = [at for at in ties if next_of(at) == token]
+            features.append((best_len + i, len(agree) / len(ties)))
+            tokens.append(token)
+            ties = agree
+        return tokens, features
+
+    def _memory_candidate(self, k: int) -> tuple[list[int], list[tuple[int, float]]]:
         """The most frequent continuation of the longest match in the memory of earlier requests."""
         node, match = self._memory_cursor.longest_match(self.memory.depth // 2)
         tokens: list[int] = []
-        confidence: list[float] = []
+        features: list[tuple[int, float]] = []
         while node is not None and node.children and len(tokens) < k and match + len(tokens) < self.memory.depth:
             total = sum(child.count for child in node.children.values())
             token, node = max(node.children.items(), key=lambda item: item[1].count)
+            features.append((match + len(tokens), node.count / total))
             tokens.append(token)
-            confidence.append(self._estimate(match + len(tokens) - 1) * node.count / total)
-        return tokens, confidence
+        return tokens, features
 
     @staticmethod
     def _expected(confidence: list[float]) -> float:
@@ -175,16 +193,23 @@ class LookupDrafter(Drafter):
     def propose(self, input_ids: torch.Tensor, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """At most ``num_draft_tokens`` tokens of the better candidate; ``(1, 0)`` when nothing matches."""
         self._sync(input_ids)
-        tokens, confidence = self._request_candidate(num_draft_tokens)
+        tokens, features = self._request_candidate(num_draft_tokens)
+        confidence = [self._estimate(m, share) for m, share in features]
         if self.max_cached_requests:
-            other, other_confidence = self._memory_candidate(num_draft_tokens)
+            other, other_features = self._memory_candidate(num_draft_tokens)
+            other_confidence = [self._estimate(m, share) for m, share in other_features]
             if self._expected(other_confidence) > self._expected(confidence):
-                tokens, confidence = other, other_confidence
-        self._confidence = confidence
+                tokens, features, confidence = other, other_features, other_confidence
+        self._features, self._confidence = features, confidence
         return torch.tensor([tokens], dtype=torch.long).view(1, -1), None
 
     def confidence(self) -> list[float] | None:
         return self._confidence
+
+    def match_features(self) -> list[tuple[int, float]]:
+        """``[(match length, share)]`` of each token of the last proposal: what :meth:`_estimate` reads (the
+        prior's fitting script ``bench/fit_lookup_prior.py`` reads them too)."""
+        return self._features
 
     def memory_nodes(self) -> int:
         """Nodes of the memory trie: the drafter's memory across requests."""
