@@ -149,7 +149,7 @@ def test_generator_keeps_one_suffix_drafter_and_stays_greedy_exact():
     first = gen.generate(prompt)
     drafter = gen._persistent_drafter
     second = gen.generate(prompt)
-    assert gen._persistent_drafter is drafter and len(drafter.cached_requests) == 1
+    assert gen._persistent_drafter is drafter and len(drafter.cached_requests) == 2  # archived as each one ends
     reference = hf_greedy(target, tokenizer(prompt, return_tensors="pt").input_ids, 30)
     assert first.token_ids == reference and second.token_ids == reference
     assert second.stats.rounds < first.stats.rounds

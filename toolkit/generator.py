@@ -107,8 +107,12 @@ class Generator:
     def verify_cost(self) -> VerifyCost:
         """The target's verify cost curve on this machine (:mod:`toolkit.speculative.cost_model`): read from the
         user cache, or measured once (a few seconds) and cached."""
-        if self._verify_cost is None:
-            self._verify_cost = load_or_measure(self.target, max(16, self.plan.max_query_tokens))
+        return self.verify_cost_for(max(16, self.plan.max_query_tokens))
+
+    def verify_cost_for(self, max_tokens: int) -> VerifyCost:
+        """The verify cost curve covering forwards of up to ``max_tokens`` tokens (batches: rows x width)."""
+        if self._verify_cost is None or self._verify_cost.max_tokens < max_tokens:
+            self._verify_cost = load_or_measure(self.target, max_tokens)
         return self._verify_cost
 
     def decoder(self, gen: GenerationSpec) -> SpeculativeDecoder:
@@ -153,12 +157,15 @@ class Generator:
         return text
 
     def generate(self, prompt: str | list[dict], **overrides) -> GenerationResult:
-        """Generate a completion of ``prompt`` (a string or chat messages).
+        """Generate a completion of ``prompt`` (a string or chat messages); a list of prompts is
+        :meth:`generate_batch` (returns a list of results in input order).
 
         ``overrides`` replace fields of the recipe's generation section for this call (``max_new_tokens``,
         ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``ignore_eos``, ``eos_token_id``, ``stop_strings``,
         ``seed``). Raises :class:`ConfigError` for an unknown or invalid argument.
         """
+        if _is_prompt_list(prompt):
+            return self.generate_batch(prompt, **overrides)
         chunks, stats, prompt_ids, gen = self._run(prompt, overrides)
         new_ids = [tok for chunk in chunks for tok in chunk]
         return GenerationResult(self._text(new_ids, gen), new_ids, prompt_ids, stats)
@@ -179,6 +186,46 @@ class Generator:
         text = self._text(ids, gen)
         if len(text) > len(emitted):
             yield text[len(emitted):]
+
+    # -------------------------------------------------------------------------------------------- batches
+    @property
+    def batchable(self) -> bool:
+        """The recipe runs as batched speculative decoding: a drafter whose config allows batches (model-free) or
+        AR, an uncompressed target cache, chains (no token trees)."""
+        spec = self.recipe.spec
+        return spec.config.batch and self.target_policy is None and not spec.tree
+
+    def generate_batch(self, prompts: list, batch_size: int = 8, **overrides) -> list[GenerationResult]:
+        """Generate a completion of every prompt, ``batch_size`` of them per target forward (continuous batching:
+        a finished row's place goes to the next prompt); results in input order.
+
+        Batched decoding (:mod:`toolkit.speculative.batch`) needs :attr:`batchable`; any other recipe runs the
+        prompts one at a time (logged). Raises ConfigError for a bad ``batch_size`` or generation argument.
+        """
+        from toolkit.checks import check_int
+        from toolkit.speculative.batch import BatchDecoder
+
+        check_int("batch_size", batch_size, low=1, high=256)
+        if not self.batchable:
+            log.info("recipe %s runs its prompts one at a time (batched decoding needs a model-free drafter, the "
+                     "uncompressed cache and chains)", self.recipe.name)
+            return [self.generate(p, **overrides) for p in prompts]
+        gen = self._generation_spec(overrides)
+        inputs = [self.encode(p) for p in prompts]
+        spec = self.recipe.spec
+        root = self._drafter(gen)
+        make = (lambda: root.fork()) if spec.config.persistent else (lambda: self._drafter(gen))  # noqa: E731
+        k = spec.num_draft_tokens if spec.config.speculates else 0
+        decoder = BatchDecoder(self.target, make if spec.config.speculates else (lambda: None),
+                               self.verify_cost_for(batch_size * (k + 1)), self.calibrator, max(k, 1), batch_size)
+        rows = decoder.decode(inputs, gen, self.eos_token_ids(gen), self._stop_check(gen))
+        return [GenerationResult(self._text(ids, gen), ids, x[0].tolist(), stats)
+                for (ids, stats), x in zip(rows, inputs)]
+
+
+def _is_prompt_list(prompt) -> bool:
+    """A list of prompts (strings or message lists), as opposed to one chat (a list of message dicts)."""
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
 
 
 def build(recipe: Recipe, target=None, tokenizer=None, draft_model=None, pool: ModelPool | None = None) -> Generator:

@@ -31,7 +31,7 @@ import torch
 log = logging.getLogger("toolkit.speculative")
 
 #: lengths timed by the measurement (others are interpolated linearly)
-MEASURED_LENGTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16)
+MEASURED_LENGTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 #: weight of a new observation in the online average of a length's time
 OBSERVE_WEIGHT = 0.05
 

@@ -56,6 +56,7 @@ class LookupConfig(DrafterConfig):
 
     name = "lookup"
     persistent = True
+    batch = True
     hf_baseline = "prompt_lookup"
     vllm_method = "suffix"
     max_match: int = 32
@@ -88,7 +89,7 @@ class LookupDrafter(Drafter):
         self.prior_bias, self.prior_slope, self.prior_share = prior_bias, prior_slope, prior_share
         self.memory = SuffixTrie(memory_depth)
         self.cached_requests: OrderedDict[int, list[int]] = OrderedDict()
-        self._next_id = 0
+        self._shared = {"next_id": 0}  # shared with forks (batched decoding): ids of archived requests
         self._tokens: list[int] = []
         self._where: dict[int, list[int]] = {}
         self._prompt_len: int | None = None
@@ -101,6 +102,15 @@ class LookupDrafter(Drafter):
         return cls(config.max_match, config.max_cached_requests, config.memory_depth, config.prior_bias,
                    config.prior_slope, config.prior_share)
 
+    def fork(self) -> LookupDrafter:
+        """A drafter for another request in flight at the same time (batched decoding) that shares this one's memory
+        of earlier requests: what either archives, both draw from."""
+        other = LookupDrafter(self.max_match, self.max_cached_requests, self.memory.depth, self.prior_bias,
+                              self.prior_slope, self.prior_share)
+        other.memory, other.cached_requests, other._shared = self.memory, self.cached_requests, self._shared
+        other._memory_cursor = other.memory.matcher()
+        return other
+
     # ------------------------------------------------------------------------------------------------ state
     def reset(self) -> None:
         """Archive the previous request (if any) in the memory trie; start an empty request."""
@@ -109,15 +119,21 @@ class LookupDrafter(Drafter):
         self._tokens, self._where, self._prompt_len = [], {}, None
         self._memory_cursor = self.memory.matcher()
 
+    def close(self) -> None:
+        """The request is over: archive it in the memory of earlier requests (shared with forks)."""
+        self._archive()
+
     def _archive(self) -> None:
-        if self._prompt_len is None or self.max_cached_requests == 0:
+        """Add the current request (its output after the last ``PROMPT_CONTEXT`` prompt tokens) to the memory, once."""
+        prompt_len, self._prompt_len = self._prompt_len, None
+        if prompt_len is None or self.max_cached_requests == 0:
             return
-        stored = self._tokens[max(0, self._prompt_len - PROMPT_CONTEXT):]
+        stored = self._tokens[max(0, prompt_len - PROMPT_CONTEXT):]
         if len(stored) <= PROMPT_CONTEXT:
             return
         self.memory.insert(stored)
-        self.cached_requests[self._next_id] = stored
-        self._next_id += 1
+        self.cached_requests[self._shared["next_id"]] = stored
+        self._shared["next_id"] += 1
         while len(self.cached_requests) > self.max_cached_requests:
             _, old = self.cached_requests.popitem(last=False)
             self.memory.remove(old)

@@ -20,6 +20,7 @@ class NgramConfig(DrafterConfig):
     """
 
     name = "ngram"
+    batch = True
     hf_baseline = "prompt_lookup"
     vllm_method = "ngram"
     sglang_algorithm = "NGRAM"

@@ -13,6 +13,7 @@ class NoDrafterConfig(DrafterConfig):
 
     name = "none"
     speculates = False
+    batch = True
 
 
 @register_drafter(NoDrafterConfig)

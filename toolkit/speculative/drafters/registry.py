@@ -38,7 +38,9 @@ class DrafterConfig:
         speculates: the drafter proposes tokens (``False`` only for ``none``: plain autoregressive decoding).
         draft: what the recipe's ``draft`` section is to this drafter (``DRAFT_*`` above).
         tree: the drafter proposes token trees (``spec.tree: true`` is allowed).
-        persistent: one drafter instance serves every ``generate`` call of a Generator (memory across requests).
+        persistent: one drafter instance serves every ``generate`` call of a Generator (memory across requests); its
+            class then has ``fork()``: a drafter for a concurrent request sharing that memory (batches).
+        batch: the drafter runs in batched decoding (:mod:`toolkit.speculative.batch`): model-free drafters.
         hf_baseline: the HF ``generate`` method that does the same kind of drafting (``assisted``,
             ``prompt_lookup``), timed next to ours; ``None`` = only HF AR.
         vllm_method / sglang_algorithm: the serving engines' name of the method, ``None`` where they have none.
@@ -49,6 +51,7 @@ class DrafterConfig:
     draft: ClassVar[str] = DRAFT_UNUSED
     tree: ClassVar[bool] = False
     persistent: ClassVar[bool] = False
+    batch: ClassVar[bool] = False
     hf_baseline: ClassVar[str | None] = None
     vllm_method: ClassVar[str | None] = None
     sglang_algorithm: ClassVar[str | None] = None

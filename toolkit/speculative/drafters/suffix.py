@@ -52,6 +52,7 @@ class SuffixConfig(DrafterConfig):
     name = "suffix"
     tree = True
     persistent = True
+    batch = True
     hf_baseline = "prompt_lookup"
     vllm_method = "suffix"
     max_spec_factor: float = 1.0
@@ -86,7 +87,7 @@ class SuffixDrafter(Drafter):
         self.max_cached_requests, self.depth = max_cached_requests, depth
         self.global_trie = SuffixTrie(depth)
         self.cached_requests: OrderedDict[int, list[int]] = OrderedDict()
-        self._next_id = 0
+        self._shared = {"next_id": 0}  # shared with forks (batched decoding): ids of archived requests
         self._tokens: list[int] = []
         self._prompt_len = None
         self._request = None
@@ -94,6 +95,13 @@ class SuffixDrafter(Drafter):
     @classmethod
     def from_config(cls, config: SuffixConfig, context) -> SuffixDrafter:
         return cls(config.max_spec_factor, config.min_token_prob, config.max_cached_requests, config.suffix_depth)
+
+    def fork(self) -> SuffixDrafter:
+        """A drafter for another request in flight at the same time (batched decoding) sharing this one's global
+        trie: what either archives, both draw from."""
+        other = SuffixDrafter(self.max_spec_factor, self.min_token_prob, self.max_cached_requests, self.depth)
+        other.global_trie, other.cached_requests, other._shared = self.global_trie, self.cached_requests, self._shared
+        return other
 
     # ------------------------------------------------------------------------------------------------ state
     def reset(self) -> None:
@@ -105,15 +113,21 @@ class SuffixDrafter(Drafter):
         self._request_cursor = self._request.cursor()
         self._global_cursor = self.global_trie.matcher()
 
+    def close(self) -> None:
+        """The request is over: archive it in the memory of earlier requests (shared with forks)."""
+        self._archive()
+
     def _archive(self) -> None:
-        if self._prompt_len is None or self.max_cached_requests == 0:
+        """Add the current request (its output after the last ``PROMPT_CONTEXT`` prompt tokens) to the memory, once."""
+        prompt_len, self._prompt_len = self._prompt_len, None
+        if prompt_len is None or self.max_cached_requests == 0:
             return
-        stored = self._tokens[max(0, self._prompt_len - PROMPT_CONTEXT):]
+        stored = self._tokens[max(0, prompt_len - PROMPT_CONTEXT):]
         if len(stored) <= PROMPT_CONTEXT:
             return
         self.global_trie.insert(stored)
-        self.cached_requests[self._next_id] = stored
-        self._next_id += 1
+        self.cached_requests[self._shared["next_id"]] = stored
+        self._shared["next_id"] += 1
         while len(self.cached_requests) > self.max_cached_requests:
             _, old = self.cached_requests.popitem(last=False)
             self.global_trie.remove(old)

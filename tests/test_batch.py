@@ -1,0 +1,136 @@
+"""Batched speculative decoding (toolkit/speculative/batch.py): every row of a batch gets exactly the output it gets
+alone, whatever the batch size, the drafter, the verify width and the rows that leave or join; sampling per row
+follows the target's distribution."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import toolkit
+from conftest import tiny_llama, tiny_neox
+from test_decoder import INIT, hf_greedy, make_prompt
+from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec
+from toolkit.speculative.batch import BatchDecoder
+from toolkit.speculative.batch_cache import BatchCache
+from toolkit.speculative.cost_model import VerifyCost
+from toolkit.speculative.drafters import LookupDrafter, NGramDrafter, SuffixDrafter
+
+FLAT = [1.0] * 256                          # drafts are free: every row verifies what it has
+STEEP = [float(n) for n in range(1, 257)]   # a token costs a step: batched plain steps
+
+
+def prompts(count: int = 7) -> list[torch.Tensor]:
+    out = []
+    for seed in range(count):  # repeats inside each prompt, so drafts are accepted and rejected
+        base = make_prompt(seed, length=4 + seed)[0]
+        out.append(torch.cat([base, base, base[:3]]).view(1, -1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def references():
+    """{arch: (target, prompts, each prompt's greedy output alone)}."""
+    out = {}
+    for name, make in (("llama", tiny_llama), ("neox", tiny_neox)):
+        target, batch = make(seed=0, **INIT), prompts()
+        out[name] = (target, batch, [hf_greedy(target, p, 24) for p in batch])
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "neox"])
+@pytest.mark.parametrize("drafter,curve", [("lookup", FLAT), ("ngram", FLAT), ("suffix", FLAT), ("none", FLAT),
+                                           ("lookup", STEEP)], ids=["lookup", "ngram", "suffix", "none", "steep"])
+def test_every_row_equals_its_prompt_decoded_alone(references, arch, drafter, curve):
+    target, batch, alone = references[arch]
+    make_drafter = {"lookup": lambda: LookupDrafter(max_cached_requests=0), "ngram": NGramDrafter,
+                    "suffix": lambda: SuffixDrafter(2.0, 0.05, 0), "none": lambda: None}[drafter]
+    decoder = BatchDecoder(target, make_drafter, VerifyCost(list(curve), learn=False), num_draft_tokens=5,
+                           batch_size=3)
+    rows = decoder.decode(batch, GenerationSpec(max_new_tokens=24, ignore_eos=True))
+    for (ids, stats), ref in zip(rows, alone):  # 7 prompts through 3 slots: rows leave and join
+        assert ids == ref
+        assert stats.new_tokens == 24 and stats.committed == stats.accepted + stats.rounds
+    accepted = sum(stats.accepted for _, stats in rows)
+    assert (accepted > 0) == (drafter != "none" and curve is FLAT)
+
+
+def test_rows_stop_on_their_own_eos_and_limits():
+    target = tiny_llama(seed=0, **INIT)
+    batch = prompts(4)
+    alone = [hf_greedy(target, p, 20) for p in batch]
+    eos = alone[1][5]  # row 1 stops at its 6th token; others wherever that token appears first
+    decoder = BatchDecoder(target, lambda: LookupDrafter(max_cached_requests=0), VerifyCost(list(FLAT), learn=False),
+                           num_draft_tokens=4, batch_size=4)
+    rows = decoder.decode(batch, GenerationSpec(max_new_tokens=20), eos_token_ids=[eos])
+    for (ids, stats), ref in zip(rows, alone):
+        cut = ref.index(eos) + 1 if eos in ref else 20
+        assert ids == ref[:cut] and stats.finish_reason == ("eos" if eos in ref else "length")
+
+
+def test_batch_cache_keeps_accepted_slots_masks_holes_and_compacts():
+    from transformers import DynamicCache
+
+    def filled(rows: int, slots: int, start: float) -> torch.Tensor:  # (rows, 1 head, slots, 1): slot ids
+        return (torch.arange(slots, dtype=torch.float32) + start).view(1, 1, -1, 1).repeat(rows, 1, 1, 1)
+
+    cache = DynamicCache()
+    cache.update(filled(2, 5, 0), filled(2, 5, 0), 0)
+    batch = BatchCache(cache, torch.tensor([[False, False, True, True, True], [True] * 5]), torch.tensor([4, 6]))
+    inputs = batch.forward_inputs(3, torch.float32)
+    assert inputs["position_ids"].tolist() == [[3, 4, 5], [5, 6, 7]]
+    mask = inputs["attention_mask"][:, 0] == 0  # (2, 3, 8) visible
+    assert mask[0, 0].tolist() == [False, False, True, True, True, True, False, False]  # no padding, causal
+    cache.update(filled(2, 3, 100), filled(2, 3, 100), 0)  # the forward appends 3 slots per row
+    batch.accept(torch.tensor([1, 2]), width=3)  # row 0 keeps 1 new slot, row 1 keeps 2: cropped to 7 slots
+    assert cache.layers[0].keys.shape[2] == 7 and batch.committed.tolist() == [5, 8]
+    assert batch.valid.tolist() == [[False, False, True, True, True, True, False], [True] * 7]
+    batch.compact()
+    assert batch.valid.tolist() == [[False, False, False, True, True, True, True], [True] * 7]
+    assert cache.layers[0].keys[0, 0, 3:, 0].tolist() == [2.0, 3.0, 4.0, 100.0]  # row 0's entries, in order
+    batch.remove([1])
+    assert batch.rows == 1 and cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 100, 101]
+
+
+def test_generator_generate_batch_matches_single_calls_and_falls_back():
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    target = tiny_llama(seed=0, **INIT)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
+        {f"t{i}": i for i in range(128)}, unk_token="t0")))
+    texts = [" ".join(f"t{int(i)}" for i in p[0]) for p in prompts(5)]
+    recipe = Recipe(name="batch", target=ModelSpec(device="cpu"), draft=None,
+                    spec=SpecSpec(drafter="lookup", num_draft_tokens=6, adaptive="cost"),
+                    generation=GenerationSpec(max_new_tokens=16, ignore_eos=True))
+    generator = toolkit.build(recipe, target=target, tokenizer=tokenizer)
+    assert generator.batchable
+    together = generator.generate(texts)  # a list of prompts is a batch
+    alone = toolkit.build(recipe, target=target, tokenizer=tokenizer)
+    assert [r.token_ids for r in together] == [alone.generate(t).token_ids for t in texts]
+    assert len(generator._persistent_drafter.cached_requests) == 5  # the rows' memory is shared and kept
+    with pytest.raises(toolkit.errors.ConfigError):
+        generator.generate_batch(texts, batch_size=0)
+    tree = toolkit.build(recipe.replace(spec=SpecSpec(drafter="suffix", tree=True)), target=target,
+                         tokenizer=tokenizer)
+    assert not tree.batchable and len(tree.generate_batch(texts[:2])) == 2  # one at a time
+
+
+def test_sampling_per_row_follows_the_target():
+    from scipy.stats import chisquare
+
+    target = tiny_llama(seed=4, vocab=12, initializer_range=0.3)
+    prompt = make_prompt(2, vocab=12, length=6)
+    with torch.no_grad():  # the law of the 2nd token (the 1st comes from the prefill, the 2nd from a batched round)
+        p1 = target(prompt).logits[0, -1].softmax(-1).double()
+        seq = torch.cat([prompt.expand(12, -1), torch.arange(12).view(-1, 1)], dim=1)
+        p2 = (p1[:, None] * target(seq).logits[:, -1].softmax(-1).double()).sum(0).numpy()
+    counts = np.zeros(12)
+    decoder = BatchDecoder(target, NGramDrafter, VerifyCost(list(FLAT), learn=False), num_draft_tokens=2,
+                           batch_size=8)
+    for chunk in range(50):  # 400 rows, 8 per forward, every row its own seed
+        gen = GenerationSpec(max_new_tokens=2, do_sample=True, ignore_eos=True, seed=chunk * 8)
+        for ids, _ in decoder.decode([prompt] * 8, gen):
+            counts[ids[1]] += 1
+    assert chisquare(counts, p2 / p2.sum() * counts.sum()).pvalue > 0.01

@@ -1,0 +1,222 @@
+"""Batched speculative decoding: up to ``batch_size`` sequences per target forward, each row accepting its own number
+of draft tokens (ragged acceptance), rows leaving when they finish and waiting requests joining (continuous batching).
+
+One round over the ``B`` active rows::
+
+    propose      each row's drafter proposes up to K tokens (model-free drafters: every row its own state)
+    width W      one verify width for the batch, 1 + the draft tokens it verifies: the W with the most expected
+                 committed tokens (summed over rows, calibrated confidences) per millisecond of a forward over B x W
+                 tokens (the target's verify cost curve); W = 1 is a batched plain step
+    verify       ONE target forward over (B, W): row r = [its last token, its drafts, padding] at its own positions,
+                 attending to its own valid cache slots (:class:`~toolkit.speculative.batch_cache.BatchCache`)
+    accept       greedy: the longest prefix each row's target agrees with; sampling: lossless rejection sampling per row
+    commit       every row keeps 1 + accepted of its W new slots; rows that hit EOS / a stop string / their token
+                 limit leave, the next waiting requests are prefilled and join
+
+Greedy output of every row is the target's own greedy output for that prompt (fp32: token-identical to decoding it
+alone; tested), whatever the batch composition. Supported here: the uncompressed KV cache and model-free drafters
+(``lookup``, ``ngram``, ``suffix``); :meth:`toolkit.generator.Generator.generate_batch` runs other recipes one
+request at a time and says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from toolkit.speculative.batch_cache import BatchCache
+from toolkit.speculative.cost_model import VerifyCost
+from toolkit.speculative.decoder import SpeculativeDecoder
+from toolkit.speculative.stats import GenerationStats
+from toolkit.speculative.verify import process_logits, sample_token, speculative_sample
+from toolkit.speculative.verify_length import Calibrator
+
+
+@dataclass
+class Row:
+    """One request in flight: its index in the input order, committed ids, drafter, stats and generator."""
+
+    index: int
+    prompt_len: int
+    ids: list[int]
+    drafter: object
+    stats: GenerationStats
+    generator: torch.Generator | None
+    started: float
+    new_ids: list[int] = field(default_factory=list)
+    proposal: list[int] = field(default_factory=list)
+    confidence: list[float] | None = None
+    checked: int = 0  # new ids already checked for stop conditions
+
+
+class BatchDecoder:
+    """Decode many prompts with batched draft-then-verify rounds (see the module docstring).
+
+    Args:
+        target: the HF causal LM (batch dimension used; uncompressed cache).
+        make_drafter: ``() -> drafter`` for a new request (``None`` for AR); a model-free drafter.
+        cost: the target's verify cost curve (milliseconds of a forward over n tokens).
+        calibrator: shared acceptance calibration of the drafters' confidences.
+        num_draft_tokens: most draft tokens per row per round (K).
+        batch_size: most rows per forward.
+    """
+
+    def __init__(self, target, make_drafter: Callable, cost: VerifyCost, calibrator: Calibrator | None = None,
+                 num_draft_tokens: int = 8, batch_size: int = 8):
+        self.target, self.make_drafter, self.cost = target, make_drafter, cost
+        self.calibrator = calibrator or Calibrator()
+        self.k, self.batch_size = num_draft_tokens, batch_size
+        self.device = next(target.parameters()).device
+        dtype = next(target.parameters()).dtype
+        self.dtype = dtype if dtype.is_floating_point else torch.float32
+
+    # ------------------------------------------------------------------------------------------------ requests
+    def _start(self, index: int, input_ids: torch.Tensor, gen) -> tuple[Row, BatchCache]:
+        """Prefill one request alone; its first token comes from the target (the prompt's last position)."""
+        started = time.perf_counter()
+        ids = input_ids[0].tolist()
+        cache = DynamicCache(config=self.target.config)
+        generator = torch.Generator(device=self.device).manual_seed(gen.seed + index) if gen.do_sample else None
+        logits = self.target(input_ids=input_ids.to(self.device), past_key_values=cache, use_cache=True,
+                             logits_to_keep=1).logits[0, -1]
+        first = int(self._choose(logits, gen, generator))
+        drafter = self.make_drafter()
+        if drafter is not None:
+            drafter.reset()
+        stats = GenerationStats(prompt_tokens=len(ids), target_forwards=1)
+        stats.ttft_ms = (time.perf_counter() - started) * 1000
+        row = Row(index, len(ids), ids + [first], drafter, stats, generator, started, [first])
+        valid = torch.ones(1, len(ids), dtype=torch.bool, device=self.device)
+        return row, BatchCache(cache, valid, torch.tensor([len(ids) + 1], device=self.device))
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, gen, generator) -> torch.Tensor:
+        if gen.do_sample:
+            return sample_token(process_logits(logits.view(1, -1), gen.temperature, gen.top_k, gen.top_p),
+                                generator)[0]
+        return logits.argmax(-1)
+
+    # ------------------------------------------------------------------------------------------------ a round
+    def _propose(self, rows: list[Row], limit: int) -> None:
+        for row in rows:
+            room = limit - len(row.new_ids) - 1
+            row.proposal, row.confidence = [], None
+            if row.drafter is not None and room > 0:
+                tokens, _ = row.drafter.propose(torch.tensor([row.ids]), min(self.k, room))
+                row.proposal = tokens[0].tolist()
+                row.confidence = row.drafter.confidence()
+
+    def _width(self, rows: list[Row]) -> int:
+        """The verify width with the most expected committed tokens per ms over the batch (1 = a plain step)."""
+        best_width, best_rate = 1, len(rows) / self.cost.ms(len(rows))
+        chains = [1.0] * len(rows)
+        expected = float(len(rows))
+        for j in range(1, max((len(r.proposal) for r in rows), default=0) + 1):
+            for i, row in enumerate(rows):
+                if j <= len(row.proposal):
+                    conf = None if row.confidence is None else row.confidence[j - 1]
+                    chains[i] *= self.calibrator.prob(conf, j)
+                    expected += chains[i]
+            rate = expected / self.cost.ms(len(rows) * (j + 1))
+            if rate > best_rate:
+                best_width, best_rate = j + 1, rate
+        return best_width
+
+    def _verify(self, rows: list[Row], batch: BatchCache, width: int, gen) -> list[tuple[int, int]]:
+        """One forward over (B, width); returns each row's ``(accepted, next token)``."""
+        inputs = torch.tensor([[r.ids[-1]] + (r.proposal[:width - 1] + [r.ids[-1]] * width)[:width - 1]
+                               for r in rows], device=self.device)
+        out = self.target(input_ids=inputs, past_key_values=batch.cache, use_cache=True, logits_to_keep=width,
+                          **batch.forward_inputs(width, self.dtype))
+        logits = out.logits
+        drafted = [min(len(r.proposal), width - 1) for r in rows]
+        if not gen.do_sample:
+            best = logits.argmax(-1)
+            draft = torch.tensor([r.proposal[:d] + [-1] * (width - 1 - d) for r, d in zip(rows, drafted)],
+                                 device=self.device).view(len(rows), width - 1)
+            accepted = (best[:, :width - 1] == draft).long().cumprod(1).sum(1)
+            nxt = best.gather(1, accepted.view(-1, 1)).view(-1)
+            return list(zip(accepted.tolist(), nxt.tolist()))
+        results = []
+        for i, (row, d) in enumerate(zip(rows, drafted)):
+            p = process_logits(logits[i, : d + 1], gen.temperature, gen.top_k, gen.top_p)
+            draft = torch.tensor(row.proposal[:d], dtype=torch.long, device=self.device)
+            a, t = speculative_sample(draft, None, p, row.generator)
+            results.append((int(a), int(t)))
+        return results
+
+    # ------------------------------------------------------------------------------------------------ the loop
+    @torch.inference_mode()
+    def decode(self, prompts: list[torch.Tensor], gen, eos_token_ids: list[int] = (),
+               should_stop: Callable[[list[int]], int | None] | None = None) -> list[tuple[list[int], GenerationStats]]:
+        """Generate after each of ``prompts`` (``(1, prompt_len)`` each); returns ``(new ids, stats)`` in input
+        order. Stops every row as :meth:`SpeculativeDecoder.decode` does (``max_new_tokens``, EOS, stop strings)."""
+        eos = set() if gen.ignore_eos else set(eos_token_ids)
+        limit = gen.max_new_tokens
+        waiting = list(enumerate(prompts))
+        rows: list[Row] = []
+        batch = BatchCache(DynamicCache(config=self.target.config), torch.zeros(0, 0, dtype=torch.bool),
+                           torch.zeros(0, dtype=torch.long))
+        done: dict[int, tuple[list[int], GenerationStats]] = {}
+        while waiting or rows:
+            while waiting and len(rows) < self.batch_size:
+                row, single = self._start(*waiting.pop(0), gen)
+                if SpeculativeDecoder._finish(row.new_ids, 0, limit, eos, should_stop, row.stats):
+                    done[row.index] = self._close(row)
+                    continue
+                rows.append(row)
+                batch.join(single)
+            if not rows:
+                continue
+            self._round(rows, batch, gen, limit)
+            finished = [i for i, r in enumerate(rows) if self._finished(r, limit, eos, should_stop)]
+            if finished:
+                for i in finished:
+                    done[rows[i].index] = self._close(rows[i])
+                keep = [i for i in range(len(rows)) if i not in finished]
+                rows = [rows[i] for i in keep]
+                batch.remove(keep)
+        return [done[i] for i in range(len(prompts))]
+
+    def _round(self, rows: list[Row], batch: BatchCache, gen, limit: int) -> None:
+        started = time.perf_counter()
+        self._propose(rows, limit)
+        width = self._width(rows)
+        drafted_at = time.perf_counter()
+        results = self._verify(rows, batch, width, gen)
+        verified_at = time.perf_counter()
+        batch.accept(torch.tensor([a + 1 for a, _ in results], device=self.device), width)
+        for row, (accepted, nxt) in zip(rows, results):
+            drafted = min(len(row.proposal), width - 1)
+            committed = row.proposal[:accepted] + [nxt]
+            row.checked = len(row.new_ids)
+            row.ids += committed
+            row.new_ids += committed
+            if row.drafter is not None and row.proposal:
+                row.drafter.commit(accepted)
+            if drafted:
+                self.calibrator.observe(row.confidence, drafted, accepted)
+            row.stats.record_round(drafted, accepted)
+            row.stats.target_forwards += 1
+        share = 1.0 / len(rows)  # a round's time is shared by its rows
+        for row in rows:
+            row.stats.record_time((drafted_at - started) * 1000 * share, (verified_at - drafted_at) * 1000 * share,
+                                  (time.perf_counter() - started) * 1000 * share, width)
+        self.cost.observe(len(rows) * width, (verified_at - drafted_at) * 1000)
+
+    @staticmethod
+    def _finished(row: Row, limit: int, eos: set[int], should_stop) -> bool:
+        """Truncate the row at its first stop condition among this round's tokens; whether it is done."""
+        return SpeculativeDecoder._finish(row.new_ids, row.checked, limit, eos, should_stop, row.stats)
+
+    def _close(self, row: Row) -> tuple[list[int], GenerationStats]:
+        row.stats.new_tokens = len(row.new_ids)
+        row.stats.total_ms = (time.perf_counter() - row.started) * 1000
+        if row.drafter is not None:
+            row.stats.draft_forwards = row.drafter.forwards
+            row.drafter.close()
+        return row.new_ids, row.stats
