@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-import toolkit
 from conftest import tiny_llama, tiny_neox
 from test_decoder import INIT, hf_greedy, make_prompt
+
+import toolkit
 from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec
 from toolkit.speculative.batch import BatchDecoder
 from toolkit.speculative.batch_cache import BatchCache
@@ -94,8 +94,8 @@ def test_batch_cache_keeps_accepted_slots_masks_holes_and_compacts():
 
 
 def test_generator_generate_batch_matches_single_calls_and_falls_back():
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
 
     target = tiny_llama(seed=0, **INIT)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(

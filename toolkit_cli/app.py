@@ -45,21 +45,47 @@ def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped reci
         repeats: int = typer.Option(3, min=1, help="timed repetitions per prompt and method (with --compare)"),
         max_new_tokens: Optional[int] = typer.Option(None, min=1, help="override generation.max_new_tokens"),
         num_prompts: Optional[int] = typer.Option(None, min=1, help="use N prompts of the suite, spread over kinds"),
+        batch_size: Optional[int] = typer.Option(None, min=1, max=256, help="batched speculative decoding: N rows "
+                                                 "per forward over all the prompts (with --compare: vs HF batched AR "
+                                                 "and our single-row decoder)"),
+        prompts: Optional[Path] = typer.Option(None, help="JSONL file of prompts ({\"prompt\": ...} or "
+                                               "{\"messages\": [...]} per line) instead of the recipe's suite"),
         out: Path = typer.Option(Path("results/run"), help="directory for the results JSON and Markdown")):
     """Run RECIPE over its prompt suite; print a Markdown table and write results JSON."""
-    from eval.run import markdown_table, run_recipe, write_results
-
     try:
         loaded = _load(recipe)
         if max_new_tokens is not None:
             import dataclasses
 
             loaded = loaded.replace(generation=dataclasses.replace(loaded.generation, max_new_tokens=max_new_tokens))
+        if batch_size is not None or prompts is not None:
+            _run_batch(loaded, batch_size or 8, prompts, compare, repeats, num_prompts, out)
+            return
+        from eval.run import markdown_table, run_recipe, write_results
+
         results = run_recipe(loaded, compare=compare, repeats=repeats, num_prompts=num_prompts)
     except ToolkitError as exc:
         _fail(exc)
     path = write_results(results, out)
     typer.echo(markdown_table(results))
+    typer.echo(f"results: {path}")
+
+
+def _run_batch(recipe, batch_size: int, prompt_file: Optional[Path], compare: bool, repeats: int,
+               num_prompts: Optional[int], out: Path) -> None:
+    """``toolkit run --batch-size / --prompts``: see :mod:`eval.batch_run`."""
+    import toolkit
+    from eval.batch_run import load_prompt_file, markdown, run_batch, write_batch_results
+    from toolkit.measure.harness import spread
+    from toolkit.measure.prompts import load_suite
+
+    if prompt_file is not None:
+        texts = load_prompt_file(prompt_file)[:num_prompts]
+    else:
+        texts = [p.prompt for p in spread(load_suite(recipe.prompts), num_prompts)]
+    result = run_batch(toolkit.build(recipe), texts, batch_size, compare=compare, repeats=repeats if compare else 1)
+    path = write_batch_results(result, out)
+    typer.echo(markdown(result))
     typer.echo(f"results: {path}")
 
 
