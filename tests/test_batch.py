@@ -4,6 +4,8 @@ follows the target's distribution."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -134,3 +136,35 @@ def test_sampling_per_row_follows_the_target():
         for ids, _ in decoder.decode([prompt] * 8, gen):
             counts[ids[1]] += 1
     assert chisquare(counts, p2 / p2.sum() * counts.sum()).pvalue > 0.01
+
+
+def test_prompt_file_and_batched_run_with_baselines(tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from eval.batch_run import load_prompt_file, markdown, run_batch
+    from toolkit.errors import ConfigError
+
+    path = tmp_path / "p.jsonl"
+    texts = [" ".join(f"t{int(i)}" for i in p[0]) for p in prompts(3)]
+    path.write_text("\n".join([json.dumps({"prompt": texts[0]}), json.dumps(texts[1]), "",
+                               json.dumps({"messages": [{"role": "user", "content": texts[2]}]})]))
+    loaded = load_prompt_file(path)
+    assert loaded[:2] == texts[:2] and loaded[2] == [{"role": "user", "content": texts[2]}]
+    for bad, where in (("{not json", "--prompts:1"), ('{"prompt": 3}', "--prompts:1"), ("", "--prompts")):
+        path.write_text(bad)
+        with pytest.raises(ConfigError) as excinfo:
+            load_prompt_file(path)
+        assert excinfo.value.field == where
+    target = tiny_llama(seed=0, **INIT)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
+        {f"t{i}": i for i in range(128)}, unk_token="t0")), pad_token="t0")
+    recipe = Recipe(name="batch", target=ModelSpec(device="cpu"), draft=None,
+                    spec=SpecSpec(drafter="lookup", num_draft_tokens=4, adaptive="cost"),
+                    generation=GenerationSpec(max_new_tokens=12, ignore_eos=True))
+    result = run_batch(toolkit.build(recipe, target=target, tokenizer=tokenizer), texts, batch_size=2, compare=True,
+                       repeats=1)
+    assert result["rows_identical_to_single"] == [True] * 3 and result["batched"]
+    assert set(result["summary"]) == {"ours-batch", "hf-batch-ar", "ours-single"}
+    assert all(s["new_tokens"] == 36 for s in result["summary"].values())  # HF's rows too: same prompts, same length
+    assert "hf-batch-ar" in markdown(result)
