@@ -18,6 +18,7 @@ import torch
 
 from toolkit.errors import ConfigError
 from toolkit.models import weight_bytes
+from toolkit.models.capabilities import check_tree_support
 from toolkit.recipe import GenerationSpec, Recipe
 from toolkit.session import ModelPool, Plan, load_models, plan
 from toolkit.speculative.adaptive import make_controller
@@ -49,6 +50,10 @@ class Generator:
         self.target_policy, self.draft_policy = plan.target_policy, plan.draft_policy
         self.weight_bytes = {"target": weight_bytes(target),
                              "draft": weight_bytes(draft_model) if draft_model is not None else 0}
+        if plan.recipe.spec.tree:  # fail at build time, not at the first tree round
+            check_tree_support(target, "target")
+            if plan.recipe.spec.config.uses_draft_model:
+                check_tree_support(draft_model, "draft")
         self._persistent_drafter = None  # a drafter whose config is `persistent` (memory across requests): ONE
         self._verify_cost = None  # the target's verify cost curve (adaptive: cost), measured or read once
         self.calibrator = Calibrator()  # acceptance calibration (adaptive: cost), learned across calls

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from toolkit.kv import ops as kv_ops
+from toolkit.models.capabilities import check_tree_support
 from toolkit.speculative.adaptive import ConstantK
 from toolkit.speculative.drafters.base import Drafter, TreeDrafterProtocol
 from toolkit.speculative.params import DecodeParams
@@ -62,6 +63,8 @@ class SpeculativeDecoder:
         if tree is not None and drafter is not None and not isinstance(drafter, TreeDrafterProtocol):
             raise TypeError(f"tree: {type(drafter).__name__} proposes no token trees (no propose_tree/commit_tree)")
         self.tree = tree if drafter is not None else None
+        if self.tree is not None:
+            check_tree_support(target, "target")
         self.controller = controller or ConstantK(4)
         self.target_policy = target_policy
         self.device = next(target.parameters()).device
