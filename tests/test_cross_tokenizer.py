@@ -1,0 +1,104 @@
+"""A draft with another tokenizer (toolkit/speculative/drafters/cross_tokenizer.py): greedy output is target AR,
+sampling is exact (one-hot drafts), the translation of a right draft is accepted whole, and `drafter: draft_model`
+picks it by itself when the vocabularies differ."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_llama
+from test_decoder import INIT, hf_greedy
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from toolkit.recipe import GenerationSpec
+from toolkit.speculative.adaptive import ConstantK
+from toolkit.speculative.decoder import SpeculativeDecoder
+from toolkit.speculative.drafters.cross_tokenizer import CrossTokenizerDrafter
+from toolkit.speculative.stats import GenerationStats
+
+CHARS = list("t0123456789 ")
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """The target's: one token per word ``t0`` .. ``t127``."""
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """The draft's: one token per character of ``t0123456789 ``."""
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(CHARS)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(seed=0, **INIT)
+    draft = tiny_llama(seed=1, vocab=len(CHARS), **INIT)
+    prompt = torch.tensor([[5, 9, 13, 2, 5, 9, 13, 2, 5]])
+    return target, draft, prompt, hf_greedy(target, prompt, 24)
+
+
+def decode(target, drafter, prompt, **gen) -> tuple[list[int], GenerationStats]:
+    stats = GenerationStats()
+    spec = GenerationSpec(max_new_tokens=24, ignore_eos=True, **gen)
+    ids = [t for c in SpeculativeDecoder(target, drafter, ConstantK(3)).decode(prompt, spec, stats) for t in c]
+    return ids, stats
+
+
+def test_greedy_output_is_target_ar(pair):
+    target, draft, prompt, reference = pair
+    ids, stats = decode(target, CrossTokenizerDrafter(draft, char_tokenizer(), word_tokenizer()), prompt)
+    assert ids == reference and stats.drafted > 0 and stats.draft_forwards > 0
+
+
+class Oracle(CrossTokenizerDrafter):
+    """Drafts the target's own continuation, as text of the draft's tokenizer (a perfect draft)."""
+
+    def __init__(self, *args, truth: str, **kw):
+        super().__init__(*args, **kw)
+        self.truth = truth
+
+    def draft_text(self, text: str, num_tokens: int) -> str:
+        assert self.truth.startswith(text)
+        return self.truth[len(text):][: num_tokens * 2]
+
+
+def test_a_right_draft_is_translated_into_accepted_target_tokens(pair):
+    target, draft, prompt, reference = pair
+    words = word_tokenizer()
+    truth = words.decode(prompt[0].tolist() + reference)
+    ids, stats = decode(target, Oracle(draft, char_tokenizer(), words, truth=truth), prompt)
+    assert ids == reference
+    assert stats.acceptance_rate > 0.9  # boundary merges are the target's own: every whole drafted word holds
+
+
+def test_sampling_stays_exact(pair):
+    from scipy.stats import chisquare
+
+    target, draft, prompt, _ = pair
+    small = tiny_llama(seed=4, vocab=12, initializer_range=0.3)  # 12 target words: a testable distribution
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(12)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words = PreTrainedTokenizerFast(tokenizer_object=words)
+    x = torch.tensor([[1, 5, 3, 1, 5]])
+    with torch.no_grad():
+        p1 = small(x).logits[0, -1].softmax(-1).double()
+        seq = torch.cat([x.expand(12, -1), torch.arange(12).view(-1, 1)], dim=1)
+        p2 = (p1[:, None] * small(seq).logits[:, -1].softmax(-1).double()).sum(0).numpy()
+    counts = np.zeros(12)
+    for seed in range(600):
+        stats = GenerationStats()
+        loop = SpeculativeDecoder(small, CrossTokenizerDrafter(draft, char_tokenizer(), words), ConstantK(2))
+        gen = GenerationSpec(max_new_tokens=3, do_sample=True, ignore_eos=True, seed=seed)
+        ids = [t for c in loop.decode(x, gen, stats) for t in c]
+        counts[ids[1]] += 1
+    expected = p2 / p2.sum() * counts.sum()
+    rare = expected < 5  # pooled: the chi-square approximation needs >= 5 expected per cell
+    observed = np.append(counts[~rare], counts[rare].sum())
+    assert chisquare(observed, np.append(expected[~rare], expected[rare].sum())).pvalue > 0.01
