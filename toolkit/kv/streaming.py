@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.checks import check_int
+from toolkit.checks import TOKENS_MAX, check_choice, check_int
 from toolkit.errors import ConfigError
 from toolkit.kv import register
 from toolkit.kv.base import CompressedCache, KVPolicy
@@ -63,12 +63,12 @@ class StreamingLLM(KVPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_int("sink_tokens", self.sink_tokens, low=0)
+        check_int("sink_tokens", self.sink_tokens, low=0, high=TOKENS_MAX)
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ConfigError("window", f"must be an integer >= 1 so that the budget sink_tokens + window exceeds "
                               f"sink_tokens, got {self.window!r}")
-        if self.position_mode not in POSITION_MODES:
-            raise ConfigError("position_mode", f"unknown value {self.position_mode!r}", POSITION_MODES)
+        check_int("window", self.window, low=1, high=TOKENS_MAX)
+        check_choice("position_mode", self.position_mode, POSITION_MODES)
         if not isinstance(self.exact_window, bool):
             raise ConfigError("exact_window", "must be true or false")
 
