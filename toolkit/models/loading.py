@@ -46,7 +46,7 @@ def load_model(spec: ModelSpec, field: str = "model"):
 
     device = resolve_device(spec.device)
     backend = choose_backend(spec, device, field)
-    location = resolve_source(spec.source)
+    location = resolve_source(spec.source, f"{field}.source")
     kwargs: dict = {"attn_implementation": spec.attn_implementation}
     if backend == "bitsandbytes":
         kwargs.update(bnb_backend.from_pretrained_kwargs(spec, device, field))
