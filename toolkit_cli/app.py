@@ -16,9 +16,9 @@ from typing import Optional
 
 import typer
 
-from toolkit_cli.errors import reported, set_debug
+from toolkit_cli.errors import OneLineGroup, reported, set_debug
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(cls=OneLineGroup, add_completion=False, no_args_is_help=True,
                   help="Speculative decoding with quantized weights and compressed KV caches.")
 draft_app = typer.Typer(no_args_is_help=True, help="Build draft models for a target.")
 app.add_typer(draft_app, name="draft")

@@ -12,7 +12,8 @@ Every command body runs under :func:`reported`, which sorts what escapes it into
   problem with their input.
 
 ``toolkit --debug COMMAND ...`` (or ``TOOLKIT_DEBUG=1``) re-raises instead, so the interpreter prints the
-traceback.
+traceback. Errors of the command line itself (a bad option value, a missing argument, an unknown command) are one
+line too, with exit status 2 (:class:`OneLineGroup`).
 """
 
 from __future__ import annotations
@@ -20,11 +21,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from collections.abc import Callable, Iterator
 
 import typer
+from typer.core import TyperGroup
+
+try:  # typer >= 0.26 vendors click; earlier versions use click itself
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - depends on the installed typer
+    from click import exceptions as click_errors
 
 from toolkit.errors import ToolkitError
+
+#: click's "no arguments: show the help" signal (click >= 8.2; nothing to catch before)
+_NO_ARGS_IS_HELP = getattr(click_errors, "NoArgsIsHelpError", ())
 
 EXIT_USER = 2
 EXIT_INTERNAL = 1
@@ -97,9 +108,7 @@ def reporting() -> Iterator[None]:
     except (typer.Exit, typer.Abort, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - every error is reported; bugs are labelled as such
-        import click
-
-        if isinstance(exc, click.ClickException) or debugging():
+        if isinstance(exc, click_errors.ClickException) or debugging():
             raise
         raise report(exc) from None
 
@@ -113,3 +122,39 @@ def reported(command: Callable) -> Callable:
             return command(*args, **kwargs)
 
     return wrapper
+
+
+class OneLineGroup(TyperGroup):
+    """The ``toolkit`` group: click's own usage errors (an option value out of range, a missing argument, an
+    unknown command) print ``error: <message> (see '<command> --help')`` on one line, exit status 2, instead of
+    the usage panel. ``toolkit`` without arguments still prints the help; ``TOOLKIT_DEBUG=1`` keeps click's display.
+    ``--debug`` lasts for one invocation (it is reset here, also when many run in one process)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode: bool = True, **extra):
+        set_debug(False)  # --debug holds for this invocation only (tests run many in one process)
+        try:
+            return self._main(args, prog_name, complete_var, standalone_mode, **extra)
+        finally:
+            set_debug(False)
+
+    def _main(self, args, prog_name, complete_var, standalone_mode: bool, **extra):
+        if not standalone_mode or debugging():
+            return super().main(args, prog_name, complete_var, standalone_mode=standalone_mode, **extra)
+        try:
+            result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _NO_ARGS_IS_HELP as exc:  # the help, as typer shows it (rich has printed it already)
+            from typer import core
+
+            if not (getattr(core, "HAS_RICH", False) and getattr(self, "rich_markup_mode", None) is not None):
+                exc.show()
+            sys.exit(exc.exit_code)
+        except click_errors.ClickException as exc:
+            command = getattr(getattr(exc, "ctx", None), "command_path", None)
+            hint = f" (see '{command} --help')" if command else ""
+            typer.secho(f"error: {_one_line(exc.format_message())}{hint}", fg="red", err=True)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            typer.secho("aborted", fg="yellow", err=True)
+            sys.exit(1)
+        # non-standalone click returns the exit code of a typer.Exit, else the command's return value
+        sys.exit(result if isinstance(result, int) and not isinstance(result, bool) else 0)
