@@ -261,7 +261,12 @@ def evaluate(recipe: Recipe, *, settings: EvalSettings | None = None, out_dir: s
     if ppl_ids is None:
         from eval.data import describe, heldout_ids
 
-        ppl_ids = heldout_ids(tokenizer, settings.ppl_source, settings.ppl_tokens)
+        try:
+            ppl_ids = heldout_ids(tokenizer, settings.ppl_source, settings.ppl_tokens)
+        except RuntimeError as exc:  # the hub is unreachable, or the text is shorter than ppl_tokens
+            from toolkit.errors import ConfigError
+
+            raise ConfigError("ppl_tokens" if "requested" in str(exc) else "ppl_source", str(exc)) from None
         text_desc = describe(settings.ppl_source)
     else:
         text_desc = "injected token ids"

@@ -127,7 +127,7 @@ class DistillConfig:
         if not isinstance(self.data, (list, tuple)) or not all(isinstance(d, str) and d for d in self.data):
             raise ConfigError("data", "must be a list of files, directories, globs or hub:NAME[:CONFIG] entries")
         self.data = list(self.data)
-        check_float("temperature", self.temperature, low=0.0, low_open=True)
+        check_float("temperature", self.temperature, low=1e-3, high=1000.0)  # logits / tau stays finite
         if self.resume and self.force:
             raise ConfigError("resume", "--resume and --force are mutually exclusive (continue a run, or start over)")
         if self.init not in INIT_CHOICES and not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", str(self.init)):
