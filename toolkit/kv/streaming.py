@@ -12,7 +12,9 @@ Position modes (``position_mode``):
 * ``reindex`` — the paper's mode: positions are *slots in the cache*. On eviction the kept recent keys are re-rotated
   by ``-evicted`` (:func:`toolkit.kv.rope.shift_positions`; Llama full rotary and GPT-NeoX partial rotary alike) and
   queries get slot positions, so generation can run far past ``max_position_embeddings``: the largest position ever
-  fed is ``sink_tokens + window + compress_interval + K``. Needs a RoPE model. The toolkit decoder passes absolute
+  fed is ``sink_tokens + window + compress_interval + K`` (checked against the context by :meth:`check_model`),
+  or ``prompt_len - 1`` during the prefill, which sees the whole prompt at positions ``0 .. prompt_len - 1`` (so
+  the prompt itself must fit the context: :meth:`toolkit.generator.Generator.check_request`). Needs a RoPE model. The toolkit decoder passes absolute
   positions and :meth:`StreamingCache.forward_kwargs` maps them to slots; ``model.generate`` computes its own
   absolute positions, so use ``absolute`` there.
 
@@ -76,10 +78,12 @@ class StreamingLLM(KVPolicy):
         return self.sink_tokens + self.window
 
     def check_compatible(self, max_query_tokens: int, prefix: str = "kv") -> None:
-        """``window`` must hold a whole verify forward: ``window >= max_query_tokens`` (K + 1 for a chain)."""
+        """``window`` must hold a whole verify forward: ``window >= max_query_tokens`` (K + 1 for a chain). The
+        width is remembered for :meth:`check_model` (reindexed slots reach ``budget + interval + width - 1``)."""
         if self.window < max_query_tokens:
             raise ConfigError(f"{prefix}.window", f"must be >= num_draft_tokens + 1 = {max_query_tokens} (a verify "
                               f"forward covers K + 1 = {max_query_tokens} positions), got {self.window}")
+        self._widest = max_query_tokens
 
     def check_model(self, model, prefix: str = "kv") -> None:
         if self.position_mode != "reindex":
@@ -88,10 +92,12 @@ class StreamingLLM(KVPolicy):
             raise ConfigError(f"{prefix}.position_mode", "'reindex' re-rotates cached keys and needs rotary "
                               f"position embeddings; model type {model.config.model_type!r} has none", ["absolute"])
         limit = getattr(model.config, "max_position_embeddings", None)
-        needed = self.budget_for() + self.compress_interval + 1
+        widest = getattr(self, "_widest", 1)  # a verify forward's tokens (K + 1), known once planned
+        needed = self.budget_for() + self.compress_interval + widest
         if limit is not None and needed > limit:
-            raise ConfigError(f"{prefix}.window", f"sink_tokens + window + compress_interval + 1 = {needed} exceeds "
-                              f"max_position_embeddings={limit}")
+            raise ConfigError(f"{prefix}.window", f"sink_tokens + window + compress_interval + {widest} (the widest "
+                              f"forward) = {needed} exceeds max_position_embeddings={limit}: reindexed slots must "
+                              "stay below it")
 
     def make_cache(self, model) -> StreamingCache:
         self.check_model(model, getattr(self, "_prefix", "kv"))
