@@ -255,6 +255,17 @@ def test_reindex_may_run_past_the_context(models, tmp_path):
     assert result.exit_code == 0, result.output
 
 
+def test_reindex_window_must_leave_room_for_a_verify_forward(models, tmp_path):
+    """Reindexed slots reach sink_tokens + window + compress_interval + K: a window that fits only without the K
+    draft tokens was an internal error (a ValueError in the middle of the generation)."""
+    recipe = merge(base_recipe(models), {"spec": {"drafter": "ngram", "num_draft_tokens": 8},
+                                         "kv": {**REINDEX, "window": 40, "compress_interval": 19}})
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    result = cli("generate", "--recipe", path, "--no-chat", "--no-stream", "--max-new-tokens", 150, "ab" * 10)
+    assert_one_line_error(result, "kv.window")
+
+
 # ------------------------------------------------------------------------------------------------- prompt suites
 SUITE_PROBES = [
     ("suite-a-list", "- a\n- b\n", "prompts"),
@@ -402,6 +413,23 @@ def test_distill_option_probe(tmp_path, nothing_heavy, args, field):
 ], ids=["nan-minutes", "inf-reg-weight", "huge-seed"])
 def test_eagle_option_probe(tmp_path, nothing_heavy, args, field):
     assert_one_line_error(cli("draft", "eagle", "--out", tmp_path / "head", *args), field)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="probes cuda on a machine without CUDA")
+def test_cuda_without_cuda(models, tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(merge(base_recipe(models), {"target": {"device": "cuda"}})))
+    assert_one_line_error(cli("generate", "--recipe", path, "--no-chat", "hello"), "target.device")
+
+
+def test_eagle_draft_vocab_larger_than_the_target(tmp_path):
+    from toolkit.distill.eagle_train import EagleTrainConfig, train_head
+    from toolkit.errors import ConfigError
+
+    config = EagleTrainConfig(out=tmp_path / "head", draft_vocab=1000, data=["/nonexistent/*.txt"])
+    with pytest.raises(ConfigError, match="draft_vocab"):
+        train_head(config, target=tiny_llama(vocab=128), tokenizer=char_tokenizer(), progress=False)
+    assert not (tmp_path / "head").exists()  # refused before anything was written
 
 
 # ------------------------------------------------------------------------------------------------- --force

@@ -398,6 +398,9 @@ def train_head(config: EagleTrainConfig, target=None, tokenizer=None, progress: 
 
         target, tokenizer = load_model(ModelSpec(source=config.target, precision=config.target_precision),
                                        field="target")
+    if config.draft_vocab > target.config.vocab_size:  # before the (long) data preparation
+        raise ConfigError("draft_vocab", f"must be <= the target's vocab_size {target.config.vocab_size}, got "
+                          f"{config.draft_vocab}")
     if config.force:
         remove_output_dir(out, "out")
     make_output_dir(out, "out")
