@@ -316,7 +316,8 @@ SPACE_PROBES = [
     ("choices-a-string", {"space": {"x": {"path": "target.precision", "choices": "fp32"}}}, "search.space.x.choices"),
     ("path-not-a-string", {"space": {"x": {"path": 5, "choices": ["fp32"]}}}, "search.space.x.path"),
     ("when-a-list", {"space": {"a": {"path": "target.precision", "choices": ["fp32"]},
-                               "b": {"path": "generation.seed", "choices": [0], "when": ["a"]}}}, "search.space.b.when"),
+                               "b": {"path": "generation.seed", "choices": [0], "when": ["a"]}}},
+     "search.space.b.when"),
     ("disabled-a-string", {"space": {"x": {"path": "target.precision", "choices": ["fp32", "bf16"],
                                            "disabled": "bf16"}}}, "search.space.x.disabled"),
     ("fragment-not-a-mapping", {"space": {"x": {"choices": {"a": "fp32"}}}}, "search.space.x.choices.a"),
@@ -369,6 +370,13 @@ def test_search_option_probe(tmp_path, nothing_heavy, args, field):
 def test_usage_error_probe(nothing_heavy, args, field):
     """Errors of the command line itself are one line too (not click's usage panel)."""
     assert_one_line_error(cli(*args), field)
+
+
+@pytest.mark.parametrize("command", [["run", "short"], ["eval", "short"], ["search", "--scenario", "short"]],
+                         ids=["run", "eval", "search"])
+def test_out_that_is_a_file(tmp_path, nothing_heavy, command):
+    (tmp_path / "file").write_text("x")
+    assert_one_line_error(cli(*command, "--out", tmp_path / "file" / "sub"), "--out")
 
 
 def test_no_arguments_still_prints_the_help():

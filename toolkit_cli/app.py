@@ -34,6 +34,18 @@ def options(debug: bool = typer.Option(False, "--debug", help="show the tracebac
     set_debug(debug)
 
 
+def _check_out(out: Path) -> Path:
+    """``--out`` must be a directory or not exist yet, checked before the (long) run rather than when writing."""
+    from toolkit.errors import ConfigError
+
+    for parent in (out, *out.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError("--out", f"{parent} exists and is not a directory")
+            break
+    return out
+
+
 def _load(recipe: str):
     """A recipe from a YAML path or a shipped name. Raises ConfigError."""
     from toolkit.recipe import Recipe
@@ -53,6 +65,7 @@ def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped reci
     """Run RECIPE over its prompt suite; print a Markdown table and write results JSON."""
     from eval.run import markdown_table, run_recipe, write_results
 
+    _check_out(out)
     loaded = _load(recipe)
     if max_new_tokens is not None:
         import dataclasses
@@ -103,7 +116,7 @@ def eval_(recipe: str = typer.Argument(..., help="recipe YAML file or shipped re
     """Evaluate RECIPE: perplexity, acceptance, memory, latency, fidelity, baselines (results/<name>-<hash>/)."""
     from eval.cli import eval_command
 
-    eval_command(_load(recipe), force=force, fast=fast, results_root=out)
+    eval_command(_load(recipe), force=force, fast=fast, results_root=_check_out(out))
 
 
 @app.command()
@@ -128,8 +141,8 @@ def search(scenario: str = typer.Option(..., help="short, long or memory"),
     """Search the configuration space of SCENARIO; writes <out>/<scenario>.yaml and a Pareto plot."""
     from eval.cli import search_command
 
-    search_command(scenario, budget_mb=budget_mb, trials=trials, storage=storage, timeout=timeout, out=out,
-                   workers=workers, study_name=study_name, space=space, enable=enable,
+    search_command(scenario, budget_mb=budget_mb, trials=trials, storage=storage, timeout=timeout,
+                   out=_check_out(out), workers=workers, study_name=study_name, space=space, enable=enable,
                    finalize_results=finalize, heartbeat_s=heartbeat)
 
 

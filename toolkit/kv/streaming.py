@@ -14,9 +14,9 @@ Position modes (``position_mode``):
   queries get slot positions, so generation can run far past ``max_position_embeddings``: the largest position ever
   fed is ``sink_tokens + window + compress_interval + K`` (checked against the context by :meth:`check_model`),
   or ``prompt_len - 1`` during the prefill, which sees the whole prompt at positions ``0 .. prompt_len - 1`` (so
-  the prompt itself must fit the context: :meth:`toolkit.generator.Generator.check_request`). Needs a RoPE model. The toolkit decoder passes absolute
-  positions and :meth:`StreamingCache.forward_kwargs` maps them to slots; ``model.generate`` computes its own
-  absolute positions, so use ``absolute`` there.
+  the prompt itself must fit the context: :meth:`toolkit.generator.Generator.check_request`). Needs a RoPE model.
+  The toolkit decoder passes absolute positions and :meth:`StreamingCache.forward_kwargs` maps them to slots;
+  ``model.generate`` computes its own absolute positions, so use ``absolute`` there.
 
 Window semantics (``exact_window``, default true): every query at absolute position ``p`` attends to exactly the
 sinks plus positions ``p - window + 1 .. p`` (its own last ``window`` positions), through a banded additive 4D mask
