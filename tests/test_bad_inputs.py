@@ -109,6 +109,7 @@ RECIPE_PROBES = [
     ("inf-temperature", {"generation": {"temperature": float("inf")}}, "generation.temperature"),
     ("underflowing-temperature", {"generation": {"do_sample": True, "temperature": 1e-300}}, "generation.temperature"),
     ("minus-inf-top-p", {"generation": {"top_p": float("-inf")}}, "generation.top_p"),
+    ("underflowing-top-p", {"generation": {"do_sample": True, "top_p": 1e-300}}, "generation.top_p"),
     ("seed-2**64", {"generation": {"seed": 2**64}}, "generation.seed"),
     ("seed-2**63", {"generation": {"seed": 2**63}}, "generation.seed"),
     ("negative-seed", {"generation": {"seed": -1}}, "generation.seed"),

@@ -74,7 +74,8 @@ class Generator:
             _check_messages(prompt, field)
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise ConfigError(field, f"the tokenizer of target.source={self.recipe.target.source!r} has no chat "
-                                  "template: give the prompt as plain text (toolkit generate --no-chat)")
+                                  "template: give the prompt as plain text (toolkit generate --no-chat; a 'text' "
+                                  "or 'code' entry in a prompt suite)")
             ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt")
             return ids if torch.is_tensor(ids) else ids["input_ids"]
         raise ConfigError(field, "must be a string or a list of {'role': ..., 'content': ...} messages")

@@ -46,6 +46,8 @@ ADAPTIVE = ("constant", "ema", "cost")
 #: smallest sampling temperature: logits / T must stay finite in float32 (below ~1e-30 softmax turns to NaN), and
 #: far below 1 sampling is greedy anyway (use do_sample: false)
 TEMPERATURE_MIN = 1e-5
+#: smallest top_p: compared in float32, a smaller one rounds to 0 and top-p filtering removes every token (NaN)
+TOP_P_MIN = 1e-6
 #: a recipe name: it becomes a file / directory name under ``--out`` (results, found recipes), so nothing that could
 #: leave that directory or hide a file (``/``, ``..``, a leading ``.``), 1..100 characters
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -285,7 +287,7 @@ class GenerationSpec:
         max_new_tokens: exact upper bound on generated tokens (never exceeded, even when a round accepts past it).
         do_sample: False = greedy; True = lossless speculative sampling (Leviathan et al. 2023, Alg. 1).
         temperature / top_k / top_p: applied identically to target and draft distributions (top_k 0 = off);
-            temperature >= 1e-5 (:data:`TEMPERATURE_MIN`).
+            temperature >= 1e-5 (:data:`TEMPERATURE_MIN`), top_p in [1e-6, 1] (:data:`TOP_P_MIN`).
         ignore_eos: keep generating through EOS (fixed-length benchmarks).
         eos_token_id: list of EOS ids; ``null`` = the tokenizer's / generation config's.
         stop_strings: generation ends right after the first occurrence of any of them (the string is kept).
@@ -310,7 +312,7 @@ class GenerationSpec:
             raise ConfigError(f"{prefix}.do_sample", "must be true or false")
         check_float(f"{prefix}.temperature", self.temperature, low=TEMPERATURE_MIN)
         check_int(f"{prefix}.top_k", self.top_k, low=0, high=TOKENS_MAX)
-        check_float(f"{prefix}.top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        check_float(f"{prefix}.top_p", self.top_p, low=TOP_P_MIN, high=1.0)
         if not isinstance(self.ignore_eos, bool):
             raise ConfigError(f"{prefix}.ignore_eos", "must be true or false")
         if self.eos_token_id is not None:
