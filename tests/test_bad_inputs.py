@@ -385,6 +385,16 @@ def test_no_arguments_still_prints_the_help():
     assert "Usage" in result.output and "error:" not in result.output
 
 
+@pytest.mark.parametrize("url", ["bogus://x", "postgresql://user:s3cr3t@127.0.0.1:1/db"], ids=["scheme", "refused"])
+def test_storage_that_cannot_be_opened(tmp_path, monkeypatch, url):
+    import eval.search.study
+
+    monkeypatch.setattr(eval.search.study.Run, "optimize", lambda *a, **k: pytest.fail("the search started"))
+    result = cli("search", "--scenario", "short", "--out", tmp_path / "found", "--storage", url, "--no-finalize")
+    assert_one_line_error(result, "--storage")
+    assert "s3cr3t" not in result.output
+
+
 def test_unknown_scenario(tmp_path, nothing_heavy):
     assert_one_line_error(cli("search", "--scenario", "fast", "--out", tmp_path / "found"), "scenario")
 
