@@ -78,9 +78,11 @@ def open_storage(url: str | None, out_dir: Path, heartbeat_s: float | None):
         return optuna.storages.RDBStorage(url), url, False
     hb = heartbeat_s or 30.0
     try:
-        storage = optuna.storages.RDBStorage(driver_url(url), heartbeat_interval=max(1, int(round(hb))),
-                                             grace_period=int(3 * hb) + 1,
-                                             failed_trial_callback=RetryFailedTrialCallback(max_retry=1))
+        with warnings.catch_warnings():  # the heartbeat callback is "experimental" since optuna 2.8
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            storage = optuna.storages.RDBStorage(driver_url(url), heartbeat_interval=max(1, int(round(hb))),
+                                                 grace_period=int(3 * hb) + 1,
+                                                 failed_trial_callback=RetryFailedTrialCallback(max_retry=1))
     except Exception as exc:  # noqa: BLE001 - a bad URL, a server that is down, a wrong password: the user's to fix
         detail = (str(exc).splitlines() or [""])[0]
         for secret in {url, driver_url(url)}:
