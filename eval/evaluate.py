@@ -83,12 +83,29 @@ class EvalSettings:
     mode: str = "full"
 
     def __post_init__(self) -> None:
-        if self.repeats < 1:
-            raise ValueError(f"repeats: must be >= 1, got {self.repeats}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup: must be >= 0, got {self.warmup}")
-        if self.ppl_tokens < 2:
-            raise ValueError(f"ppl_tokens: must be >= 2, got {self.ppl_tokens}")
+        """Check every field; raises :class:`ConfigError` naming it (``repeats``, ``ppl_source`` ...)."""
+        from eval.data import SOURCES
+        from toolkit.checks import TOKENS_MAX, check_choice, check_int
+        from toolkit.errors import ConfigError
+
+        for name in ("num_prompts", "max_new_tokens"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), low=1, high=TOKENS_MAX)
+        check_int("repeats", self.repeats, low=1, high=1000)
+        check_int("warmup", self.warmup, low=0, high=1000)
+        check_choice("ppl_source", self.ppl_source, SOURCES)
+        check_int("ppl_tokens", self.ppl_tokens, low=2, high=TOKENS_MAX)
+        check_int("ppl_window", self.ppl_window, low=2, high=TOKENS_MAX)
+        check_int("ppl_stride", self.ppl_stride, low=1, high=TOKENS_MAX)
+        if not isinstance(self.baselines, bool) and not (
+                isinstance(self.baselines, (list, tuple)) and all(isinstance(b, str) for b in self.baselines)):
+            raise ConfigError("baselines", f"must be true, false or a list of baseline names, got {self.baselines!r}")
+        for name in ("reuse_baselines", "reference", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
+        from toolkit.recipe import check_name
+
+        check_name("mode", self.mode)  # part of a results directory name
 
     @classmethod
     def fast(cls, **overrides) -> EvalSettings:
@@ -106,10 +123,17 @@ class EvalSettings:
 
 
 def results_dir(recipe: Recipe, settings: EvalSettings, root: str | Path = DEFAULT_RESULTS) -> Path:
-    """``root/<name>-<config-hash>`` for the default settings, else ``...-<mode>-<settings-hash>``."""
-    name = f"{recipe.name}-{recipe.config_hash()}"
+    """``root/<name>-<config-hash>`` for the default settings, else ``...-<mode>-<settings-hash>``.
+
+    Raises:
+        ConfigError: the recipe's name or the settings' mode is not a safe name (the directory stays inside
+            ``root``; :func:`toolkit.recipe.check_name`).
+    """
+    from toolkit.recipe import check_name
+
+    name = f"{check_name('name', recipe.name)}-{recipe.config_hash()}"
     if settings != EvalSettings():
-        name += f"-{settings.mode}-{settings.key()}"
+        name += f"-{check_name('mode', settings.mode)}-{settings.key()}"
     return Path(root) / name
 
 
@@ -153,7 +177,7 @@ def _prompts(recipe: Recipe, prompts, generator, settings: EvalSettings) -> list
         elif torch.is_tensor(p):
             out.append(Prompt(f"ids-{i}", "ids", p.view(1, -1).long()))
         else:
-            out.append(Prompt(p.id, p.kind, generator.encode(p.prompt)))
+            out.append(Prompt(p.id, p.kind, generator.encode(p.prompt, f"prompts.{p.id}")))
     out = spread(out, settings.num_prompts)
     if not out:
         raise ValueError("prompts: no prompts to evaluate")
@@ -223,11 +247,26 @@ def evaluate(recipe: Recipe, *, settings: EvalSettings | None = None, out_dir: s
     device = next(target.parameters()).device
     K = recipe.spec.num_draft_tokens
 
+    items = _prompts(recipe, prompts, generator, settings)
+    max_new = recipe.generation.max_new_tokens
+    if settings.max_new_tokens is not None:
+        max_new = min(max_new, settings.max_new_tokens)
+    gen = dataclasses.replace(recipe.generation, max_new_tokens=max_new,
+                              ignore_eos=settings.ignore_eos or recipe.generation.ignore_eos)
+    gen.validate("generation")
+    for item in items:  # before any forward: empty prompts, prompts past the context, EOS ids outside the vocab
+        generator.check_request(item.input_ids, gen, f"prompts.{item.id}")
+
     # ---------------------------------------------------------------------------------------- perplexity
     if ppl_ids is None:
         from eval.data import describe, heldout_ids
 
-        ppl_ids = heldout_ids(tokenizer, settings.ppl_source, settings.ppl_tokens)
+        try:
+            ppl_ids = heldout_ids(tokenizer, settings.ppl_source, settings.ppl_tokens)
+        except RuntimeError as exc:  # the hub is unreachable, or the text is shorter than ppl_tokens
+            from toolkit.errors import ConfigError
+
+            raise ConfigError("ppl_tokens" if "requested" in str(exc) else "ppl_source", str(exc)) from None
         text_desc = describe(settings.ppl_source)
     else:
         text_desc = "injected token ids"
@@ -253,13 +292,6 @@ def evaluate(recipe: Recipe, *, settings: EvalSettings | None = None, out_dir: s
                   "ratio_to_fp32": ppl_conf["value"] / ppl_ref["value"] if ppl_ref else None}
 
     # ---------------------------------------------------------------------------------------- generation runs
-    items = _prompts(recipe, prompts, generator, settings)
-    max_new = recipe.generation.max_new_tokens
-    if settings.max_new_tokens is not None:
-        max_new = min(max_new, settings.max_new_tokens)
-    gen = dataclasses.replace(recipe.generation, max_new_tokens=max_new,
-                              ignore_eos=settings.ignore_eos or recipe.generation.ignore_eos)
-    gen.validate("generation")
     eos_ids = generator.eos_token_ids(gen)
     applicable = baseline_methods(recipe, has_separate_ref) if settings.baselines else []
     if isinstance(settings.baselines, (list, tuple)):

@@ -100,7 +100,9 @@ def run_recipe(recipe: Recipe, compare: bool = False, repeats: int = 3, prompts:
     if compare and recipe.target.precision != "fp32":  # fp32 AR next to a low-precision target, for reference
         reference, _ = SHARED_POOL.get(dataclasses.replace(recipe.target, precision="fp32"), "reference")
     methods = [OURS] + (baseline_methods(recipe, reference is not None) if compare else [])
-    items = [Prompt(p.id, p.kind, generator.encode(p.prompt)) for p in prompts]
+    items = [Prompt(p.id, p.kind, generator.encode(p.prompt, f"prompts.{p.id}")) for p in prompts]
+    for item in items:  # before any forward: empty prompts, prompts past the context, EOS ids outside the vocab
+        generator.check_request(item.input_ids, gen, f"prompts.{item.id}")
     # every repetition starts from the same drafter state: memory across requests holds only the earlier prompts of
     # the same repetition, never an earlier repetition of the same prompt
     measured = measure(runners_for(generator, methods, eos, reference), items, gen,
@@ -218,9 +220,15 @@ def markdown_table(results: RunResult | dict) -> str:
 
 
 def write_results(results: RunResult, out_dir: Path = Path("results/run")) -> Path:
-    """Write ``<name>-<hash>.json`` and ``.md`` atomically under ``out_dir``; returns the JSON path."""
+    """Write ``<name>-<hash>.json`` and ``.md`` atomically under ``out_dir``; returns the JSON path.
+
+    Raises:
+        ConfigError: the recipe's name is not a safe name (the files stay inside ``out_dir``).
+    """
+    from toolkit.recipe import check_name
+
     data = results.to_dict()
-    path = Path(out_dir) / f"{data['recipe']['name']}-{data['config_hash']}.json"
+    path = Path(out_dir) / f"{check_name('name', data['recipe']['name'])}-{data['config_hash']}.json"
     atomic_write_json(path, data)
     atomic_write_text(path.with_suffix(".md"), markdown_table(data))
     return path

@@ -23,6 +23,8 @@ from eval.results import MB, EvalResult
 
 OBJECTIVES = ("throughput", "ppl", "memory_mb")
 DIRECTIONS = ("maximize", "minimize", "minimize")
+#: the constraint bounds of a scenario (a space file's ``constraints`` may override them)
+BOUNDS = ("ppl_ratio_max", "budget_mb", "kv_budget_mb", "min_speedup_vs_ar", "min_fidelity")
 
 
 @dataclass
@@ -38,8 +40,25 @@ class Scenario:
     min_fidelity: float | None = None  # greedy match rate vs the recipe's target without compression
 
     def __post_init__(self) -> None:
-        if self.primary not in OBJECTIVES:
-            raise ValueError(f"primary: must be one of {OBJECTIVES}, got {self.primary!r}")
+        """Raises :class:`ConfigError` for an unknown ``primary`` or a bound that is not a finite number >= 0."""
+        from toolkit.checks import check_choice
+
+        check_choice("primary", self.primary, OBJECTIVES)
+        for name in BOUNDS:
+            check_bound(name, getattr(self, name), f"search.constraints.{name}")
+
+
+def check_bound(name: str, value: object, field: str) -> None:
+    """A constraint bound is ``None`` (off) or a finite number: > 0 for ratios and budgets, in [0, 1] for
+    ``min_fidelity``, >= 0 for ``min_speedup_vs_ar``. Raises :class:`ConfigError` naming ``field``."""
+    from toolkit.checks import check_float
+
+    if value is None:
+        return
+    if name == "min_fidelity":
+        check_float(field, value, low=0.0, high=1.0)
+    else:
+        check_float(field, value, low=0.0, low_open=name != "min_speedup_vs_ar")
 
 
 SCENARIOS = {

@@ -39,10 +39,9 @@ import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
+from toolkit.checks import check_float, check_int, check_str_list
 from toolkit.errors import ConfigError
-from toolkit.recipe import Recipe
+from toolkit.recipe import Recipe, check_name
 from toolkit.resources import shipped, shipped_name
 from toolkit.session import plan
 
@@ -83,9 +82,23 @@ class Dimension:
                 if node.get(key) is None:
                     node[key] = {}
                 node = node[key]
+                if not isinstance(node, dict):
+                    raise ConfigError(f"search.space.{self.name}.path", f"{self.path!r} runs through {key!r}, which "
+                                      "is not a section of the recipe")
             node[leaf] = label
         else:
             _merge(data, copy.deepcopy(self.fragments[label]))
+
+
+def trial_name(scenario: str, labels: list) -> str:
+    """The recipe name of a point: ``<scenario>-<label>-<label>...`` with every character a recipe name may not hold
+    replaced by ``_`` (labels are free text) and cut to the 100 characters a name may have."""
+    import re
+
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{scenario}-" + "-".join(str(v) for v in labels))
+    if not name[:1].isalnum():
+        name = "s" + name
+    return name[:100]
 
 
 def _merge(dst: dict, src: dict) -> None:
@@ -155,7 +168,7 @@ class SearchSpace:
                 raise ConfigError(f"search.space.{dim.name}", f"label {label!r} is not searched", dim.searched)
             seen[dim.name] = label
             dim.apply(data, label)
-        data["name"] = f"{self.scenario}-" + "-".join(str(v) for v in seen.values())
+        data["name"] = trial_name(self.scenario, list(seen.values()))
         recipe = Recipe.from_dict(data)
         plan(recipe)  # cross-section checks (a window that cannot hold a verify forward, ...): nothing loads
         return recipe
@@ -210,12 +223,24 @@ class SearchSpace:
         return list(itertools.islice(self.iter_points(), None if limit is None else limit + 1))
 
 
+#: top-level keys of a space file
+SPACE_KEYS = ("scenario", "trials", "timeout_s", "constraints", "base", "eval", "heldout", "seeds", "space",
+              "description")
+DIMENSION_KEYS = ("choices", "path", "when", "enabled", "disabled")
+HELDOUT_KEYS = ("prompts", "num_prompts", "compare")
+MAX_TRIALS = 100_000
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
 def load_space(source: str | Path | dict) -> SearchSpace:
     """Parse a search-space YAML (a scenario name -> ``recipes/search/<name>.yaml``, a path, or a dict).
 
     Raises:
-        ConfigError: malformed file (the field is named) or a base recipe that does not validate.
+        ConfigError: malformed file (the field is named: ``search.space.<dim>.choices``, ``search.constraints.<bound>``,
+            ``search.eval.<setting>`` ...) or a base recipe that does not validate.
     """
+    from toolkit.recipe import load_yaml_text, read_text
+
     where = "<dict>"
     if isinstance(source, dict):
         data = source
@@ -226,34 +251,87 @@ def load_space(source: str | Path | dict) -> SearchSpace:
         if not path.is_file():
             raise ConfigError("scenario", f"no search space file {path}",
                               sorted(p.stem for p in shipped("search").glob("*.yaml")))
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml_text(read_text(path, "search"), "search")
         where = shipped_name(path)
-    known = {"scenario", "trials", "timeout_s", "constraints", "base", "eval", "heldout", "seeds", "space",
-             "description"}
+        if data is None:
+            data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("search", f"a search space must be a mapping with the keys {', '.join(SPACE_KEYS)}, got "
+                          f"{type(data).__name__}")
     for key in data:
-        if key not in known:
-            raise ConfigError(f"search.{key}", "unknown field", sorted(known))
+        if key not in SPACE_KEYS:
+            raise ConfigError(f"search.{key}", "unknown field", sorted(SPACE_KEYS))
+    scenario = check_name("search.scenario", data.get("scenario", "short"))
+    if not isinstance(data.get("description", ""), str):
+        raise ConfigError("search.description", "must be a string")
     if not isinstance(data.get("base"), dict):
         raise ConfigError("search.base", "must be a complete recipe mapping")
     Recipe.from_dict({**data["base"], "name": data["base"].get("name", "base")})  # validates the base
+    dims = _dimensions(data.get("space"))
+    trials = data.get("trials", 8)
+    check_int("search.trials", trials, low=1, high=MAX_TRIALS)
+    timeout = data.get("timeout_s")
+    if timeout is not None:
+        check_float("search.timeout_s", timeout, low=0.0, high=MAX_TIMEOUT_S, low_open=True)
+    heldout = _heldout(data.get("heldout") or {})
+    seeds = data.get("seeds") or {}
+    if not isinstance(seeds, dict) or not all(isinstance(v, dict) for v in seeds.values()):
+        raise ConfigError("search.seeds", "must map a name to a point (dimension name -> label)")
+    names = [d.name for d in dims]
+    for seed_name, point in seeds.items():
+        unknown = sorted(map(str, set(point) - set(names)))
+        if unknown:
+            raise ConfigError(f"search.seeds.{seed_name}.{unknown[0]}", "unknown dimension", names)
+    return SearchSpace(scenario=scenario, base=data["base"], dimensions=dims,
+                       eval=_eval_settings(data.get("eval") or {}),
+                       constraints=_constraints(data.get("constraints") or {}), trials=trials,
+                       timeout_s=timeout, heldout=heldout, seeds={str(k): v for k, v in seeds.items()},
+                       source=where)
+
+
+def _label(value: object, field: str) -> object:
+    """A label Optuna can store: a string, a bool, an int or a finite float."""
+    if isinstance(value, float):
+        check_float(field, value)
+    elif not isinstance(value, (str, int, bool)):
+        raise ConfigError(field, f"labels must be strings, numbers or booleans, got {value!r}")
+    return value
+
+
+def _dimensions(space: object) -> list[Dimension]:
+    """The ``space`` section as dimensions, in file order (see the module docstring). Raises :class:`ConfigError`."""
+    if space is None:
+        space = {}
+    if not isinstance(space, dict):
+        raise ConfigError("search.space", f"must map dimension names to their choices, got {type(space).__name__}")
     dims: list[Dimension] = []
-    for name, spec in (data.get("space") or {}).items():
+    for name, spec in space.items():
         field_name = f"search.space.{name}"
+        if not isinstance(name, str) or not name or "." in name:
+            raise ConfigError(field_name, "a dimension name must be a non-empty string without '.'")
         if not isinstance(spec, dict) or "choices" not in spec:
             raise ConfigError(field_name, "needs 'choices' (a list with 'path', or a mapping of label -> recipe "
                               "fragment)")
-        unknown = sorted(set(spec) - {"choices", "path", "when", "enabled", "disabled"})
+        unknown = sorted(map(str, set(spec) - set(DIMENSION_KEYS)))
         if unknown:
-            raise ConfigError(f"{field_name}.{unknown[0]}", "unknown field", ["choices", "path", "when", "enabled",
-                                                                              "disabled"])
+            raise ConfigError(f"{field_name}.{unknown[0]}", "unknown field", list(DIMENSION_KEYS))
         choices = spec["choices"]
         if "path" in spec:
+            path = spec["path"]
+            if not isinstance(path, str) or not all(path.split(".")):
+                raise ConfigError(f"{field_name}.path", f"must be a dotted recipe field such as target.precision, "
+                                  f"got {path!r}")
             if not isinstance(choices, list) or not choices:
                 raise ConfigError(f"{field_name}.choices", "must be a non-empty list when 'path' is set")
-            dim = Dimension(name, list(choices), path=spec["path"])
+            labels = [_label(c, f"{field_name}.choices[{i}]") for i, c in enumerate(choices)]
+            dim = Dimension(name, labels, path=path)
         else:
             if not isinstance(choices, dict) or not choices:
                 raise ConfigError(f"{field_name}.choices", "must map labels to recipe fragments")
+            for label, fragment in choices.items():
+                if fragment is not None and not isinstance(fragment, dict):
+                    raise ConfigError(f"{field_name}.choices.{label}", f"must be a recipe fragment (a mapping such as "
+                                      f"{{spec: {{drafter: ngram}}}}), got {fragment!r}")
             dim = Dimension(name, [str(k) for k in choices], fragments={str(k): v or {} for k, v in choices.items()})
         when = spec.get("when") or {}
         earlier = {d.name: d for d in dims}
@@ -273,33 +351,60 @@ def load_space(source: str | Path | dict) -> SearchSpace:
             raise ConfigError(f"{field_name}.enabled", "must be true or false")
         dim.enabled = enabled
         disabled = spec.get("disabled") or []
+        if not isinstance(disabled, list):
+            raise ConfigError(f"{field_name}.disabled", f"must be a list of labels of this dimension, got "
+                              f"{disabled!r}", dim.labels)
         bad = [x for x in disabled if x not in dim.labels]
-        if not isinstance(disabled, list) or bad:
-            raise ConfigError(f"{field_name}.disabled", f"must list labels of this dimension, got {bad or disabled}",
-                              dim.labels)
+        if bad:
+            raise ConfigError(f"{field_name}.disabled", f"must list labels of this dimension, got {bad}", dim.labels)
         dim.disabled = list(disabled)
         dims.append(dim)
     if not dims:
         raise ConfigError("search.space", "no dimensions to search")
-    trials = data.get("trials", 8)
-    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
-        raise ConfigError("search.trials", f"must be an integer >= 1, got {trials!r}")
-    timeout = data.get("timeout_s")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ConfigError("search.timeout_s", f"must be a positive number of seconds, got {timeout!r}")
-    heldout = data.get("heldout") or {}
-    if not isinstance(heldout, dict) or set(heldout) - {"prompts", "num_prompts", "compare"}:
+    return dims
+
+
+def _constraints(constraints: object) -> dict:
+    """Overrides of the scenario's bounds: each a finite number >= 0 (``ppl_ratio_max`` > 0) or null (off)."""
+    from eval.scenarios import BOUNDS, check_bound
+
+    if not isinstance(constraints, dict):
+        raise ConfigError("search.constraints", f"must map bounds to numbers, got {constraints!r}", BOUNDS)
+    for key, value in constraints.items():
+        if key not in BOUNDS:
+            raise ConfigError(f"search.constraints.{key}", "unknown bound", BOUNDS)
+        check_bound(key, value, f"search.constraints.{key}")
+    return dict(constraints)
+
+
+def _eval_settings(settings: object) -> dict:
+    """The ``eval`` section: keyword arguments of :class:`eval.evaluate.EvalSettings`, checked by building one."""
+    import dataclasses
+
+    from eval.evaluate import EvalSettings
+
+    if not isinstance(settings, dict):
+        raise ConfigError("search.eval", f"must map evaluation settings to values, got {settings!r}")
+    known = [f.name for f in dataclasses.fields(EvalSettings)]
+    for key in settings:
+        if key not in known:
+            raise ConfigError(f"search.eval.{key}", "unknown evaluation setting", known)
+    try:
+        EvalSettings(**settings)
+    except ConfigError as exc:
+        raise ConfigError(f"search.eval.{exc.field}", str(exc).split(": ", 1)[1]) from None
+    return dict(settings)
+
+
+def _heldout(heldout: object) -> dict:
+    """The ``heldout`` section: ``prompts`` (a suite), optional ``num_prompts`` (>= 1) and ``compare`` (names)."""
+    if not isinstance(heldout, dict) or set(heldout) - set(HELDOUT_KEYS):
         raise ConfigError("search.heldout", "must be a mapping with 'prompts' (a suite), optional 'num_prompts' and "
                           "'compare' (shipped recipe names measured on the same prompts)")
-    seeds = data.get("seeds") or {}
-    if not isinstance(seeds, dict) or not all(isinstance(v, dict) for v in seeds.values()):
-        raise ConfigError("search.seeds", "must map a name to a point (dimension name -> label)")
-    names = [d.name for d in dims]
-    for seed_name, point in seeds.items():
-        unknown = sorted(set(point) - set(names))
-        if unknown:
-            raise ConfigError(f"search.seeds.{seed_name}.{unknown[0]}", "unknown dimension", names)
-    return SearchSpace(scenario=data.get("scenario", "short"), base=data["base"], dimensions=dims,
-                       eval=data.get("eval") or {}, constraints=data.get("constraints") or {}, trials=trials,
-                       timeout_s=timeout, heldout=heldout, seeds={str(k): v for k, v in seeds.items()},
-                       source=where)
+    if "prompts" in heldout and (not isinstance(heldout["prompts"], str) or not heldout["prompts"]):
+        raise ConfigError("search.heldout.prompts", f"must name a prompt suite, got {heldout['prompts']!r}")
+    if heldout.get("num_prompts") is not None:
+        check_int("search.heldout.num_prompts", heldout["num_prompts"], low=1, high=10_000)
+    if "compare" in heldout:
+        check_str_list("search.heldout.compare", heldout["compare"], "shipped recipe names")
+    return heldout

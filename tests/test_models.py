@@ -46,7 +46,7 @@ def test_local_directory_loads_at_each_plain_precision(local_model_dir):
     assert 0 <= sizes["bf16"] - 2 * n_params < 1024 and sizes["fp16"] == sizes["bf16"]
 
 
-@pytest.mark.parametrize("source", ["no-such-org/no-such-model-xyz", "/tmp/toolkit-test/missing/model-dir"])
+@pytest.mark.parametrize("source", ["no-such-org/no-such-model-xyz"])
 def test_hub_id_offline_raises_model_load_error(monkeypatch, source):
     import huggingface_hub.constants
 
@@ -57,6 +57,17 @@ def test_hub_id_offline_raises_model_load_error(monkeypatch, source):
     message = str(excinfo.value)
     assert f"target.source={source!r}" in message
     assert "local model directory" in message and "embedded" in message
+
+
+@pytest.mark.parametrize("source", ["/tmp/toolkit-test/missing/model-dir", "./missing/model", "~/missing-model-xyz",
+                                    "a/b/c"])
+def test_missing_local_path_is_not_sent_to_the_hub(monkeypatch, source):
+    """A source that can only be a path (absolute, ./, ~, several '/') and does not exist: said so, field named."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("asked the hub"))
+    with pytest.raises(ModelLoadError, match=r"^target\.source: local path .* does not exist"):
+        load_model(ModelSpec(source=source, device="cpu"), "target")
 
 
 def test_nonexistent_gguf_path(tmp_path):

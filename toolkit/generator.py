@@ -5,7 +5,10 @@
     >>> out = gen.generate([{"role": "user", "content": "Name three prime numbers."}], max_new_tokens=32)
     >>> out.text, out.stats.acceptance_rate, out.stats.tokens_per_round
 
-Chat templates are applied when a list of messages is given; a plain string is tokenized as is.
+Chat templates are applied when a list of messages is given; a plain string is tokenized as is. Every request is
+checked before any forward (:meth:`Generator.check_request`): an empty prompt, a prompt longer than the model's
+context, a generation that would run past it under absolute positions, and EOS ids outside the vocabulary are
+:class:`~toolkit.errors.ConfigError` naming the field.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from toolkit.errors import ConfigError
-from toolkit.models import weight_bytes
+from toolkit.models import model_vocab_size, weight_bytes
 from toolkit.models.capabilities import check_tree_support
 from toolkit.recipe import GenerationSpec, Recipe
 from toolkit.session import ModelPool, Plan, load_models, plan
@@ -30,6 +33,7 @@ from toolkit.speculative.tree import TreeShape
 from toolkit.speculative.verify_length import Calibrator
 
 log = logging.getLogger(__name__)
+_KV_SECTION = {"target": "kv", "draft": "draft_kv"}
 logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)  # per-call int8 cast notice
 
 
@@ -59,14 +63,71 @@ class Generator:
         self.calibrator = Calibrator()  # acceptance calibration (adaptive: cost), learned across calls
 
     # -------------------------------------------------------------------------------------------- preparation
-    def encode(self, prompt: str | list[dict]) -> torch.Tensor:
-        """Token ids ``(1, prompt_len)`` of a string, or of chat messages rendered with the chat template."""
+    def encode(self, prompt: str | list[dict], field: str = "prompt") -> torch.Tensor:
+        """Token ids ``(1, prompt_len)`` of a string, or of chat messages rendered with the chat template.
+
+        Raises:
+            ConfigError (``field``): an empty string, an empty message list, a message without a string ``role`` and
+                ``content``, messages whose contents are all empty, or messages for a tokenizer without a chat
+                template.
+        """
         if isinstance(prompt, str):
+            if not prompt:
+                raise ConfigError(field, "is empty: give the text to continue")
             return self.tokenizer(prompt, return_tensors="pt").input_ids
         if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+            _check_messages(prompt, field)
+            if getattr(self.tokenizer, "chat_template", None) is None:
+                raise ConfigError(field, f"the tokenizer of target.source={self.recipe.target.source!r} has no chat "
+                                  "template: give the prompt as plain text (toolkit generate --no-chat; a 'text' "
+                                  "or 'code' entry in a prompt suite)")
             ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt")
             return ids if torch.is_tensor(ids) else ids["input_ids"]
-        raise ConfigError("prompt", "must be a string or a list of {'role': ..., 'content': ...} messages")
+        raise ConfigError(field, "must be a string or a list of {'role': ..., 'content': ...} messages")
+
+    def check_request(self, input_ids: torch.Tensor, gen: GenerationSpec, field: str = "prompt") -> None:
+        """Check one request against the models before any forward.
+
+        * the prompt ``input_ids`` ``(1, prompt_len)`` holds at least one token and at most the context
+          (``max_position_embeddings``) of the target and of a draft LM: the prefill feeds positions
+          ``0 .. prompt_len - 1``, under every KV policy;
+        * ``prompt_len + max_new_tokens`` stays within that context, unless the model's cache is a StreamingLLM
+          window with ``position_mode: reindex`` (queries then get slot positions, bounded by the window, so
+          generation may run past the context: :mod:`toolkit.kv.streaming`). Every other policy feeds absolute
+          positions, which past the context are out of the model's range (learned position embeddings fail, rotary
+          ones extrapolate into noise);
+        * explicit ``eos_token_id`` values lie inside the target's vocabulary (an id the model can never emit would
+          silently never stop the generation).
+
+        Raises:
+            ConfigError: naming ``field`` (the prompt), ``generation.max_new_tokens`` or
+                ``generation.eos_token_id[i]``.
+        """
+        length = int(input_ids.shape[-1])
+        if length == 0:
+            raise ConfigError(field, "is empty: it encodes to no tokens")
+        models = [("target", self.target, self.target_policy)]
+        if self.draft_model is not None and self.recipe.spec.config.uses_draft_model:
+            models.append(("draft", self.draft_model, self.draft_policy))
+        for role, model, policy in models:
+            limit = _context(model)
+            if limit is None:
+                continue
+            if length > limit:
+                raise ConfigError(field, f"has {length} tokens, more than the {role}'s context of {limit} tokens "
+                                  "(max_position_embeddings); shorten it")
+            if length + gen.max_new_tokens > limit and getattr(policy, "position_mode", None) != "reindex":
+                raise ConfigError("generation.max_new_tokens", f"the prompt ({length} tokens) + max_new_tokens "
+                                  f"({gen.max_new_tokens}) = {length + gen.max_new_tokens} exceeds the {role}'s "
+                                  f"context of {limit} tokens (max_position_embeddings); lower max_new_tokens, or "
+                                  f"use a KV window with slot positions ({_KV_SECTION[role]}: "
+                                  "{policy: streaming, position_mode: reindex})")
+        vocab = model_vocab_size(self.target)
+        if gen.eos_token_id is not None and vocab is not None:
+            for i, tok in enumerate(gen.eos_token_id):
+                if tok >= vocab:
+                    raise ConfigError(f"generation.eos_token_id[{i}]", f"{tok} is outside the target's vocabulary "
+                                      f"(ids 0..{vocab - 1})")
 
     def eos_token_ids(self, gen: GenerationSpec) -> list[int]:
         """EOS ids: the generation spec's, else the model's generation config's, else the tokenizer's."""
@@ -149,6 +210,7 @@ class Generator:
     def _run(self, prompt, overrides) -> tuple[Iterator[list[int]], GenerationStats, list[int], GenerationSpec]:
         gen = self._generation_spec(overrides)
         input_ids = self.encode(prompt)
+        self.check_request(input_ids, gen)
         stats = GenerationStats()
         chunks = self.decoder(gen).decode(input_ids, gen, stats, self.eos_token_ids(gen), self._stop_check(gen))
         return chunks, stats, input_ids[0].tolist(), gen
@@ -217,6 +279,8 @@ class Generator:
             return [self.generate(p, **overrides) for p in prompts]
         gen = self._generation_spec(overrides)
         inputs = [self.encode(p) for p in prompts]
+        for i, input_ids in enumerate(inputs):
+            self.check_request(input_ids, gen, f"prompts[{i}]")
         spec = self.recipe.spec
         root = self._drafter(gen)
         make = (lambda: root.fork()) if spec.config.persistent else (lambda: self._drafter(gen))  # noqa: E731
@@ -231,6 +295,26 @@ class Generator:
 def _is_prompt_list(prompt) -> bool:
     """A list of prompts (strings or message lists), as opposed to one chat (a list of message dicts)."""
     return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+
+
+def _check_messages(messages: list[dict], field: str) -> None:
+    """Chat messages: a non-empty list of ``{'role': str, 'content': str | list}``, not every content empty."""
+    if not messages:
+        raise ConfigError(field, "is an empty list of messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), (str, list)):
+            raise ConfigError(f"{field}[{i}]", f"a message needs a string 'role' and a 'content', got {message!r}")
+    if not any(message["content"] for message in messages):
+        raise ConfigError(field, "is empty: every message has an empty content")
+
+
+def _context(model) -> int | None:
+    """``max_position_embeddings`` of a Hugging Face model's text config, or ``None`` (unknown, EAGLE heads)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config"):
+        return None
+    limit = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
 
 
 def build(recipe: Recipe, target=None, tokenizer=None, draft_model=None, pool: ModelPool | None = None) -> Generator:

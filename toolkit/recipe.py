@@ -19,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from toolkit.checks import check_choice, check_float, check_int
+from toolkit.checks import TOKENS_MAX, check_choice, check_float, check_int, check_seed
 from toolkit.errors import ConfigError
 from toolkit.speculative.drafters import DrafterConfig, config_type, drafter_names
 from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_UNUSED, config_types, owner_of
@@ -42,6 +43,22 @@ EAGLE_PRECISIONS = ("fp32", "bf16", "fp16")
 #: the registered drafter names (``spec.drafter``), from :mod:`toolkit.speculative.drafters`
 DRAFTERS = drafter_names()
 ADAPTIVE = ("constant", "ema", "cost")
+#: smallest sampling temperature: logits / T must stay finite in float32 (below ~1e-30 softmax turns to NaN), and
+#: far below 1 sampling is greedy anyway (use do_sample: false)
+TEMPERATURE_MIN = 1e-5
+#: smallest top_p: compared in float32, a smaller one rounds to 0 and top-p filtering removes every token (NaN)
+TOP_P_MIN = 1e-6
+#: a recipe name: it becomes a file / directory name under ``--out`` (results, found recipes), so nothing that could
+#: leave that directory or hide a file (``/``, ``..``, a leading ``.``), 1..100 characters
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+NAME_RULE = "1-100 characters: letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+def check_name(field_name: str, value: object) -> str:
+    """Raise :class:`ConfigError` unless ``value`` is a safe recipe name (:data:`NAME_PATTERN`); returns it."""
+    if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value):
+        raise ConfigError(field_name, f"must be a safe name ({NAME_RULE}), got {value!r}")
+    return value
 
 
 @dataclass
@@ -84,6 +101,8 @@ class ModelSpec:
         if not isinstance(self.source, str) or not self.source:
             raise ConfigError(f"{prefix}.source", "must be a non-empty string: 'embedded', a local directory, a "
                               ".gguf file or a hub id")
+        if any(ord(c) < 32 or ord(c) == 127 for c in self.source):
+            raise ConfigError(f"{prefix}.source", f"holds a control character: {self.source!r}")
         check_choice(f"{prefix}.precision", self.precision, PRECISIONS)
         check_choice(f"{prefix}.device", self.device, DEVICES)
         check_float(f"{prefix}.int8_threshold", self.int8_threshold, low=0.0)
@@ -120,6 +139,7 @@ class KVSpec:
     def from_dict(cls, data: dict, prefix: str) -> KVSpec:
         if not isinstance(data, dict):
             raise ConfigError(prefix, f"must be a mapping with a 'policy' key, got {data!r}")
+        _check_keys(data, prefix)
         data = dict(data)
         return cls(policy=data.pop("policy", "none"), params=data)
 
@@ -266,7 +286,8 @@ class GenerationSpec:
     Attributes:
         max_new_tokens: exact upper bound on generated tokens (never exceeded, even when a round accepts past it).
         do_sample: False = greedy; True = lossless speculative sampling (Leviathan et al. 2023, Alg. 1).
-        temperature / top_k / top_p: applied identically to target and draft distributions (top_k 0 = off).
+        temperature / top_k / top_p: applied identically to target and draft distributions (top_k 0 = off);
+            temperature >= 1e-5 (:data:`TEMPERATURE_MIN`), top_p in [1e-6, 1] (:data:`TOP_P_MIN`).
         ignore_eos: keep generating through EOS (fixed-length benchmarks).
         eos_token_id: list of EOS ids; ``null`` = the tokenizer's / generation config's.
         stop_strings: generation ends right after the first occurrence of any of them (the string is kept).
@@ -284,22 +305,29 @@ class GenerationSpec:
     seed: int = 0
 
     def validate(self, prefix: str) -> None:
-        check_int(f"{prefix}.max_new_tokens", self.max_new_tokens, low=1)
+        """Check every field (ids against the vocabulary and lengths against the context are checked by
+        :meth:`toolkit.generator.Generator.check_request`, which knows the model)."""
+        check_int(f"{prefix}.max_new_tokens", self.max_new_tokens, low=1, high=TOKENS_MAX)
         if not isinstance(self.do_sample, bool):
             raise ConfigError(f"{prefix}.do_sample", "must be true or false")
-        check_float(f"{prefix}.temperature", self.temperature, low=0.0, low_open=True)
-        check_int(f"{prefix}.top_k", self.top_k, low=0)
-        check_float(f"{prefix}.top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        check_float(f"{prefix}.temperature", self.temperature, low=TEMPERATURE_MIN)
+        check_int(f"{prefix}.top_k", self.top_k, low=0, high=TOKENS_MAX)
+        check_float(f"{prefix}.top_p", self.top_p, low=TOP_P_MIN, high=1.0)
         if not isinstance(self.ignore_eos, bool):
             raise ConfigError(f"{prefix}.ignore_eos", "must be true or false")
         if self.eos_token_id is not None:
-            if isinstance(self.eos_token_id, int):
+            if isinstance(self.eos_token_id, int) and not isinstance(self.eos_token_id, bool):
                 self.eos_token_id = [self.eos_token_id]
+            if not isinstance(self.eos_token_id, (list, tuple)):
+                raise ConfigError(f"{prefix}.eos_token_id", f"must be a token id or a list of token ids, got "
+                                  f"{self.eos_token_id!r}")
             for i, tok in enumerate(self.eos_token_id):
-                check_int(f"{prefix}.eos_token_id[{i}]", tok, low=0)
+                check_int(f"{prefix}.eos_token_id[{i}]", tok, low=0, high=TOKENS_MAX)
+            self.eos_token_id = list(self.eos_token_id)
         if not isinstance(self.stop_strings, list) or not all(isinstance(s, str) and s for s in self.stop_strings):
-            raise ConfigError(f"{prefix}.stop_strings", "must be a list of non-empty strings")
-        check_int(f"{prefix}.seed", self.seed, low=0)
+            raise ConfigError(f"{prefix}.stop_strings", f"must be a list of non-empty strings, got "
+                              f"{self.stop_strings!r}")
+        check_seed(f"{prefix}.seed", self.seed)
 
 
 @dataclass
@@ -327,8 +355,9 @@ class Recipe:
     def validate(self, kv: bool = True) -> None:
         """Check every field (``kv=False``: all but the KV sections, which :func:`toolkit.session.plan` checks
         while building their policies). Raises :class:`ConfigError` naming the field."""
-        if not isinstance(self.name, str) or not self.name:
-            raise ConfigError("name", "must be a non-empty string")
+        check_name("name", self.name)
+        if not isinstance(self.description, str):
+            raise ConfigError("description", f"must be a string, got {self.description!r}")
         self.target.validate("target")
         if self.draft is not None:
             self.draft.validate("draft")
@@ -366,7 +395,7 @@ class Recipe:
         if not isinstance(data, dict):
             raise ConfigError("recipe", f"must be a mapping, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(map(str, set(data) - known))
         if unknown:
             raise ConfigError(unknown[0], "unknown recipe field", sorted(known))
         kwargs: dict[str, Any] = {}
@@ -381,6 +410,7 @@ class Recipe:
         spec = data.get("spec", {})
         if not isinstance(spec, dict):
             raise ConfigError("spec", f"must be a mapping, got {spec!r}")
+        _check_keys(spec, "spec")
         if "config" in spec:
             raise ConfigError("spec.config", "unknown field: write the drafter's fields flat next to 'drafter'")
         kwargs["spec"] = SpecSpec(**spec)
@@ -392,16 +422,13 @@ class Recipe:
 
     @classmethod
     def from_yaml(cls, text: str) -> Recipe:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError("recipe", f"not valid YAML: {exc}") from exc
-        return cls.from_dict(data or {})
+        return cls.from_dict(load_yaml_text(text, "recipe") or {})
 
     @classmethod
     def load(cls, path: str | Path) -> Recipe:
-        """Read a recipe YAML file. Raises ``FileNotFoundError`` or :class:`ConfigError`."""
-        return cls.from_yaml(Path(path).read_text())
+        """Read a recipe YAML file. Raises :class:`ConfigError` (field ``recipe``: a file that cannot be read, is not
+        UTF-8 text or not YAML; else the field that is wrong)."""
+        return cls.from_yaml(read_text(path, "recipe"))
 
     def save(self, path: str | Path) -> None:
         """Write the recipe as YAML atomically (a temp file renamed into place)."""
@@ -419,6 +446,35 @@ class Recipe:
         data.pop("name")
         data.pop("description")
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def read_text(path: str | Path, field_name: str) -> str:
+    """The UTF-8 text of a configuration file. Raises :class:`ConfigError` naming ``field_name`` when it cannot be
+    read (missing, a directory, no permission) or is not UTF-8."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(field_name, f"{path} is not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(field_name, f"cannot read {path}: {exc.strerror or exc.__class__.__name__}") from None
+
+
+def load_yaml_text(text: str, field_name: str) -> Any:
+    """``yaml.safe_load(text)``; a syntax error is a :class:`ConfigError` naming ``field_name`` (on one line)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(field_name, f"not valid YAML{at}: {problem}") from None
+
+
+def _check_keys(data: dict, prefix: str) -> None:
+    """Raise :class:`ConfigError` for a key of ``data`` that is not a field name (YAML allows ``5: 1``)."""
+    for key in data:
+        if not isinstance(key, str):
+            raise ConfigError(f"{prefix}.{key}", "is not a field name (keys are names, e.g. 'window')")
 
 
 def _section(cls: type, data: Any, prefix: str) -> Any:

@@ -56,6 +56,8 @@ def resolve(name_or_path: str | Path, kind: str, field: str) -> Path:
     Raises:
         ConfigError: neither an existing file nor a shipped name (the shipped names are listed).
     """
+    if not isinstance(name_or_path, (str, Path)) or not str(name_or_path) or "\0" in str(name_or_path):
+        raise ConfigError(field, f"must be a file path or a shipped name, got {name_or_path!r}")
     path = Path(name_or_path).expanduser()
     if path.is_file():
         return path

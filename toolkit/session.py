@@ -131,9 +131,10 @@ def load_models(p: Plan, pool: ModelPool | None = None, target=None, tokenizer=N
 
     Raises:
         ModelLoadError: a source cannot be read.
-        TokenizerMismatchError: target and draft vocabularies differ.
+        TokenizerMismatchError: target and draft vocabularies differ (the tokenizers' entries, or the models'
+            ``vocab_size``: field ``draft.source``).
     """
-    from toolkit.models import check_same_vocab
+    from toolkit.models import check_same_vocab, check_same_vocab_size
 
     pool = pool if pool is not None else ModelPool()
     recipe = p.recipe
@@ -151,4 +152,5 @@ def load_models(p: Plan, pool: ModelPool | None = None, target=None, tokenizer=N
     if draft_model is None:
         draft_model, draft_tokenizer = pool.get(p.draft_spec, "draft")
         check_same_vocab(tokenizer, draft_tokenizer, recipe.target.source, p.draft_spec.source)
+    check_same_vocab_size(target, draft_model, recipe.target.source, p.draft_spec.source)
     return target, tokenizer, draft_model

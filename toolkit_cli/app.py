@@ -3,7 +3,8 @@
 The command line sits above both the library (``toolkit``) and the measurement applications (``eval``); neither
 imports it. Every command takes a recipe as a YAML file or the name of a shipped one (``short``, ``short-ngram``,
 ``long``, ``memory``, ...). Errors in a recipe or an argument print one line naming the field and exit with status
-2; nothing half-written is left behind. Outputs go to the working directory (or ``--out``).
+2; nothing half-written is left behind; an internal error says so on one line (status 1); ``toolkit --debug ...``
+shows the traceback of either (:mod:`toolkit_cli.errors`). Outputs go to the working directory (or ``--out``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from typing import Optional
 
 import typer
 
-from toolkit.errors import ToolkitError
+from toolkit_cli.errors import OneLineGroup, reported, set_debug
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(cls=OneLineGroup, add_completion=False, no_args_is_help=True,
                   help="Speculative decoding with quantized weights and compressed KV caches.")
 draft_app = typer.Typer(no_args_is_help=True, help="Build draft models for a target.")
 app.add_typer(draft_app, name="draft")
@@ -26,13 +27,27 @@ from toolkit_cli.export import export_app  # noqa: E402  (toolkit export vllm|sg
 app.add_typer(export_app, name="export")
 
 
-def _fail(exc: Exception) -> None:
-    typer.secho(f"error: {exc}", fg="red", err=True)
-    raise typer.Exit(2)
+@app.callback()
+def options(debug: bool = typer.Option(False, "--debug", help="show the traceback of any error (also "
+                                       "TOOLKIT_DEBUG=1)")):
+    """Speculative decoding with quantized weights and compressed KV caches."""
+    set_debug(debug)
+
+
+def _check_out(out: Path) -> Path:
+    """``--out`` must be a directory or not exist yet, checked before the (long) run rather than when writing."""
+    from toolkit.errors import ConfigError
+
+    for parent in (out, *out.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError("--out", f"{parent} exists and is not a directory")
+            break
+    return out
 
 
 def _load(recipe: str):
-    """A recipe from a YAML path or a shipped name. Raises ConfigError / FileNotFoundError."""
+    """A recipe from a YAML path or a shipped name. Raises ConfigError."""
     from toolkit.recipe import Recipe
     from toolkit.resources import resolve
 
@@ -40,6 +55,7 @@ def _load(recipe: str):
 
 
 @app.command()
+@reported
 def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped recipe name"),
         compare: bool = typer.Option(False, "--compare", help="also run HF AR / assisted / prompt-lookup baselines"),
         repeats: int = typer.Option(3, min=1, help="timed repetitions per prompt and method (with --compare)"),
@@ -52,20 +68,18 @@ def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped reci
                                                "{\"messages\": [...]} per line) instead of the recipe's suite"),
         out: Path = typer.Option(Path("results/run"), help="directory for the results JSON and Markdown")):
     """Run RECIPE over its prompt suite; print a Markdown table and write results JSON."""
-    try:
-        loaded = _load(recipe)
-        if max_new_tokens is not None:
-            import dataclasses
+    from eval.run import markdown_table, run_recipe, write_results
 
-            loaded = loaded.replace(generation=dataclasses.replace(loaded.generation, max_new_tokens=max_new_tokens))
-        if batch_size is not None or prompts is not None:
-            _run_batch(loaded, batch_size or 8, prompts, compare, repeats, num_prompts, out)
-            return
-        from eval.run import markdown_table, run_recipe, write_results
+    _check_out(out)
+    loaded = _load(recipe)
+    if max_new_tokens is not None:
+        import dataclasses
 
-        results = run_recipe(loaded, compare=compare, repeats=repeats, num_prompts=num_prompts)
-    except ToolkitError as exc:
-        _fail(exc)
+        loaded = loaded.replace(generation=dataclasses.replace(loaded.generation, max_new_tokens=max_new_tokens))
+    if batch_size is not None or prompts is not None:
+        _run_batch(loaded, batch_size or 8, prompts, compare, repeats, num_prompts, out)
+        return
+    results = run_recipe(loaded, compare=compare, repeats=repeats, num_prompts=num_prompts)
     path = write_results(results, out)
     typer.echo(markdown_table(results))
     typer.echo(f"results: {path}")
@@ -90,6 +104,7 @@ def _run_batch(recipe, batch_size: int, prompt_file: Optional[Path], compare: bo
 
 
 @app.command()
+@reported
 def generate(prompt: str = typer.Argument(..., help="prompt text ('-' reads stdin)"),
              recipe: Optional[str] = typer.Option(None, help="recipe YAML file or shipped name (default: short)"),
              chat: bool = typer.Option(True, help="wrap the prompt as a user message with the chat template"),
@@ -103,25 +118,23 @@ def generate(prompt: str = typer.Argument(..., help="prompt text ('-' reads stdi
     text = sys.stdin.read() if prompt == "-" else prompt
     overrides = {k: v for k, v in {"max_new_tokens": max_new_tokens, "do_sample": do_sample,
                                    "temperature": temperature}.items() if v is not None}
-    try:
-        loaded = _load(recipe or "short")
-        generator = toolkit.build(loaded)
-        message = [{"role": "user", "content": text}] if chat else text
-        if stream:
-            for piece in generator.generate_stream(message, **overrides):
-                typer.echo(piece, nl=False)
-            typer.echo()
-        else:
-            result = generator.generate(message, **overrides)
-            typer.echo(result.text)
-            s = result.stats
-            typer.secho(f"{s.new_tokens} tokens, {s.throughput:.1f} tok/s, α {s.acceptance_rate:.2f}, "
-                        f"τ {s.tokens_per_round:.2f}, TTFT {s.ttft_ms:.0f} ms", err=True, fg="cyan")
-    except ToolkitError as exc:
-        _fail(exc)
+    loaded = _load(recipe or "short")
+    generator = toolkit.build(loaded)
+    message = [{"role": "user", "content": text}] if chat else text
+    if stream:
+        for piece in generator.generate_stream(message, **overrides):
+            typer.echo(piece, nl=False)
+        typer.echo()
+    else:
+        result = generator.generate(message, **overrides)
+        typer.echo(result.text)
+        s = result.stats
+        typer.secho(f"{s.new_tokens} tokens, {s.throughput:.1f} tok/s, α {s.acceptance_rate:.2f}, "
+                    f"τ {s.tokens_per_round:.2f}, TTFT {s.ttft_ms:.0f} ms", err=True, fg="cyan")
 
 
 @app.command("eval")
+@reported
 def eval_(recipe: str = typer.Argument(..., help="recipe YAML file or shipped recipe name"),
           force: bool = typer.Option(False, "--force", help="recompute even if results exist"),
           fast: bool = typer.Option(False, "--fast", help="fewer prompts, tokens and repetitions"),
@@ -129,13 +142,11 @@ def eval_(recipe: str = typer.Argument(..., help="recipe YAML file or shipped re
     """Evaluate RECIPE: perplexity, acceptance, memory, latency, fidelity, baselines (results/<name>-<hash>/)."""
     from eval.cli import eval_command
 
-    try:
-        eval_command(_load(recipe), force=force, fast=fast, results_root=out)
-    except ToolkitError as exc:
-        _fail(exc)
+    eval_command(_load(recipe), force=force, fast=fast, results_root=_check_out(out))
 
 
 @app.command()
+@reported
 def search(scenario: str = typer.Option(..., help="short, long or memory"),
            budget_mb: Optional[float] = typer.Option(None, help="memory budget in MiB (memory scenario)"),
            trials: Optional[int] = typer.Option(None, min=1, help="completed trials the study should reach"),
@@ -144,7 +155,7 @@ def search(scenario: str = typer.Option(..., help="short, long or memory"),
            out: Path = typer.Option(Path("found"), help="output directory (found recipe, Pareto plot, study)"),
            storage: Optional[str] = typer.Option(None, help="Optuna storage URL, e.g. postgresql://user@host/db "
                                                  "(default: a SQLite file under --out)"),
-           workers: int = typer.Option(1, min=1, help="worker processes on this study"),
+           workers: int = typer.Option(1, min=1, max=64, help="worker processes on this study"),
            study_name: Optional[str] = typer.Option(None, help="study name (default search-<scenario>)"),
            space: Optional[Path] = typer.Option(None, exists=True, dir_okay=False, help="search space YAML "
                                                 "(default recipes/search/<scenario>.yaml)"),
@@ -156,12 +167,9 @@ def search(scenario: str = typer.Option(..., help="short, long or memory"),
     """Search the configuration space of SCENARIO; writes <out>/<scenario>.yaml and a Pareto plot."""
     from eval.cli import search_command
 
-    try:
-        search_command(scenario, budget_mb=budget_mb, trials=trials, storage=storage, timeout=timeout, out=out,
-                       workers=workers, study_name=study_name, space=space, enable=enable,
-                       finalize_results=finalize, heartbeat_s=heartbeat)
-    except ToolkitError as exc:
-        _fail(exc)
+    search_command(scenario, budget_mb=budget_mb, trials=trials, storage=storage, timeout=timeout,
+                   out=_check_out(out), workers=workers, study_name=study_name, space=space, enable=enable,
+                   finalize_results=finalize, heartbeat_s=heartbeat)
 
 
 def _register_distill() -> None:

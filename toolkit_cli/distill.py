@@ -3,7 +3,7 @@
 
 Standalone: ``python -m toolkit_cli.distill --target embedded --layers 2 --tokens 2M --out DIR``.
 Exit status: 0 on success, 2 on a configuration error (the message names the field), 130 on Ctrl-C and 143 on
-SIGTERM (a checkpoint is saved first; rerun with ``--resume``).
+SIGTERM (a checkpoint is saved first; rerun with ``--resume``); errors are reported by :mod:`toolkit_cli.errors`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ from typing import Annotated, Optional
 
 import typer
 
+from toolkit_cli.errors import reported
 
+
+@reported
 def distill_command(
     target: Annotated[str, typer.Option(help="Target (teacher): 'embedded', a local HF directory, a .gguf file or a "
                                              "hub id.")] = "embedded",
@@ -50,13 +53,12 @@ def distill_command(
 ) -> dict:
     """Distill an N-layer draft from a target by KL at temperature tau; print before/after metrics.
 
-    Returns the metrics dict (also in ``OUT/metrics.json``). Raises ``typer.Exit(2)`` with the field-naming
-    message on a :class:`toolkit.errors.ConfigError`.
+    Returns the metrics dict (also in ``OUT/metrics.json``). Errors propagate (a :class:`toolkit.errors.ConfigError`
+    names the field); the command line prints them on one line (:func:`toolkit_cli.errors.reported`).
     """
     import logging
 
     from toolkit.distill import DistillConfig, distill
-    from toolkit.errors import ConfigError, ModelLoadError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -67,9 +69,6 @@ def distill_command(
             max_minutes=max_minutes, checkpoint_every=checkpoint_every, eval_windows=eval_windows,
             eval_prompts=eval_prompts, eval_new_tokens=eval_new_tokens, eval_k=eval_k, seed=seed, threads=threads)
         metrics = distill(config)
-    except (ConfigError, ModelLoadError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
     except KeyboardInterrupt:
         typer.echo(f"interrupted; checkpoint saved in {out}. Continue with --resume.", err=True)
         raise typer.Exit(130) from None

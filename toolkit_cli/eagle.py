@@ -2,7 +2,8 @@
 on the ``draft`` sub-app in :mod:`toolkit_cli.app`.
 
 Standalone: ``python -m toolkit_cli.eagle --target embedded --minutes 40 --out results/eagle/smollm2``.
-Exit status 0 on success, 2 on a configuration error (the message names the field).
+Exit status 0 on success, 2 on a configuration error (the message names the field); errors are reported by
+:mod:`toolkit_cli.errors`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from typing import Annotated, Optional
 
 import typer
 
+from toolkit_cli.errors import reported
 
+
+@reported
 def eagle_command(
     target: Annotated[str, typer.Option(help="Target: 'embedded', a local HF directory or a hub id.")] = "embedded",
     out: Annotated[Path, typer.Option(help="Output directory (best/ is the head to ship).")] = Path(
@@ -35,27 +39,23 @@ def eagle_command(
     seed: Annotated[int, typer.Option(help="Seed.")] = 0,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads.")] = None,
 ) -> dict:
-    """Train an EAGLE head; prints the held-out alpha curve. Raises ``typer.Exit(2)`` on a ConfigError."""
+    """Train an EAGLE head; prints the held-out alpha curve. Errors propagate (a ConfigError names the field); the
+    command line prints them on one line (:func:`toolkit_cli.errors.reported`)."""
     import logging
 
     import torch
 
     from toolkit.distill.eagle_train import DEFAULT_DATA, EagleTrainConfig, train_head
-    from toolkit.errors import ConfigError, ModelLoadError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if threads:
         torch.set_num_threads(threads)
-    try:
-        config = EagleTrainConfig(target=target, out=out, data=list(data or DEFAULT_DATA), minutes=minutes,
-                                  chat_minutes=chat_minutes, chat_prompts=chat_prompts, text_windows=text_windows,
-                                  draft_vocab=draft_vocab, ttt_steps=ttt_steps, reg_weight=reg_weight,
-                                  batch_size=batch_size, seq_len=seq_len, lr=lr,
-                                  eval_every_minutes=eval_every_minutes, resume=resume, force=force, seed=seed)
-        summary = train_head(config)
-    except (ConfigError, ModelLoadError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+    config = EagleTrainConfig(target=target, out=out, data=list(data or DEFAULT_DATA), minutes=minutes,
+                              chat_minutes=chat_minutes, chat_prompts=chat_prompts, text_windows=text_windows,
+                              draft_vocab=draft_vocab, ttt_steps=ttt_steps, reg_weight=reg_weight,
+                              batch_size=batch_size, seq_len=seq_len, lr=lr,
+                              eval_every_minutes=eval_every_minutes, resume=resume, force=force, seed=seed)
+    summary = train_head(config)
     for point in summary["curve"]:
         typer.echo(f"tokens {point['tokens']:>9}  alpha {[round(a, 3) for a in point['alpha']]}  "
                    f"tau {point['tau']:.3f}")

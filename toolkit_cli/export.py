@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from toolkit.errors import ToolkitError
+from toolkit_cli.errors import reported
 
 export_app = typer.Typer(no_args_is_help=True, help="Export a recipe to a serving engine (vLLM, SGLang).")
 
@@ -36,11 +36,7 @@ def _export(engine: str, recipe_path: Path, out: Optional[Path]) -> None:
     from toolkit.io import atomic_write_text
     from toolkit.recipe import Recipe
 
-    try:
-        exp = export(Recipe.load(recipe_path), engine)
-    except ToolkitError as exc:
-        typer.secho(f"error: {exc}", fg="red", err=True)
-        raise typer.Exit(2)
+    exp = export(Recipe.load(recipe_path), engine)
     text, suffix = _render(exp)
     path = out if out is not None else Path(recipe_path.stem + suffix)
     atomic_write_text(path, text)
@@ -51,6 +47,7 @@ def _export(engine: str, recipe_path: Path, out: Optional[Path]) -> None:
 
 
 @export_app.command("vllm")
+@reported
 def vllm(recipe: Path = typer.Argument(..., exists=True, dir_okay=False, help="recipe YAML"),
          out: Optional[Path] = typer.Option(None, help="file to write (default ./<recipe>.vllm.json)")):
     """Print and write the vLLM configuration (speculative_config, quantization, kv_cache_dtype) of RECIPE."""
@@ -58,6 +55,7 @@ def vllm(recipe: Path = typer.Argument(..., exists=True, dir_okay=False, help="r
 
 
 @export_app.command("sglang")
+@reported
 def sglang(recipe: Path = typer.Argument(..., exists=True, dir_okay=False, help="recipe YAML"),
            out: Optional[Path] = typer.Option(None, help="file to write (default ./<recipe>.sglang.sh)")):
     """Print and write the SGLang launch command (--speculative-* flags) of RECIPE."""

@@ -28,7 +28,7 @@ from eval.scenarios import DIRECTIONS, SCENARIOS, Scenario
 from eval.search.confirm import finalize, heldout_confirmation
 from eval.search.select import study_counts
 from eval.search.trials import Deadline, TrialRunner
-from eval.space import SearchSpace, load_space
+from eval.space import MAX_TIMEOUT_S, MAX_TRIALS, SearchSpace, load_space
 from toolkit.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,9 +77,22 @@ def open_storage(url: str | None, out_dir: Path, heartbeat_s: float | None):
         url = f"sqlite:///{(out_dir / 'study.db').resolve()}"
         return optuna.storages.RDBStorage(url), url, False
     hb = heartbeat_s or 30.0
-    storage = optuna.storages.RDBStorage(driver_url(url), heartbeat_interval=max(1, int(round(hb))),
-                                         grace_period=int(3 * hb) + 1,
-                                         failed_trial_callback=RetryFailedTrialCallback(max_retry=1))
+    try:
+        with warnings.catch_warnings():  # the heartbeat callback is "experimental" since optuna 2.8
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            storage = optuna.storages.RDBStorage(driver_url(url), heartbeat_interval=max(1, int(round(hb))),
+                                                 grace_period=int(3 * hb) + 1,
+                                                 failed_trial_callback=RetryFailedTrialCallback(max_retry=1))
+    except Exception as exc:  # noqa: BLE001 - a bad URL, a server that is down, a wrong password: the user's to fix
+        detail = (str(exc).splitlines() or [""])[0]
+        for secret in {url, driver_url(url)}:
+            detail = detail.replace(secret, safe_url(secret))
+        if "@" in url and "://" in url:  # a password may appear on its own, too
+            password = url.split("://", 1)[1].rsplit("@", 1)[0].partition(":")[2]
+            if password:
+                detail = detail.replace(password, "***")
+        raise ConfigError("--storage", f"cannot open the study storage {safe_url(url)} ({exc.__class__.__name__}: "
+                          f"{detail})") from None
     return storage, url, True
 
 
@@ -235,10 +248,20 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
             or a resumed study whose configuration differs.
     """
     from eval.evaluate import EvalSettings
+    from toolkit.checks import check_float, check_int
+    from toolkit.recipe import check_name
 
     started = time.monotonic()
     if space is None and scenario not in SCENARIOS:
         raise ConfigError("scenario", f"unknown scenario {scenario!r}", sorted(SCENARIOS))
+    check_name("scenario", scenario)  # <out>/<scenario>/ and <out>/<scenario>.yaml stay inside --out
+    if budget_mb is not None:
+        check_float("--budget-mb", budget_mb, low=0.0, low_open=True)
+    if timeout is not None:
+        check_float("--timeout", timeout, low=0.0, high=MAX_TIMEOUT_S, low_open=True)
+    if trials is not None:
+        check_int("--trials", trials, low=1, high=MAX_TRIALS)
+    check_int("--workers", workers, low=1, high=64)
     sp = load_space(space if space is not None else scenario)
     if sp.scenario != scenario:
         sp = dataclasses.replace(sp, scenario=scenario)

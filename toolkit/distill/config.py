@@ -12,10 +12,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.checks import check_choice, check_float, check_int
+from toolkit.checks import TOKENS_MAX, check_choice, check_float, check_int, check_seed
 from toolkit.errors import ConfigError
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+#: the largest training budget (10^13 tokens: far beyond any run this toolkit is for)
+MAX_TOKENS = 10**13
 DEVICES = ("auto", "cpu", "cuda")
 INIT_CHOICES = ("spaced", "first", "last", "random")
 
@@ -34,7 +36,10 @@ def parse_tokens(value: int | str, name: str = "tokens") -> int:
     if not match:
         raise ConfigError(name, f"must be a token count like 200000, 500k or 2M, got {value!r}")
     scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[match.group(2).lower()]
-    return int(float(match.group(1)) * scale)
+    count = float(match.group(1)) * scale
+    if count > MAX_TOKENS:
+        raise ConfigError(name, f"must be at most {MAX_TOKENS:.0e} tokens, got {value!r}")
+    return int(count)
 
 
 @dataclass
@@ -111,9 +116,9 @@ class DistillConfig:
         if not isinstance(self.target, str) or not self.target:
             raise ConfigError("target", "must be a model source: 'embedded', a local directory, a .gguf file or a "
                               "hub id")
-        check_int("layers", self.layers, low=1)
+        check_int("layers", self.layers, low=1, high=1024)
         self.tokens = parse_tokens(self.tokens)
-        check_int("tokens", self.tokens, low=1)
+        check_int("tokens", self.tokens, low=1, high=MAX_TOKENS)
         if self.out is None or str(self.out) == "":
             raise ConfigError("out", "must be an output directory path")
         self.out = Path(self.out).expanduser()
@@ -122,36 +127,36 @@ class DistillConfig:
         if not isinstance(self.data, (list, tuple)) or not all(isinstance(d, str) and d for d in self.data):
             raise ConfigError("data", "must be a list of files, directories, globs or hub:NAME[:CONFIG] entries")
         self.data = list(self.data)
-        check_float("temperature", self.temperature, low=0.0, low_open=True)
+        check_float("temperature", self.temperature, low=1e-3, high=1000.0)  # logits / tau stays finite
         if self.resume and self.force:
             raise ConfigError("resume", "--resume and --force are mutually exclusive (continue a run, or start over)")
         if self.init not in INIT_CHOICES and not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", str(self.init)):
             raise ConfigError("init", f"unknown value {self.init!r}", [*INIT_CHOICES, "comma list of layer indices"])
         if self.batch_size is not None:
-            check_int("batch_size", self.batch_size, low=1)
+            check_int("batch_size", self.batch_size, low=1, high=65536)
         if self.seq_len is not None:
-            check_int("seq_len", self.seq_len, low=2)
+            check_int("seq_len", self.seq_len, low=2, high=TOKENS_MAX)
         check_float("lr", self.lr, low=0.0, low_open=True)
         check_float("min_lr_ratio", self.min_lr_ratio, low=0.0, high=1.0)
         if self.warmup_steps is not None:
-            check_int("warmup_steps", self.warmup_steps, low=0)
+            check_int("warmup_steps", self.warmup_steps, low=0, high=10**9)
         check_float("weight_decay", self.weight_decay, low=0.0)
         check_float("grad_clip", self.grad_clip, low=0.0)
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("device", self.device, DEVICES)
         if self.max_minutes is not None:
             check_float("max_minutes", self.max_minutes, low=0.0, low_open=True)
-        check_int("checkpoint_every", self.checkpoint_every, low=1)
+        check_int("checkpoint_every", self.checkpoint_every, low=1, high=10**9)
         check_float("checkpoint_minutes", self.checkpoint_minutes, low=0.0, low_open=True)
         check_float("heldout_fraction", self.heldout_fraction, low=0.0, high=0.5, low_open=True)
-        check_int("eval_windows", self.eval_windows, low=0)
-        check_int("eval_prompts", self.eval_prompts, low=0)
-        check_int("eval_prompt_len", self.eval_prompt_len, low=1)
-        check_int("eval_new_tokens", self.eval_new_tokens, low=2)
+        check_int("eval_windows", self.eval_windows, low=0, high=100_000)
+        check_int("eval_prompts", self.eval_prompts, low=0, high=100_000)
+        check_int("eval_prompt_len", self.eval_prompt_len, low=1, high=TOKENS_MAX)
+        check_int("eval_new_tokens", self.eval_new_tokens, low=2, high=TOKENS_MAX)
         check_int("eval_k", self.eval_k, low=1, high=64)
-        check_int("seed", self.seed, low=0)
+        check_seed("seed", self.seed)
         if self.threads is not None:
-            check_int("threads", self.threads, low=1)
+            check_int("threads", self.threads, low=1, high=4096)
 
     def init_layers(self, target_layers: int) -> list[int] | None:
         """Target layer indices the draft layers start from (``None`` = random init).

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from toolkit.checks import check_choice, check_float, check_int
+from toolkit.checks import TOKENS_MAX, check_choice, check_float, check_int, check_seed, check_str_list
 from toolkit.errors import ConfigError
 from toolkit.io import atomic_write_json, atomic_write_png
 
@@ -93,19 +93,28 @@ class EagleTrainConfig:
         if not isinstance(self.target, str) or not self.target:
             raise ConfigError("target", "must be a model source: 'embedded', a local directory or a hub id")
         check_choice("target_precision", self.target_precision, ("fp32", "bf16"))
-        check_int("draft_vocab", self.draft_vocab, low=16)
-        check_int("seq_len", self.seq_len, low=8)
-        check_int("text_windows", self.text_windows, low=0)
-        check_int("chat_prompts", self.chat_prompts, low=0)
+        self.data = check_str_list("data", self.data, "text files or globs")
+        check_int("draft_vocab", self.draft_vocab, low=16, high=TOKENS_MAX)
+        check_int("seq_len", self.seq_len, low=8, high=TOKENS_MAX)
+        check_int("text_windows", self.text_windows, low=0, high=10**7)
+        check_int("chat_prompts", self.chat_prompts, low=0, high=10**7)
         check_float("chat_minutes", self.chat_minutes, low=0.0)
-        check_int("heldout_prompts", self.heldout_prompts, low=1)
+        check_int("chat_new_tokens", self.chat_new_tokens, low=1, high=TOKENS_MAX)
+        check_int("chat_batch", self.chat_batch, low=1, high=4096)
+        check_int("heldout_prompts", self.heldout_prompts, low=1, high=10**6)
         check_int("ttt_steps", self.ttt_steps, low=1, high=8)
         check_float("ttt_decay", self.ttt_decay, low=0.0, high=1.0)
         check_float("reg_weight", self.reg_weight, low=0.0)
-        check_int("batch_size", self.batch_size, low=1)
+        check_int("batch_size", self.batch_size, low=1, high=65536)
         check_float("lr", self.lr, low=0.0, low_open=True)
+        check_int("warmup_steps", self.warmup_steps, low=0, high=10**9)
         check_float("minutes", self.minutes, low=0.0, low_open=True)
+        check_float("eval_every_minutes", self.eval_every_minutes, low=0.0, low_open=True)
         check_int("eval_k", self.eval_k, low=1, high=16)
+        check_seed("seed", self.seed)
+        for name in ("resume", "force", "autocast"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.resume and self.force:
             raise ConfigError("resume", "--resume and --force are mutually exclusive")
         self.out = Path(self.out).expanduser()
@@ -370,21 +379,31 @@ def train_head(config: EagleTrainConfig, target=None, tokenizer=None, progress: 
     """Run (or resume) a head-training run; returns the final summary also written to ``out/summary.json``.
 
     Raises:
-        ConfigError: a field is invalid (named), ``out`` exists without ``resume`` / ``force``.
+        ConfigError: a field is invalid (named), ``out`` exists without ``resume`` / ``force``, or ``force`` on a
+            directory the toolkit did not create (:mod:`toolkit.outdirs`).
     """
+    from toolkit.outdirs import check_removable, make_output_dir, remove_output_dir
+
     config.validate()
     out: Path = config.out
+    if out.exists() and not out.is_dir():
+        raise ConfigError("out", f"{out} exists and is not a directory")
     if out.exists() and any(out.iterdir()) and not (config.resume or config.force):
         raise ConfigError("out", f"{out} exists; pass --resume to continue or --force to start over")
-    if config.force and out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if config.force:
+        check_removable(out, "out")
     if target is None:
         from toolkit.models import load_model
         from toolkit.recipe import ModelSpec
 
         target, tokenizer = load_model(ModelSpec(source=config.target, precision=config.target_precision),
                                        field="target")
+    if config.draft_vocab > target.config.vocab_size:  # before the (long) data preparation
+        raise ConfigError("draft_vocab", f"must be <= the target's vocab_size {target.config.vocab_size}, got "
+                          f"{config.draft_vocab}")
+    if config.force:
+        remove_output_dir(out, "out")
+    make_output_dir(out, "out")
     atomic_write_json(out / "config.json.run", dataclasses.asdict(config) | {"out": str(out)})
     data = prepare_data(config, target, tokenizer)
     train, held = data["train"], data["heldout"]

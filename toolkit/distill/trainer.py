@@ -130,23 +130,31 @@ def learning_rate(step: int, total: int, peak: float, warmup: int, min_ratio: fl
 
 # ------------------------------------------------------------------------------------------------ the run
 def _check_out(config: DistillConfig) -> None:
-    """Raise :class:`ConfigError` (field ``out``) when ``out`` is a file, or a non-empty directory without
-    --resume / --force. Touches nothing."""
+    """Raise :class:`ConfigError` (field ``out``) when ``out`` is a file, a non-empty directory without
+    --resume / --force, or, with --force, a directory the toolkit did not create (:mod:`toolkit.outdirs`). Touches
+    nothing."""
+    from toolkit.outdirs import check_removable
+
     out: Path = config.out
     if out.exists() and not out.is_dir():
         raise ConfigError("out", f"{out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (config.force or config.resume):
         raise ConfigError("out", f"{out} already exists; pass --resume to continue that run or --force to "
                           "delete it and start over", ["--resume", "--force", "a new directory"])
+    if config.force:
+        check_removable(out, "out")
 
 
 def _prepare_out(config: DistillConfig) -> Path | None:
-    """Apply --force (delete) / --resume to ``config.out``; returns the checkpoint to resume from (or None)."""
+    """Apply --force (delete a directory the toolkit created) / --resume to ``config.out``, which is then a marked
+    toolkit output directory; returns the checkpoint to resume from (or None)."""
+    from toolkit.outdirs import make_output_dir, remove_output_dir
+
     _check_out(config)
     out: Path = config.out
-    if config.force and out.is_dir():
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if config.force:
+        remove_output_dir(out, "out")
+    make_output_dir(out, "out")
     return latest_checkpoint(out) if config.resume else None
 
 

@@ -41,6 +41,12 @@ def make_policy(spec, prefix: str = "kv"):
             ``quant_*`` fields on a policy that does not compose with quantization.
     """
     _load_builtin_policies()
+    if not isinstance(spec.policy, str):
+        raise ConfigError(f"{prefix}.policy", f"must be a policy name, got {spec.policy!r}",
+                          ["none", *sorted(POLICIES)])
+    for key in spec.params:
+        if not isinstance(key, str):
+            raise ConfigError(f"{prefix}.{key}", "is not a parameter name (keys are names, e.g. 'window')")
     if spec.policy == "none":
         if spec.params:
             raise ConfigError(f"{prefix}.{next(iter(spec.params))}", "policy 'none' takes no parameters")

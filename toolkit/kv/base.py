@@ -32,7 +32,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from toolkit.checks import check_int
+from toolkit.checks import TOKENS_MAX, check_int
 
 
 @dataclass
@@ -50,7 +50,7 @@ class KVPolicy:
     uses_attention_hook: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        check_int("compress_interval", self.compress_interval, low=0)
+        check_int("compress_interval", self.compress_interval, low=0, high=TOKENS_MAX)
 
     # ------------------------------------------------------------------------------------- what subclasses define
     def budget_for(self, length: int) -> int:

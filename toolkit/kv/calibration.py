@@ -123,14 +123,20 @@ def load_or_calibrate(model, files: list[str] | None = None, num_tokens: int = 1
 
     Raises:
         ValueError: the calibration text is shorter than ``num_tokens``.
-        FileNotFoundError: a calibration file does not exist.
+        ConfigError: ``files`` is one string instead of a list (field ``calibration_files``), or names a file that
+            does not exist (``calibration_files[i]``).
     """
+    from toolkit.checks import check_str_list
+    from toolkit.errors import ConfigError
     from toolkit.resources import cache_dir
 
+    if files:
+        files = check_str_list("calibration_files", [str(f) if isinstance(f, Path) else f for f in files]
+                               if not isinstance(files, str) else files, "text file paths")
     files = [str(f) for f in (files or default_files())]
-    for f in files:
-        if not Path(f).is_file():
-            raise FileNotFoundError(f"calibration file {f} not found")
+    for i, f in enumerate(files):
+        if not Path(f).expanduser().is_file():
+            raise ConfigError(f"calibration_files[{i}]", f"{f} is not a file")
     settings = {"files": files, "num_tokens": num_tokens, "sink_tokens": sink_tokens,
                 "local_window": local_window, "format": _FORMAT}
     tag = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]

@@ -16,13 +16,15 @@ tokens are chosen by the L2-norm rule (Devoto et al. 2024), with sinks and recen
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from toolkit.checks import check_int
+from toolkit.checks import TOKENS_MAX, check_float, check_int, check_str_list
 from toolkit.errors import ConfigError
 from toolkit.kv import register
 from toolkit.kv.attention import align_mask, causal_mask
@@ -98,6 +100,19 @@ class TieredLayer(DynamicLayer):
         return self.max_length_held() if self.is_initialized else 0
 
 
+def _check_importance(value) -> list[list[float]]:
+    """``value`` as a list of equal-length rows of finite numbers; raises :class:`ConfigError` (``importance``)."""
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(r, (list, tuple)) and r for r in value):
+        raise ConfigError("importance", f"must be a (num_layers, num_kv_heads) list of lists, got {value!r}")
+    if len({len(r) for r in value}) != 1:
+        raise ConfigError("importance", "every row (layer) must list the same number of KV heads")
+    for i, row in enumerate(value):
+        for j, x in enumerate(row):
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+                raise ConfigError(f"importance[{i}][{j}]", f"must be a finite number, got {x!r}")
+    return [list(r) for r in value]
+
+
 @register("head_aware")
 @dataclass
 class HeadAware(L2Norm):
@@ -107,13 +122,17 @@ class HeadAware(L2Norm):
     skip_layers, compress_interval — here ``budget``/``keep_ratio`` are the *average* over heads):
         tiers: number of budget tiers (>= 1; 1 = uniform budgets).
         min_keep: weight of an importance-0 head relative to an importance-1 head (0 < min_keep <= 1).
-        importance: explicit ``(num_layers, num_kv_heads)`` importance (list of lists); None = calibrate.
-        calibration_files: text files for calibration (None = :func:`toolkit.kv.calibration.default_files`).
+        importance: explicit ``(num_layers, num_kv_heads)`` importance (list of lists of finite numbers, one row per
+            layer); None = calibrate.
+        calibration_files: a list of existing text files for calibration (None =
+            :func:`toolkit.kv.calibration.default_files`).
         calibration_tokens: tokens of calibration text.
         calibration_window: local window (tokens) of the long-range attention measure.
 
     Raises:
-        ConfigError: invalid field (named); ``importance`` of the wrong shape for the model (at ``make_cache``).
+        ConfigError: invalid field (named: a ``calibration_files`` that is one string, not a list, or names a missing
+            file; a non-finite ``importance`` entry ...); ``importance`` of the wrong shape for the model (at
+            ``make_cache``).
     """
 
     tiers: int = 3
@@ -126,20 +145,33 @@ class HeadAware(L2Norm):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._plans = weakref.WeakKeyDictionary()  # model -> tier plan (not a field: not configurable)
-        check_int("tiers", self.tiers, low=1)
-        check_int("calibration_tokens", self.calibration_tokens, low=16)
-        check_int("calibration_window", self.calibration_window, low=1)
-        if isinstance(self.min_keep, bool) or not isinstance(self.min_keep, (int, float)) or not 0 < self.min_keep <= 1:
-            raise ConfigError("min_keep", f"must be a number in (0, 1], got {self.min_keep!r}")
+        check_int("tiers", self.tiers, low=1, high=1024)
+        check_int("calibration_tokens", self.calibration_tokens, low=16, high=1 << 20)
+        check_int("calibration_window", self.calibration_window, low=1, high=TOKENS_MAX)
+        check_float("min_keep", self.min_keep, low=0.0, high=1.0, low_open=True)
+        if self.importance is not None:
+            self.importance = _check_importance(self.importance)
+        if self.calibration_files is not None:
+            self.calibration_files = check_str_list("calibration_files", self.calibration_files, "text file paths")
+            for i, name in enumerate(self.calibration_files):
+                if not Path(name).expanduser().is_file():
+                    raise ConfigError(f"calibration_files[{i}]", f"{name} is not a file")
 
     def head_importance(self, model) -> torch.Tensor:
-        """``(num_layers, num_kv_heads)`` importance in [0, 1]: the ``importance`` field, or calibrated."""
+        """``(num_layers, num_kv_heads)`` importance in [0, 1]: the ``importance`` field, or calibrated.
+
+        Raises:
+            ConfigError: the calibration text is shorter than ``calibration_tokens`` (field named).
+        """
         if self.importance is not None:
             return torch.tensor(self.importance, dtype=torch.float32)
         from toolkit.kv.calibration import load_or_calibrate
 
-        return load_or_calibrate(model, self.calibration_files, self.calibration_tokens, self.sink_tokens,
-                                 self.calibration_window)
+        try:
+            return load_or_calibrate(model, self.calibration_files, self.calibration_tokens, self.sink_tokens,
+                                     self.calibration_window)
+        except ValueError as exc:  # calibration text shorter than calibration_tokens
+            raise ConfigError(f"{getattr(self, '_prefix', 'kv')}.calibration_tokens", str(exc)) from None
 
     def plan(self, model) -> list[tuple[list[torch.Tensor], list[float]] | None]:
         """Per layer: ``(kv-head groups, budget factors)`` of its tiers, or None for a skipped layer."""

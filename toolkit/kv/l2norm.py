@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from toolkit.checks import check_int
+from toolkit.checks import TOKENS_MAX, check_float, check_int
 from toolkit.errors import ConfigError
 from toolkit.kv import register
 from toolkit.kv.base import KVPolicy
@@ -51,8 +51,8 @@ class L2Norm(KVPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_int("sink_tokens", self.sink_tokens, low=0)
-        check_int("protect_recent", self.protect_recent, low=0)
+        check_int("sink_tokens", self.sink_tokens, low=0, high=TOKENS_MAX)
+        check_int("protect_recent", self.protect_recent, low=0, high=TOKENS_MAX)
         if (self.budget is None) == (self.keep_ratio is None):
             raise ConfigError("budget", "set exactly one of budget (tokens per head) or keep_ratio (fraction)")
         floor = self.sink_tokens + self.protect_recent
@@ -60,12 +60,11 @@ class L2Norm(KVPolicy):
             if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget <= floor:
                 raise ConfigError("budget", f"must be an integer > sink_tokens + protect_recent = {floor} (those "
                                   f"are always kept), got {self.budget!r}")
+            check_int("budget", self.budget, high=TOKENS_MAX)
         else:
-            ratio = self.keep_ratio
-            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
-                raise ConfigError("keep_ratio", f"must be a number in (0, 1], got {ratio!r}")
+            check_float("keep_ratio", self.keep_ratio, low=0.0, high=1.0, low_open=True)
         if not isinstance(self.skip_layers, (list, tuple)) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.skip_layers):
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= TOKENS_MAX for i in self.skip_layers):
             raise ConfigError("skip_layers", f"must be a list of layer indices >= 0, got {self.skip_layers!r}")
         self.skip_layers = list(self.skip_layers)
 

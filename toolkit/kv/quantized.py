@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from toolkit.checks import check_choice, check_int
+from toolkit.checks import TOKENS_MAX, check_choice, check_int
 from toolkit.errors import ConfigError
 from toolkit.kv import register, register_composed
 from toolkit.kv.base import CompressedCache, KVPolicy
@@ -52,11 +52,11 @@ from toolkit.kv.streaming import StreamingLLM
 def check_quant_fields(bits, group, residual) -> None:
     """Field checks shared by :class:`QuantizedKV` and :class:`QuantizedStreamingLLM` (raise :class:`ConfigError`)."""
     check_choice("quant_bits", bits, BITS)
-    check_int("quant_group_size", group, low=1)
+    check_int("quant_group_size", group, low=1, high=4096)
     if (group * bits) % 8:
         raise ConfigError("quant_group_size", f"quant_group_size * quant_bits must be a multiple of 8 (a group "
                           f"fills whole bytes), got {group} * {bits}")
-    check_int("residual_length", residual, low=1)
+    check_int("residual_length", residual, low=1, high=TOKENS_MAX)
 
 
 def check_quant_compatible(policy, max_query_tokens: int, prefix: str) -> None:
@@ -110,7 +110,7 @@ class QuantizedKV(KVPolicy):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_quant_fields(self.quant_bits, self.quant_group_size, self.residual_length)
-        check_int("sink_tokens", self.sink_tokens, low=0)
+        check_int("sink_tokens", self.sink_tokens, low=0, high=TOKENS_MAX)
 
     def check_compatible(self, max_query_tokens: int, prefix: str = "kv") -> None:
         check_quant_compatible(self, max_query_tokens, prefix)

@@ -12,9 +12,11 @@ Position modes (``position_mode``):
 * ``reindex`` — the paper's mode: positions are *slots in the cache*. On eviction the kept recent keys are re-rotated
   by ``-evicted`` (:func:`toolkit.kv.rope.shift_positions`; Llama full rotary and GPT-NeoX partial rotary alike) and
   queries get slot positions, so generation can run far past ``max_position_embeddings``: the largest position ever
-  fed is ``sink_tokens + window + compress_interval + K``. Needs a RoPE model. The toolkit decoder passes absolute
-  positions and :meth:`StreamingCache.forward_kwargs` maps them to slots; ``model.generate`` computes its own
-  absolute positions, so use ``absolute`` there.
+  fed is ``sink_tokens + window + compress_interval + K`` (checked against the context by :meth:`check_model`),
+  or ``prompt_len - 1`` during the prefill, which sees the whole prompt at positions ``0 .. prompt_len - 1`` (so
+  the prompt itself must fit the context: :meth:`toolkit.generator.Generator.check_request`). Needs a RoPE model.
+  The toolkit decoder passes absolute positions and :meth:`StreamingCache.forward_kwargs` maps them to slots;
+  ``model.generate`` computes its own absolute positions, so use ``absolute`` there.
 
 Window semantics (``exact_window``, default true): every query at absolute position ``p`` attends to exactly the
 sinks plus positions ``p - window + 1 .. p`` (its own last ``window`` positions), through a banded additive 4D mask
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.checks import check_int
+from toolkit.checks import TOKENS_MAX, check_choice, check_int
 from toolkit.errors import ConfigError
 from toolkit.kv import register
 from toolkit.kv.base import CompressedCache, KVPolicy
@@ -63,12 +65,12 @@ class StreamingLLM(KVPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_int("sink_tokens", self.sink_tokens, low=0)
+        check_int("sink_tokens", self.sink_tokens, low=0, high=TOKENS_MAX)
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ConfigError("window", f"must be an integer >= 1 so that the budget sink_tokens + window exceeds "
                               f"sink_tokens, got {self.window!r}")
-        if self.position_mode not in POSITION_MODES:
-            raise ConfigError("position_mode", f"unknown value {self.position_mode!r}", POSITION_MODES)
+        check_int("window", self.window, low=1, high=TOKENS_MAX)
+        check_choice("position_mode", self.position_mode, POSITION_MODES)
         if not isinstance(self.exact_window, bool):
             raise ConfigError("exact_window", "must be true or false")
 
@@ -76,10 +78,12 @@ class StreamingLLM(KVPolicy):
         return self.sink_tokens + self.window
 
     def check_compatible(self, max_query_tokens: int, prefix: str = "kv") -> None:
-        """``window`` must hold a whole verify forward: ``window >= max_query_tokens`` (K + 1 for a chain)."""
+        """``window`` must hold a whole verify forward: ``window >= max_query_tokens`` (K + 1 for a chain). The
+        width is remembered for :meth:`check_model` (reindexed slots reach ``budget + interval + width - 1``)."""
         if self.window < max_query_tokens:
             raise ConfigError(f"{prefix}.window", f"must be >= num_draft_tokens + 1 = {max_query_tokens} (a verify "
                               f"forward covers K + 1 = {max_query_tokens} positions), got {self.window}")
+        self._widest = max_query_tokens
 
     def check_model(self, model, prefix: str = "kv") -> None:
         if self.position_mode != "reindex":
@@ -88,10 +92,12 @@ class StreamingLLM(KVPolicy):
             raise ConfigError(f"{prefix}.position_mode", "'reindex' re-rotates cached keys and needs rotary "
                               f"position embeddings; model type {model.config.model_type!r} has none", ["absolute"])
         limit = getattr(model.config, "max_position_embeddings", None)
-        needed = self.budget_for() + self.compress_interval + 1
+        widest = getattr(self, "_widest", 1)  # a verify forward's tokens (K + 1), known once planned
+        needed = self.budget_for() + self.compress_interval + widest
         if limit is not None and needed > limit:
-            raise ConfigError(f"{prefix}.window", f"sink_tokens + window + compress_interval + 1 = {needed} exceeds "
-                              f"max_position_embeddings={limit}")
+            raise ConfigError(f"{prefix}.window", f"sink_tokens + window + compress_interval + {widest} (the widest "
+                              f"forward) = {needed} exceeds max_position_embeddings={limit}: reindexed slots must "
+                              "stay below it")
 
     def make_cache(self, model) -> StreamingCache:
         self.check_model(model, getattr(self, "_prefix", "kv"))

@@ -16,11 +16,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
+from toolkit.checks import check_choice, check_int, check_str_list
 from toolkit.errors import ConfigError
 
 KINDS = ("chat", "summarize", "code", "text")
+#: keys of a suite entry and of its ``source`` mapping
+ENTRY_KEYS = ("id", "kind", "messages", "source", "template")
+SOURCE_KEYS = ("files", "start_line", "num_lines")
+SUITE_KEYS = ("name", "version", "description", "prompts")
+MAX_LINES = 100_000
 
 
 @dataclass
@@ -39,38 +43,69 @@ def _resolve(candidate: str) -> Path:
     return Path(candidate).expanduser()
 
 
+def _mapping(value: object, field: str, keys: tuple[str, ...]) -> dict:
+    """``value`` as a mapping whose keys are all in ``keys``; raises :class:`ConfigError` naming the field."""
+    if not isinstance(value, dict):
+        raise ConfigError(field, f"must be a mapping with keys {', '.join(keys)}, got {value!r}")
+    for key in value:
+        if key not in keys:
+            raise ConfigError(f"{field}.{key}", "unknown field", keys)
+    return value
+
+
 def read_passage(source: dict, field: str) -> str:
     """Lines ``[start_line, start_line + num_lines)`` (1-based) of the first existing file in ``source['files']``.
 
     Raises:
-        ConfigError: no candidate file exists, or the line range is empty.
+        ConfigError: ``source`` is not a mapping of ``files`` (a list of paths), ``start_line`` (>= 1) and
+            ``num_lines`` (>= 1); no candidate file exists; or the file ends before ``start_line``.
     """
-    files = source.get("files") or []
+    source = _mapping(source, field, SOURCE_KEYS)
+    files = check_str_list(f"{field}.files", source.get("files"), "file paths ('stdlib:NAME' for the standard library)")
+    start = source.get("start_line", 1)
+    count = source.get("num_lines", 40)
+    check_int(f"{field}.start_line", start, low=1, high=10 * MAX_LINES)
+    check_int(f"{field}.num_lines", count, low=1, high=MAX_LINES)
     for candidate in files:
         path = _resolve(candidate)
         if path.is_file():
             lines = path.read_text(errors="replace").splitlines()
-            start = int(source.get("start_line", 1)) - 1
-            chosen = lines[start: start + int(source.get("num_lines", 40))]
+            chosen = lines[start - 1: start - 1 + count]
             if not chosen:
-                raise ConfigError(f"{field}.start_line", f"{path} has only {len(lines)} lines")
+                raise ConfigError(f"{field}.start_line", f"{path} has only {len(lines)} lines, got {start}")
             return "\n".join(chosen).strip("\n")
     raise ConfigError(f"{field}.files", f"none of these files exists on this machine: {files}")
 
 
-def _build(entry: dict, field: str) -> Prompt:
+def _build(entry: object, field: str) -> Prompt:
+    entry = _mapping(entry, field, ENTRY_KEYS)
     kind = entry.get("kind")
-    if kind not in KINDS:
-        raise ConfigError(f"{field}.kind", f"unknown kind {kind!r}", KINDS)
-    pid = entry.get("id") or field
+    check_choice(f"{field}.kind", kind, KINDS)
+    pid = entry.get("id", field)
+    if not isinstance(pid, (str, int)) or isinstance(pid, bool) or not str(pid):
+        raise ConfigError(f"{field}.id", f"must be a non-empty string, got {pid!r}")
+    pid = str(pid)
     if kind == "chat":
         messages = entry.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ConfigError(f"{field}.messages", "a chat prompt needs a non-empty list of messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or set(message) != {"role", "content"} or not all(
+                    isinstance(v, str) for v in message.values()):
+                raise ConfigError(f"{field}.messages[{i}]", f"must be {{role: ..., content: ...}} with string "
+                                  f"values, got {message!r}")
         return Prompt(pid, kind, messages)
-    passage = read_passage(entry.get("source", {}), f"{field}.source") if "source" in entry else ""
+    passage = read_passage(entry["source"], f"{field}.source") if "source" in entry else ""
     template = entry.get("template", "{passage}")
-    text = template.format(passage=passage)
+    if not isinstance(template, str):
+        raise ConfigError(f"{field}.template", f"must be a string, got {template!r}")
+    try:
+        text = template.format(passage=passage)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(f"{field}.template", f"may only use the placeholder {{passage}} (write {{{{ and }}}} for "
+                          f"literal braces): {exc.__class__.__name__} {exc}") from None
+    if not text:
+        raise ConfigError(f"{field}.template", "makes an empty prompt")
     if kind == "summarize":
         return Prompt(pid, kind, [{"role": "user", "content": text}])
     return Prompt(pid, kind, text)
@@ -80,13 +115,26 @@ def load_suite(name_or_path: str) -> list[Prompt]:
     """Prompts of a shipped suite (``short``, ``long``, ``memory``: ``recipes/prompts/``) or of a suite YAML file.
 
     Raises:
-        ConfigError: unknown suite name, or a malformed entry (the field is named).
+        ConfigError: unknown suite name, a file that is not readable UTF-8 YAML, not a mapping or without a
+            non-empty ``prompts`` list, or a malformed entry (the field is named: ``prompts[2].source.start_line``).
     """
+    from toolkit.recipe import load_yaml_text, read_text
     from toolkit.resources import resolve
 
     path = resolve(name_or_path, "prompts", "prompts")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = load_yaml_text(read_text(path, "prompts"), "prompts")
+    if not isinstance(data, dict):
+        raise ConfigError("prompts", f"{path} must hold a mapping with a 'prompts' list, got {type(data).__name__}")
+    for key in data:
+        if key not in SUITE_KEYS:
+            raise ConfigError(f"prompts.{key}", f"unknown field of the suite file {path}", SUITE_KEYS)
     entries = data.get("prompts")
     if not isinstance(entries, list) or not entries:
         raise ConfigError("prompts", f"{path} holds no 'prompts' list")
-    return [_build(entry, f"prompts[{i}]") for i, entry in enumerate(entries)]
+    prompts = [_build(entry, f"prompts[{i}]") for i, entry in enumerate(entries)]
+    seen: dict[str, int] = {}
+    for i, prompt in enumerate(prompts):
+        if prompt.id in seen:
+            raise ConfigError(f"prompts[{i}].id", f"{prompt.id!r} repeats prompts[{seen[prompt.id]}].id")
+        seen[prompt.id] = i
+    return prompts

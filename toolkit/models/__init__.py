@@ -26,10 +26,10 @@ from toolkit.models.embedded import (
 )
 from toolkit.models.loading import load_model, resolve_device
 from toolkit.models.sizes import tensor_bytes, weight_bytes
-from toolkit.models.vocab import check_same_vocab
+from toolkit.models.vocab import check_same_vocab, check_same_vocab_size, model_vocab_size
 
 __all__ = [
-    "EMBEDDED_GGUF", "EMBEDDED_NAME", "EMBEDDED_PACKAGE", "cache_dir", "check_same_vocab", "convert_gguf",
-    "embedded_gguf_path", "load_model", "manifest_problem", "resolve_device", "resolve_source", "tensor_bytes",
-    "weight_bytes",
+    "EMBEDDED_GGUF", "EMBEDDED_NAME", "EMBEDDED_PACKAGE", "cache_dir", "check_same_vocab", "check_same_vocab_size",
+    "convert_gguf", "embedded_gguf_path", "load_model", "manifest_problem", "model_vocab_size", "resolve_device",
+    "resolve_source", "tensor_bytes", "weight_bytes",
 ]

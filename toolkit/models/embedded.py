@@ -9,6 +9,12 @@ safetensors directory under :func:`cache_dir`; later loads read that copy in sec
 * **Damage** (a truncated ``model.safetensors``, a deleted tokenizer file): every conversion writes a manifest
   (``toolkit-manifest.json``: each file's size and SHA-256). A cached copy whose files disagree with its manifest is
   reported (logged, naming the file and what is wrong), deleted and converted again.
+* **Bad input**: a file named ``.gguf`` that is not one (its magic and header are read before anything is locked
+  or written) is a :class:`ModelLoadError` naming the recipe field; a conversion that fails anyway leaves neither
+  its lock file nor a partial directory behind.
+
+A ``source`` that looks like a path (:func:`looks_like_path`) and does not exist is an error naming the field,
+never a hub id.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -35,6 +42,9 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 _CONVERTED_FORMAT = "v1"  # bump when the on-disk layout of converted copies changes
 MANIFEST = "toolkit-manifest.json"
 LOCK_TIMEOUT_S = 1800.0  # a conversion takes ~20 s; waiting longer than this means the holder is stuck
+GGUF_MAGIC = b"GGUF"
+#: a hub id: ``name`` or ``namespace/name`` of letters, digits, ``-``, ``_`` and ``.`` (no leading ``.``)
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
 
 
 def embedded_gguf_path() -> Path:
@@ -147,7 +157,28 @@ def _convert_into(gguf_path: Path, tmp: Path) -> None:
         bar.update()
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+def check_gguf(path: Path, field: str = "source") -> None:
+    """Raise :class:`ModelLoadError` naming ``field`` unless ``path`` is a readable GGUF file: the magic bytes, then
+    the header and tensor table (``gguf.GGUFReader``, memory-mapped: nothing is dequantized)."""
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+    except OSError as exc:
+        raise ModelLoadError(f"{field}: cannot read {path}: {exc.strerror or exc.__class__.__name__}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{field}: {path} is not a GGUF file (it starts with {magic!r}, a GGUF file with "
+                             f"{GGUF_MAGIC!r})")
+    try:
+        from gguf import GGUFReader
+
+        GGUFReader(path)
+    except Exception as exc:  # noqa: BLE001 - any parse failure means the same thing: not a usable GGUF file
+        detail = str(exc).splitlines()[0] if str(exc) else ""
+        raise ModelLoadError(f"{field}: {path} is not a readable GGUF file (truncated or damaged: "
+                             f"{exc.__class__.__name__}{': ' + detail if detail else ''})") from None
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, field: str = "source") -> Path:
     """Dequantize a GGUF file once into an HF safetensors directory at ``out_dir``; return ``out_dir``.
 
     Safe under concurrency and against damage: the work happens under the file lock ``out_dir.lock`` (a process
@@ -156,13 +187,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     leaves nothing a later load would take for a finished one; an existing copy that disagrees with its manifest
     (see :func:`manifest_problem`) is logged with the offending file, removed and converted again.
 
+    A file that is not GGUF is refused before the lock is taken (:func:`check_gguf`); a conversion that fails
+    anyway removes its temporary directory and its lock file (while holding the lock: a process waiting on it sees
+    the unlinked file and retries on a fresh one) and raises :class:`ModelLoadError` naming ``field``.
+
     Raises:
-        ModelLoadError: the lock could not be taken within :data:`LOCK_TIMEOUT_S`.
+        ModelLoadError: not a GGUF file, the conversion failed, or the lock could not be taken within
+            :data:`LOCK_TIMEOUT_S`.
     """
     from filelock import FileLock, Timeout
 
     if (out_dir / MANIFEST).is_file() and manifest_problem(out_dir) is None:
         return out_dir  # fast path: a complete, intact copy (no lock needed: finished copies are never modified)
+    check_gguf(gguf_path, field)
+    created_parent = not out_dir.parent.exists()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(out_dir) + ".lock")
     try:
@@ -179,9 +217,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
             try:
                 _convert_into(gguf_path, tmp)
                 os.replace(tmp, out_dir)
-            except BaseException:
+            except BaseException as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
-                raise
+                Path(lock.lock_file).unlink(missing_ok=True)
+                if created_parent:
+                    _remove_if_empty(out_dir.parent)
+                if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not a problem of the file
+                    raise
+                detail = str(exc).splitlines()[0] if str(exc) else ""
+                raise ModelLoadError(f"{field}: converting {gguf_path} failed ({exc.__class__.__name__}"
+                                     f"{': ' + detail if detail else ''}); is it a causal LM GGUF that "
+                                     "transformers can read?") from exc
     except Timeout as exc:
         raise ModelLoadError(
             f"waited {LOCK_TIMEOUT_S:.0f} s for another process converting {gguf_path.name} into {out_dir} "
@@ -190,19 +236,50 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def resolve_source(source: str) -> str:
-    """Turn ``ModelSpec.source`` into something ``from_pretrained`` can read: a local directory or a hub id."""
+def _expanded(source: str, path: Path) -> str:
+    """`` (/home/me/x)`` when ``~`` expansion changed ``source``, else nothing."""
+    return f" ({path})" if path != Path(source) else ""
+
+
+def _remove_if_empty(directory: Path) -> None:
+    try:
+        directory.rmdir()
+    except OSError:
+        pass
+
+
+def looks_like_path(source: str) -> bool:
+    """Whether ``source`` can only mean a local path, never a hub id: it starts with ``.``, ``~`` or ``/``, ends in
+    ``.gguf``, holds a backslash or more than one ``/``, or is otherwise not of the hub-id form
+    ``[namespace/]name``. (``org/model`` is ambiguous and is tried as a local directory first, then on the hub.)"""
+    if source.startswith((".", "~", "/", os.sep)) or source.endswith(".gguf") or "\\" in source:
+        return True
+    return _HUB_ID.fullmatch(source) is None
+
+
+def resolve_source(source: str, field: str = "source") -> str:
+    """Turn ``ModelSpec.source`` into something ``from_pretrained`` can read: a local directory or a hub id.
+
+    Raises:
+        ModelLoadError: naming ``field``: a path-like source (:func:`looks_like_path`) or a ``.gguf`` file that does
+            not exist, a ``.gguf`` source that is not a usable GGUF file, or an existing path that is not an HF model
+            directory (no ``config.json``).
+    """
     if source == "embedded":
-        return str(convert_gguf(embedded_gguf_path(), cache_dir() / f"smollm2-135m-instruct-{_CONVERTED_FORMAT}"))
+        return str(convert_gguf(embedded_gguf_path(), cache_dir() / f"smollm2-135m-instruct-{_CONVERTED_FORMAT}",
+                                field))
     path = Path(source).expanduser()
     if source.endswith(".gguf"):
         if not path.is_file():
-            raise ModelLoadError(f"source: GGUF file {source!r} does not exist")
+            raise ModelLoadError(f"{field}: GGUF file {source!r} does not exist{_expanded(source, path)}")
         stat = path.stat()
         key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-        return str(convert_gguf(path, cache_dir() / f"{path.stem}-{key}-{_CONVERTED_FORMAT}"))
+        return str(convert_gguf(path, cache_dir() / f"{path.stem}-{key}-{_CONVERTED_FORMAT}", field))
     if path.exists():
         if not (path / "config.json").is_file():
-            raise ModelLoadError(f"source: {source!r} exists but holds no config.json (not an HF model directory)")
+            raise ModelLoadError(f"{field}: {source!r} exists but holds no config.json (not an HF model directory)")
         return str(path)
+    if looks_like_path(source):
+        raise ModelLoadError(f"{field}: local path {source!r} does not exist{_expanded(source, path)} (a hub id has "
+                             "the form namespace/name)")
     return source  # a hub id

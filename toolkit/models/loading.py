@@ -19,14 +19,15 @@ from toolkit.recipe import ModelSpec
 log = logging.getLogger("toolkit.quant")
 
 
-def resolve_device(device: str) -> torch.device:
-    """``auto`` -> cuda when available, else cpu. Raises :class:`ConfigError` for cuda without CUDA."""
+def resolve_device(device: str, field: str = "device") -> torch.device:
+    """``auto`` -> cuda when available, else cpu. Raises :class:`ConfigError` naming ``field`` for cuda without
+    CUDA or an unknown value."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device", "cuda was requested but torch sees no CUDA device", ["auto", "cpu"])
+        raise ConfigError(field, "cuda was requested but torch sees no CUDA device", ["auto", "cpu"])
     if device not in ("cpu", "cuda"):
-        raise ConfigError("device", f"unknown value {device!r}", ["auto", "cpu", "cuda"])
+        raise ConfigError(field, f"unknown value {device!r}", ["auto", "cpu", "cuda"])
     return torch.device(device)
 
 
@@ -44,9 +45,9 @@ def load_model(spec: ModelSpec, field: str = "model"):
     spec.validate(field)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    device = resolve_device(spec.device)
+    device = resolve_device(spec.device, f"{field}.device")
     backend = choose_backend(spec, device, field)
-    location = resolve_source(spec.source)
+    location = resolve_source(spec.source, f"{field}.source")
     kwargs: dict = {"attn_implementation": spec.attn_implementation}
     if backend == "bitsandbytes":
         kwargs.update(bnb_backend.from_pretrained_kwargs(spec, device, field))
