@@ -1,0 +1,180 @@
+"""Recipes: how to load the target and the draft, how to compress their KV caches, how to speculate and generate.
+
+A recipe is a tree of small dataclasses that round-trips through YAML::
+
+    name: short
+    target: {source: embedded, precision: fp32}
+    draft: {source: embedded, precision: int4}
+    kv: {policy: none}
+    spec: {drafter: draft_model, num_draft_tokens: 4}
+    generation: {max_new_tokens: 128, do_sample: false}
+    prompts: short
+
+Every field is checked in ``__post_init__``; a bad value raises :class:`toolkit.errors.ConfigError` naming the dotted
+field (``spec.num_draft_tokens``) and the allowed values. Unknown keys in YAML are errors too, never ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from toolkit.checks import check_choice
+from toolkit.errors import ConfigError
+from toolkit.recipe.sections import (
+    ADAPTIVE,
+    ATTN_IMPLEMENTATIONS,
+    BACKENDS,
+    COMPUTE_DTYPES,
+    DEVICES,
+    DRAFTERS,
+    EAGLE_PRECISIONS,
+    NAME_PATTERN,
+    NAME_RULE,
+    PRECISIONS,
+    TEMPERATURE_MIN,
+    TOP_P_MIN,
+    TORCHAO_COMPUTE_DTYPES,
+    TORCHAO_GROUP_SIZES,
+    TORCHAO_INT8,
+    GenerationSpec,
+    KVSpec,
+    ModelSpec,
+    check_name,
+)
+from toolkit.recipe.speculation import LOOP_FIELDS, SpecSpec
+from toolkit.recipe.yaml_io import check_keys as _check_keys
+from toolkit.recipe.yaml_io import load_yaml_text, read_text
+from toolkit.recipe.yaml_io import section as _section
+from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_UNUSED
+
+__all__ = ["Recipe", "ModelSpec", "KVSpec", "SpecSpec", "GenerationSpec", "check_name", "read_text",
+           "load_yaml_text", "LOOP_FIELDS", "ADAPTIVE", "ATTN_IMPLEMENTATIONS", "BACKENDS", "COMPUTE_DTYPES",
+           "DEVICES", "DRAFTERS", "EAGLE_PRECISIONS", "NAME_PATTERN", "NAME_RULE", "PRECISIONS", "TEMPERATURE_MIN",
+           "TOP_P_MIN", "TORCHAO_COMPUTE_DTYPES", "TORCHAO_GROUP_SIZES", "TORCHAO_INT8"]
+
+
+@dataclass
+class Recipe:
+    """A complete, validated configuration: models, KV policies, speculation, generation, prompt set.
+
+    ``draft`` is used by the ``draft_model`` drafter (its source and precision) and by the ``self`` drafter (only its
+    precision: the source is the target's). ``draft_kv`` is the draft cache's own compression policy.
+    ``prompts`` names a suite in ``recipes/prompts/`` (``short``, ``long``, ``memory``) or a path to a suite file.
+    """
+
+    name: str = "recipe"
+    description: str = ""
+    target: ModelSpec = field(default_factory=ModelSpec)
+    draft: ModelSpec | None = field(default_factory=lambda: ModelSpec(precision="int4"))
+    kv: KVSpec = field(default_factory=KVSpec)
+    draft_kv: KVSpec = field(default_factory=KVSpec)
+    spec: SpecSpec = field(default_factory=SpecSpec)
+    generation: GenerationSpec = field(default_factory=GenerationSpec)
+    prompts: str = "short"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, kv: bool = True) -> None:
+        """Check every field (``kv=False``: all but the KV sections, which :func:`toolkit.session.plan` checks
+        while building their policies). Raises :class:`ConfigError` naming the field."""
+        check_name("name", self.name)
+        if not isinstance(self.description, str):
+            raise ConfigError("description", f"must be a string, got {self.description!r}")
+        self.target.validate("target")
+        if self.draft is not None:
+            self.draft.validate("draft")
+        self.spec.validate("spec")
+        needs = self.spec.config.draft
+        if needs != DRAFT_UNUSED and self.draft is None:
+            what = {DRAFT_EAGLE_HEAD: ": draft.source is the EAGLE head directory (or 'embedded' for the shipped "
+                                      "head), draft.precision its dtype"}.get(needs, " (its precision)")
+            raise ConfigError("draft", f"spec.drafter={self.spec.drafter!r} needs a draft section{what}")
+        if needs == DRAFT_EAGLE_HEAD:
+            check_choice("draft.precision", self.draft.precision, EAGLE_PRECISIONS)
+        if kv:
+            self.kv.validate("kv")
+            self.draft_kv.validate("draft_kv")
+        self.generation.validate("generation")
+        if not isinstance(self.prompts, str) or not self.prompts:
+            raise ConfigError("prompts", "must name a prompt suite (short, long, memory) or a suite file path")
+
+    # ----------------------------------------------------------------------------------------------- (de)serialize
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "target": dataclasses.asdict(self.target),
+            "draft": dataclasses.asdict(self.draft) if self.draft is not None else None,
+            "kv": self.kv.to_dict(),
+            "draft_kv": self.draft_kv.to_dict(),
+            "spec": self.spec.to_dict(),
+            "generation": dataclasses.asdict(self.generation),
+            "prompts": self.prompts,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Recipe:
+        if not isinstance(data, dict):
+            raise ConfigError("recipe", f"must be a mapping, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(map(str, set(data) - known))
+        if unknown:
+            raise ConfigError(unknown[0], "unknown recipe field", sorted(known))
+        kwargs: dict[str, Any] = {}
+        for key in ("name", "description", "prompts"):
+            if key in data:
+                kwargs[key] = data[key]
+        kwargs["target"] = _section(ModelSpec, data.get("target", {}), "target")
+        if "draft" in data:
+            kwargs["draft"] = None if data["draft"] is None else _section(ModelSpec, data["draft"], "draft")
+        kwargs["kv"] = KVSpec.from_dict(data.get("kv", {}), "kv")
+        kwargs["draft_kv"] = KVSpec.from_dict(data.get("draft_kv", {}), "draft_kv")
+        spec = data.get("spec", {})
+        if not isinstance(spec, dict):
+            raise ConfigError("spec", f"must be a mapping, got {spec!r}")
+        _check_keys(spec, "spec")
+        if "config" in spec:
+            raise ConfigError("spec.config", "unknown field: write the drafter's fields flat next to 'drafter'")
+        kwargs["spec"] = SpecSpec(**spec)
+        kwargs["generation"] = _section(GenerationSpec, data.get("generation", {}), "generation")
+        return cls(**kwargs)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> Recipe:
+        return cls.from_dict(load_yaml_text(text, "recipe") or {})
+
+    @classmethod
+    def load(cls, path: str | Path) -> Recipe:
+        """Read a recipe YAML file. Raises :class:`ConfigError` (field ``recipe``: a file that cannot be read, is not
+        UTF-8 text or not YAML; else the field that is wrong)."""
+        return cls.from_yaml(read_text(path, "recipe"))
+
+    def save(self, path: str | Path) -> None:
+        """Write the recipe as YAML atomically (a temp file renamed into place)."""
+        from toolkit.io import atomic_write_text
+
+        atomic_write_text(Path(path), self.to_yaml())
+
+    def replace(self, **sections: Any) -> Recipe:
+        """A validated copy with whole sections or top-level fields replaced."""
+        return dataclasses.replace(self, **sections)
+
+    def config_hash(self) -> str:
+        """Short stable hash of everything that affects results (name and description excluded)."""
+        data = self.to_dict()
+        data.pop("name")
+        data.pop("description")
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
+
+
