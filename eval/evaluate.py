@@ -155,7 +155,7 @@ def clear_model_cache() -> None:
 
 def load_recipe_models(recipe: Recipe, reference: bool = True):
     """``(target, tokenizer, draft_model | None, reference_model | None)`` for a recipe, from the shared pool."""
-    target, tokenizer, draft_model = load_models(plan(recipe), SHARED_POOL)
+    target, tokenizer, draft_model, _ = load_models(plan(recipe), SHARED_POOL)
     ref = None
     if reference and recipe.target.precision != "fp32":
         ref_spec = dataclasses.replace(recipe.target, precision="fp32")

@@ -68,14 +68,18 @@ def ours_runner(generator, eos_ids: list[int], trajectory: bool = False) -> Runn
 
 
 def baseline_runner(method: str, recipe: Recipe, eos_ids: list[int], *, target, draft_model=None,
-                    reference=None) -> Runner:
-    """A runner for HF baseline ``method``. Raises ``ValueError`` for an unknown method or a missing model."""
+                    reference=None, tokenizers: tuple | None = None) -> Runner:
+    """A runner for HF baseline ``method``; ``tokenizers`` = ``(target's, draft's)`` when the draft's vocabulary is
+    another (``assisted`` is then HF's universal assisted decoding). Raises ``ValueError`` for an unknown method or a
+    missing model."""
     k = recipe.spec.num_draft_tokens
+    universal = {} if tokenizers is None else {"tokenizer": tokenizers[0], "assistant_tokenizer": tokenizers[1]}
     kwargs = {"ar": dict(model=target, method="ar"),
               "prompt_lookup_10": dict(model=target, method="prompt_lookup", num_draft_tokens=10,
                                        max_ngram=PROMPT_LOOKUP_NGRAM),
               "ar_fp32": dict(model=reference, method="ar"),
-              "assisted": dict(model=target, method="assisted", assistant_model=draft_model, num_draft_tokens=k),
+              "assisted": dict(model=target, method="assisted", assistant_model=draft_model, num_draft_tokens=k,
+                               **universal),
               "prompt_lookup": dict(model=target, method="prompt_lookup", num_draft_tokens=prompt_lookup_tokens(recipe),
                                     max_ngram=PROMPT_LOOKUP_NGRAM)}.get(method)
     if kwargs is None:
@@ -98,6 +102,7 @@ def runners_for(generator, methods: list[str], eos_ids: list[int], reference=Non
         if method == OURS:
             out[method] = ours_runner(generator, eos_ids, trajectory)
         else:
+            cross = None if generator.draft_tokenizer is None else (generator.tokenizer, generator.draft_tokenizer)
             out[method] = baseline_runner(method, generator.recipe, eos_ids, target=generator.target,
-                                          draft_model=generator.draft_model, reference=reference)
+                                          draft_model=generator.draft_model, reference=reference, tokenizers=cross)
     return out

@@ -12,7 +12,8 @@ from test_decoder import INIT, hf_greedy
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from toolkit.recipe import GenerationSpec
+import toolkit
+from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec
 from toolkit.speculative.adaptive import ConstantK
 from toolkit.speculative.decoder import SpeculativeDecoder
 from toolkit.speculative.drafters.cross_tokenizer import CrossTokenizerDrafter
@@ -102,3 +103,22 @@ def test_sampling_stays_exact(pair):
     rare = expected < 5  # pooled: the chi-square approximation needs >= 5 expected per cell
     observed = np.append(counts[~rare], counts[rare].sum())
     assert chisquare(observed, np.append(expected[~rare], expected[rare].sum())).pvalue > 0.01
+
+
+def test_draft_model_recipe_translates_by_itself_and_hf_universal_assisted_runs(pair):
+    from toolkit.measure.baselines import hf_generate
+
+    target, draft, prompt, reference = pair
+    words, chars = word_tokenizer(), char_tokenizer()
+    recipe = Recipe(name="cross", target=ModelSpec(device="cpu"), draft=ModelSpec(device="cpu"),
+                    spec=SpecSpec(drafter="draft_model", num_draft_tokens=3),
+                    generation=GenerationSpec(max_new_tokens=24, ignore_eos=True))
+    generator = toolkit.build(recipe, target=target, tokenizer=words, draft_model=draft, draft_tokenizer=chars)
+    text = words.decode(prompt[0].tolist())
+    out = generator.generate(text)
+    assert out.token_ids == reference and out.stats.drafted > 0
+    same = toolkit.build(recipe, target=target, tokenizer=words, draft_model=target, draft_tokenizer=words)
+    assert same.draft_tokenizer is None  # one vocabulary: the plain draft-model drafter
+    ids, _ = hf_generate(target, prompt, GenerationSpec(max_new_tokens=8, ignore_eos=True), [], method="assisted",
+                         assistant_model=draft, tokenizer=words, assistant_tokenizer=chars)
+    assert ids == reference[:8]

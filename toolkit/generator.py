@@ -44,13 +44,15 @@ class Generator:
         recipe, plan: the recipe and its plan.
         target, tokenizer: the target model and its tokenizer.
         draft_model: the draft LM (``None`` for the n-gram drafter and autoregressive decoding).
+        draft_tokenizer: the draft's tokenizer when it is not the target's (cross-tokenizer drafting), else ``None``.
         target_policy / draft_policy: the plan's KV policies (``None`` = uncompressed).
         weight_bytes: ``{"target": bytes, "draft": bytes}``.
     """
 
-    def __init__(self, plan: Plan, target, tokenizer, draft_model=None):
+    def __init__(self, plan: Plan, target, tokenizer, draft_model=None, draft_tokenizer=None):
         self.plan, self.recipe = plan, plan.recipe
         self.target, self.tokenizer, self.draft_model = target, tokenizer, draft_model
+        self.draft_tokenizer = draft_tokenizer  # set only when the draft's vocabulary is not the target's
         self.target_policy, self.draft_policy = plan.target_policy, plan.draft_policy
         self.weight_bytes = {"target": weight_bytes(target),
                              "draft": weight_bytes(draft_model) if draft_model is not None else 0}
@@ -155,7 +157,8 @@ class Generator:
         if config.persistent and self._persistent_drafter is not None:
             return self._persistent_drafter
         context = DrafterContext(self.target, self.draft_model, self.draft_policy, do_sample=gen.do_sample,
-                                 temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed)
+                                 temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,
+                                 tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
         drafter = build_drafter(config, context)
         if config.persistent:
             self._persistent_drafter = drafter
@@ -317,20 +320,24 @@ def _context(model) -> int | None:
     return limit if isinstance(limit, int) and limit > 0 else None
 
 
-def build(recipe: Recipe, target=None, tokenizer=None, draft_model=None, pool: ModelPool | None = None) -> Generator:
+def build(recipe: Recipe, target=None, tokenizer=None, draft_model=None, pool: ModelPool | None = None,
+          draft_tokenizer=None) -> Generator:
     """Plan ``recipe`` (:func:`toolkit.session.plan`), load its models and return a :class:`Generator`.
 
     Models come from ``pool`` (a :class:`~toolkit.session.ModelPool`, so several recipes share them) or a fresh
-    one; already-loaded ``target``/``tokenizer``/``draft_model`` may be passed instead.
+    one; already-loaded ``target``/``tokenizer``/``draft_model`` (and the draft's ``draft_tokenizer`` when it is
+    not the target's) may be passed instead. A ``draft_model`` drafter whose tokenizer is not the target's drafts
+    across tokenizers (:mod:`toolkit.speculative.drafters.cross_tokenizer`).
 
     Raises:
         ConfigError: invalid recipe field or combination (named).
         ModelLoadError: a model source cannot be read.
-        TokenizerMismatchError: target and draft vocabularies differ.
+        TokenizerMismatchError: target and draft vocabularies differ where the drafter cannot translate.
     """
     p = plan(recipe)
-    target, tokenizer, draft_model = load_models(p, pool, target, tokenizer, draft_model)
-    return Generator(p, target, tokenizer, draft_model)
+    target, tokenizer, draft_model, draft_tokenizer = load_models(p, pool, target, tokenizer, draft_model,
+                                                                  draft_tokenizer)
+    return Generator(p, target, tokenizer, draft_model, draft_tokenizer)
 
 
 __all__ = ["Generator", "build"]

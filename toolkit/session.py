@@ -22,7 +22,7 @@ from typing import Any
 from toolkit.errors import ConfigError
 from toolkit.kv import make_policy
 from toolkit.recipe import ModelSpec, Recipe
-from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_TARGET
+from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_MODEL, DRAFT_TARGET
 
 
 @dataclass(frozen=True)
@@ -126,13 +126,17 @@ class ModelPool:
 SHARED_POOL = ModelPool()
 
 
-def load_models(p: Plan, pool: ModelPool | None = None, target=None, tokenizer=None, draft_model=None) -> tuple:
-    """``(target, tokenizer, draft_model | None)`` for a plan, from ``pool`` unless given.
+def load_models(p: Plan, pool: ModelPool | None = None, target=None, tokenizer=None, draft_model=None,
+                draft_tokenizer=None) -> tuple:
+    """``(target, tokenizer, draft_model | None, draft_tokenizer | None)`` for a plan, from ``pool`` unless given.
+
+    ``draft_tokenizer`` is returned (not ``None``) only for a draft LM whose vocabulary is not the target's: the
+    ``draft_model`` drafter then drafts across tokenizers (:mod:`toolkit.speculative.drafters.cross_tokenizer`).
 
     Raises:
         ModelLoadError: a source cannot be read.
-        TokenizerMismatchError: target and draft vocabularies differ (the tokenizers' entries, or the models'
-            ``vocab_size``: field ``draft.source``).
+        TokenizerMismatchError: target and draft vocabularies differ where the drafter cannot translate (``self``),
+            or the tokenizers agree but the models' ``vocab_size`` does not (field ``draft.source``).
     """
     from toolkit.models import check_same_vocab, check_same_vocab_size
 
@@ -140,17 +144,21 @@ def load_models(p: Plan, pool: ModelPool | None = None, target=None, tokenizer=N
     recipe = p.recipe
     if target is None:
         target, tokenizer = pool.get(recipe.target, "target")
-    if recipe.spec.config.draft == DRAFT_EAGLE_HEAD:  # the EAGLE head plays the draft model's part; it shares the target's embedding
+    if recipe.spec.config.draft == DRAFT_EAGLE_HEAD:  # the EAGLE head plays the draft model's part (target embedding)
         if draft_model is None:
             from toolkit.dtypes import torch_dtype
             from toolkit.eagle.checkpoint import load_head, resolve_head
 
             draft_model = load_head(resolve_head(recipe.draft.source), target, dtype=torch_dtype(recipe.draft.precision))
-        return target, tokenizer, draft_model
+        return target, tokenizer, draft_model, None
     if p.draft_spec is None:
-        return target, tokenizer, None
+        return target, tokenizer, None, None
     if draft_model is None:
         draft_model, draft_tokenizer = pool.get(p.draft_spec, "draft")
+    if draft_tokenizer is not None and tokenizer is not None and \
+            draft_tokenizer.get_vocab() != tokenizer.get_vocab() and recipe.spec.config.draft == DRAFT_MODEL:
+        return target, tokenizer, draft_model, draft_tokenizer  # drafted across tokenizers
+    if draft_tokenizer is not None and tokenizer is not None:
         check_same_vocab(tokenizer, draft_tokenizer, recipe.target.source, p.draft_spec.source)
     check_same_vocab_size(target, draft_model, recipe.target.source, p.draft_spec.source)
-    return target, tokenizer, draft_model
+    return target, tokenizer, draft_model, None

@@ -43,11 +43,13 @@ class _FirstTokenTimer(BaseStreamer):
 
 def hf_generate(model, input_ids: torch.Tensor, gen: GenerationSpec, eos_token_ids: list[int], *,
                 method: str = "ar", assistant_model=None, num_draft_tokens: int = 4, max_ngram: int = 3,
-                ) -> tuple[list[int], GenerationStats]:
+                tokenizer=None, assistant_tokenizer=None) -> tuple[list[int], GenerationStats]:
     """Run one HF ``generate`` baseline (``method`` in :data:`BASELINES`) and time it.
 
     ``input_ids`` has shape ``(1, prompt_len)``. EOS handling mirrors ours: ``gen.ignore_eos`` removes the EOS ids
-    from the generation config instead of faking one. Raises ``ValueError`` for an unknown method.
+    from the generation config instead of faking one. ``assisted`` with an ``assistant_tokenizer`` (and the target's
+    ``tokenizer``) is HF's universal assisted decoding (a draft with another vocabulary). Raises ``ValueError`` for an
+    unknown method.
     """
     if method not in BASELINES:
         raise ValueError(f"method: unknown baseline {method!r} (allowed: {', '.join(BASELINES)})")
@@ -66,6 +68,8 @@ def hf_generate(model, input_ids: torch.Tensor, gen: GenerationSpec, eos_token_i
         if assistant_model is None:
             raise ValueError("assistant_model: required for the 'assisted' baseline")
         kwargs["assistant_model"] = assistant_model
+        if assistant_tokenizer is not None:  # universal assisted decoding: HF translates between the tokenizers
+            kwargs.update(tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer)
         config.num_assistant_tokens = num_draft_tokens
         config.num_assistant_tokens_schedule = "constant"
         config.assistant_confidence_threshold = 0.0

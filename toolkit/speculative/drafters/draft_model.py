@@ -91,7 +91,13 @@ class DraftModel(Drafter):
         self._confidence: list[float] | None = None
 
     @classmethod
-    def from_config(cls, config: DraftModelConfig, context) -> DraftModel:
+    def from_config(cls, config: DraftModelConfig, context):
+        """The draft LM drafter; across tokenizers when the context carries a draft tokenizer (another vocabulary)."""
+        if context.draft_tokenizer is not None:
+            from toolkit.speculative.drafters.cross_tokenizer import CrossTokenizerDrafter
+
+            return CrossTokenizerDrafter(context.draft_model, context.draft_tokenizer, context.tokenizer,
+                                         context.draft_policy)
         device = next(context.draft_model.parameters()).device
         generator = torch.Generator(device=device).manual_seed(context.seed + 1) if context.do_sample else None
         return cls(context.draft_model, context.draft_policy, do_sample=context.do_sample,

@@ -85,6 +85,7 @@ class DrafterContext:
         draft_policy: the draft cache's KV policy (``None`` = uncompressed).
         do_sample / temperature / top_k / top_p: the call's sampling settings (draft tokens are chosen the same way).
         seed: the call's seed; a drafter that samples seeds its own generator with ``seed + 1``.
+        tokenizer: the target's tokenizer; draft_tokenizer: the draft LM's, only when its vocabulary differs.
     """
 
     target: Any
@@ -95,6 +96,8 @@ class DrafterContext:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    tokenizer: Any = None
+    draft_tokenizer: Any = None
 
 
 _CONFIGS: dict[str, type[DrafterConfig]] = {}
