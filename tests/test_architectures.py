@@ -96,3 +96,24 @@ def test_a_compressed_cache_runs_and_matches_ar_under_the_same_policy(models, ar
     ar, _ = decode(target, None, prompt, policy=make_policy(spec))
     ours, stats = decode(target, NGramDrafter(), prompt, policy=make_policy(spec))
     assert ours == ar and stats.compressions_target > 0
+
+
+def test_a_family_without_sdpa_loads_with_eager_attention_and_decodes(tmp_path):
+    """Gemma-2 has no SDPA attention: the default recipe (attn_implementation: sdpa) loads it with eager."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    import toolkit
+    from toolkit.recipe import ModelSpec, Recipe, SpecSpec
+
+    tiny("gemma2").save_pretrained(tmp_path)
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
+        {f"t{i}": i for i in range(128)}, unk_token="t0"))).save_pretrained(tmp_path)
+    recipe = Recipe(name="gemma2", target=ModelSpec(source=str(tmp_path), device="cpu"), draft=None,
+                    spec=SpecSpec(drafter="lookup", num_draft_tokens=4), generation=GenerationSpec(
+                        max_new_tokens=NEW, ignore_eos=True))
+    generator = toolkit.build(recipe)
+    assert generator.target.config._attn_implementation == "eager"
+    prompt = "t5 t9 t13 t2 t5 t9 t13 t2 t5"
+    ids = generator.encode(prompt)
+    assert generator.generate(prompt).token_ids == hf_greedy(generator.target, ids, NEW)

@@ -31,6 +31,29 @@ def resolve_device(device: str, field: str = "device") -> torch.device:
     return torch.device(device)
 
 
+def attention_implementation(location: str, wanted: str) -> str:
+    """``wanted`` (``sdpa`` or ``eager``), or ``eager`` for an architecture without SDPA support (Gemma-2, ...):
+    the same attention, computed without ``torch.nn.functional.scaled_dot_product_attention``; logged once."""
+    if wanted != "sdpa":
+        return wanted
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(location))]
+    except (OSError, KeyError, ValueError):
+        return wanted  # unknown here: let from_pretrained decide (and report)
+    if getattr(model_class, "_supports_sdpa", True):
+        return wanted
+    if model_class.__name__ not in _SAID_EAGER:
+        _SAID_EAGER.add(model_class.__name__)
+        log.info("%s has no SDPA attention: using the eager implementation (same results)", model_class.__name__)
+    return "eager"
+
+
+_SAID_EAGER: set[str] = set()
+
+
 def load_model(spec: ModelSpec, field: str = "model"):
     """Load ``spec`` and return ``(model, tokenizer)``; the model is in eval mode on its device.
 
@@ -48,7 +71,7 @@ def load_model(spec: ModelSpec, field: str = "model"):
     device = resolve_device(spec.device, f"{field}.device")
     backend = choose_backend(spec, device, field)
     location = resolve_source(spec.source, f"{field}.source")
-    kwargs: dict = {"attn_implementation": spec.attn_implementation}
+    kwargs: dict = {"attn_implementation": attention_implementation(location, spec.attn_implementation)}
     if backend == "bitsandbytes":
         kwargs.update(bnb_backend.from_pretrained_kwargs(spec, device, field))
     elif backend == "torchao":
