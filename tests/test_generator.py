@@ -82,9 +82,13 @@ def test_generate_matches_hf_greedy_and_fills_stats(tiny, tiny_generator):
     {"max_new_tokens": 1},
 ], ids=["greedy", "sampling", "one_token"])
 def test_generate_stream_concatenates_to_generate_text(tiny_generator, overrides):
+    from toolkit.speculative.stats import GenerationStats
+
     full = tiny_generator.generate(PROMPT, **overrides)
-    pieces = list(tiny_generator.generate_stream(PROMPT, **overrides))
+    stats = GenerationStats()
+    pieces = list(tiny_generator.generate_stream(PROMPT, stats=stats, **overrides))
     assert "".join(pieces) == full.text
+    assert stats.new_tokens == full.stats.new_tokens and stats.rounds == full.stats.rounds  # the round statistics
     assert full.text  # something was generated
     if overrides.get("max_new_tokens", 30) > 5:
         assert len(pieces) > 1  # streamed incrementally, not in one final piece

@@ -210,11 +210,12 @@ class Generator:
 
         return should_stop
 
-    def _run(self, prompt, overrides) -> tuple[Iterator[list[int]], GenerationStats, list[int], GenerationSpec]:
+    def _run(self, prompt, overrides, stats: GenerationStats | None = None,
+             ) -> tuple[Iterator[list[int]], GenerationStats, list[int], GenerationSpec]:
         gen = self._generation_spec(overrides)
         input_ids = self.encode(prompt)
         self.check_request(input_ids, gen)
-        stats = GenerationStats()
+        stats = stats if stats is not None else GenerationStats()
         chunks = self.decoder(gen).decode(input_ids, gen, stats, self.eos_token_ids(gen), self._stop_check(gen))
         return chunks, stats, input_ids[0].tolist(), gen
 
@@ -240,9 +241,11 @@ class Generator:
         new_ids = [tok for chunk in chunks for tok in chunk]
         return GenerationResult(self._text(new_ids, gen), new_ids, prompt_ids, stats)
 
-    def generate_stream(self, prompt: str | list[dict], **overrides) -> Iterator[str]:
-        """Yield the completion's text incrementally, as tokens commit (same arguments as :meth:`generate`)."""
-        chunks, _, _, gen = self._run(prompt, overrides)
+    def generate_stream(self, prompt: str | list[dict], stats: GenerationStats | None = None,
+                        **overrides) -> Iterator[str]:
+        """Yield the completion's text incrementally, as tokens commit (same arguments as :meth:`generate`); pass a
+        :class:`~toolkit.speculative.stats.GenerationStats` as ``stats`` to read the round statistics afterwards."""
+        chunks, _, _, gen = self._run(prompt, overrides, stats)
         ids: list[int] = []
         emitted = ""
         for chunk in chunks:

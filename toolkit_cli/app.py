@@ -122,15 +122,18 @@ def generate(prompt: str = typer.Argument(..., help="prompt text ('-' reads stdi
     generator = toolkit.build(loaded)
     message = [{"role": "user", "content": text}] if chat else text
     if stream:
-        for piece in generator.generate_stream(message, **overrides):
+        from toolkit.speculative.stats import GenerationStats
+
+        s = GenerationStats()
+        for piece in generator.generate_stream(message, stats=s, **overrides):
             typer.echo(piece, nl=False)
         typer.echo()
     else:
         result = generator.generate(message, **overrides)
         typer.echo(result.text)
         s = result.stats
-        typer.secho(f"{s.new_tokens} tokens, {s.throughput:.1f} tok/s, α {s.acceptance_rate:.2f}, "
-                    f"τ {s.tokens_per_round:.2f}, TTFT {s.ttft_ms:.0f} ms", err=True, fg="cyan")
+    typer.secho(f"{s.new_tokens} tokens, {s.throughput:.1f} tok/s, α {s.acceptance_rate:.2f}, "
+                f"τ {s.tokens_per_round:.2f}, TTFT {s.ttft_ms:.0f} ms", err=True, fg="cyan")
 
 
 @app.command("eval")
