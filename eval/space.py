@@ -44,6 +44,8 @@ from toolkit.errors import ConfigError
 from toolkit.recipe import Recipe, check_name
 from toolkit.resources import shipped, shipped_name
 from toolkit.session import plan
+from toolkit.speculative.drafters import config_type
+from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_MODEL
 
 SPACES_DIR = shipped("search")
 
@@ -101,6 +103,30 @@ def trial_name(scenario: str, labels: list) -> str:
     return name[:100]
 
 
+def _drafts_with(fragment: dict, kind: str) -> bool:
+    """The fragment picks a drafter whose draft section is of ``kind`` (registry: ``DrafterConfig.draft``)."""
+    name = (fragment.get("spec") or {}).get("drafter")
+    if name is None:
+        return False
+    try:
+        return config_type(name, "search.space").draft == kind
+    except ConfigError:
+        return False
+
+
+def _head_dim(source: str) -> int | None:
+    """Attention head dimension of the model at ``source`` (a directory or .gguf), read from its config."""
+    from transformers import AutoConfig
+
+    from toolkit.models.embedded import resolve_source
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_source(source, "--target")).get_text_config(decoder=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("--target", f"cannot read the model config of {source!r}: {exc}") from None
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _merge(dst: dict, src: dict) -> None:
     for key, value in src.items():
         # a KV section (has 'policy') replaces the base's whole section: parameters differ between policies
@@ -122,6 +148,7 @@ class SearchSpace:
     heldout: dict = field(default_factory=dict)
     seeds: dict[str, dict] = field(default_factory=dict)
     source: str = "<dict>"
+    target: str | None = None  # the user's model the space was adapted to (for_model), None = as shipped
 
     @property
     def grid_size(self) -> int:
@@ -146,6 +173,35 @@ class SearchSpace:
                 if not match:
                     raise ConfigError("--enable", f"unknown label {label!r} of {dim_name}", [str(x) for x in dim.labels])
                 dim.disabled = [x for x in dim.disabled if x != match[0]]
+
+    def for_model(self, target: str | None = None, draft: str | None = None) -> None:
+        """Adapt the space to a user's model: ``target`` replaces the target's source everywhere, ``draft`` the
+        draft LM's; what exists only for the embedded model goes (the shipped EAGLE head: its labels, and the seeds
+        that use them), KV quantization groups keep the sizes that divide the model's head dimension.
+
+        Raises:
+            ConfigError: the target's config cannot be read (field ``--target``).
+        """
+        if target is None and draft is None:
+            return
+        if target is not None:
+            self.base.setdefault("target", {})["source"] = target
+            self.target = target
+            head_dim = _head_dim(target)
+        else:
+            head_dim = None
+        for dim in self.dimensions:
+            if dim.fragments is not None:
+                for label, fragment in dim.fragments.items():
+                    if _drafts_with(fragment, DRAFT_EAGLE_HEAD) and target is not None:
+                        dim.disabled = [*dim.disabled, label]
+                    elif draft is not None and _drafts_with(fragment, DRAFT_MODEL):
+                        fragment.setdefault("draft", {})["source"] = draft
+            if head_dim and dim.path is not None and dim.path.endswith("quant_group_size"):
+                dim.disabled = [*dim.disabled, *(g for g in dim.labels if head_dim % int(g))]
+        off = {(d.name, str(x)) for d in self.dimensions for x in d.disabled}
+        self.seeds = {name: point for name, point in self.seeds.items()
+                      if not any((k, str(v)) in off for k, v in point.items())}
 
     def recipe(self, params: dict) -> Recipe:
         """The recipe of one point (a label per active dimension).

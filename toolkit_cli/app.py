@@ -46,6 +46,32 @@ def _check_out(out: Path) -> Path:
     return out
 
 
+TARGET_HELP = "your model instead of the recipe's target: a local HF directory or a .gguf file"
+DRAFT_HELP = "your draft LM instead of the recipe's draft (another tokenizer is fine: drafted across tokenizers)"
+
+
+def _retarget(recipe, target: Optional[str], draft: Optional[str]):
+    """``recipe`` with its target (and the draft of a ``self`` drafter) on ``target``, its draft LM on ``draft``."""
+    import dataclasses
+
+    from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_TARGET
+
+    config = recipe.spec.config
+    if target is not None:
+        recipe = recipe.replace(target=dataclasses.replace(recipe.target, source=target))
+        if config.draft == DRAFT_TARGET:
+            recipe = recipe.replace(draft=dataclasses.replace(recipe.draft, source=target))
+        elif config.draft == DRAFT_EAGLE_HEAD and recipe.draft.source == "embedded" and draft is None:
+            from toolkit.errors import ConfigError
+
+            raise ConfigError("--draft", "the recipe's EAGLE head was trained for the embedded model; pass a head "
+                              "for your target with --draft (toolkit draft eagle --target ...)")
+    if draft is not None:
+        base = recipe.draft or recipe.target
+        recipe = recipe.replace(draft=dataclasses.replace(base, source=draft))
+    return recipe
+
+
 def _load(recipe: str):
     """A recipe from a YAML path or a shipped name. Raises ConfigError."""
     from toolkit.recipe import Recipe
@@ -66,12 +92,14 @@ def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped reci
                                                  "and our single-row decoder)"),
         prompts: Optional[Path] = typer.Option(None, help="JSONL file of prompts ({\"prompt\": ...} or "
                                                "{\"messages\": [...]} per line) instead of the recipe's suite"),
+        target: Optional[str] = typer.Option(None, help=TARGET_HELP),
+        draft: Optional[str] = typer.Option(None, help=DRAFT_HELP),
         out: Path = typer.Option(Path("results/run"), help="directory for the results JSON and Markdown")):
     """Run RECIPE over its prompt suite; print a Markdown table and write results JSON."""
     from eval.run import markdown_table, run_recipe, write_results
 
     _check_out(out)
-    loaded = _load(recipe)
+    loaded = _retarget(_load(recipe), target, draft)
     if max_new_tokens is not None:
         import dataclasses
 
@@ -111,14 +139,16 @@ def generate(prompt: str = typer.Argument(..., help="prompt text ('-' reads stdi
              max_new_tokens: Optional[int] = typer.Option(None, min=1),
              do_sample: Optional[bool] = typer.Option(None, "--do-sample/--greedy"),
              temperature: Optional[float] = typer.Option(None),
-             stream: bool = typer.Option(True, help="print text as tokens commit")):
+             stream: bool = typer.Option(True, help="print text as tokens commit"),
+             target: Optional[str] = typer.Option(None, help=TARGET_HELP),
+             draft: Optional[str] = typer.Option(None, help=DRAFT_HELP)):
     """Generate one completion and print it, followed by the round statistics."""
     import toolkit
 
     text = sys.stdin.read() if prompt == "-" else prompt
     overrides = {k: v for k, v in {"max_new_tokens": max_new_tokens, "do_sample": do_sample,
                                    "temperature": temperature}.items() if v is not None}
-    loaded = _load(recipe or "short")
+    loaded = _retarget(_load(recipe or "short"), target, draft)
     generator = toolkit.build(loaded)
     message = [{"role": "user", "content": text}] if chat else text
     if stream:
@@ -141,11 +171,13 @@ def generate(prompt: str = typer.Argument(..., help="prompt text ('-' reads stdi
 def eval_(recipe: str = typer.Argument(..., help="recipe YAML file or shipped recipe name"),
           force: bool = typer.Option(False, "--force", help="recompute even if results exist"),
           fast: bool = typer.Option(False, "--fast", help="fewer prompts, tokens and repetitions"),
+          target: Optional[str] = typer.Option(None, help=TARGET_HELP),
+          draft: Optional[str] = typer.Option(None, help=DRAFT_HELP),
           out: Path = typer.Option(Path("results"), help="directory under which results/<name>-<hash>/ is written")):
     """Evaluate RECIPE: perplexity, acceptance, memory, latency, fidelity, baselines (results/<name>-<hash>/)."""
     from eval.cli import eval_command
 
-    eval_command(_load(recipe), force=force, fast=fast, results_root=_check_out(out))
+    eval_command(_retarget(_load(recipe), target, draft), force=force, fast=fast, results_root=_check_out(out))
 
 
 @app.command()
@@ -166,13 +198,17 @@ def search(scenario: str = typer.Option(..., help="short, long or memory"),
                                             "(drafter.suffix, target_backend); repeatable"),
            finalize: bool = typer.Option(True, "--finalize/--no-finalize", help="choose, confirm and write the "
                                          "winner when done (extra workers started elsewhere: --no-finalize)"),
-           heartbeat: Optional[float] = typer.Option(None, hidden=True, help="heartbeat interval (s)")):
+           heartbeat: Optional[float] = typer.Option(None, hidden=True, help="heartbeat interval (s)"),
+           target: Optional[str] = typer.Option(None, help="search for your model: a local HF directory or a .gguf "
+                                                "file (the space adapts: no embedded-only EAGLE head, KV groups "
+                                                "that divide its head dimension)"),
+           draft: Optional[str] = typer.Option(None, help=DRAFT_HELP)):
     """Search the configuration space of SCENARIO; writes <out>/<scenario>.yaml and a Pareto plot."""
     from eval.cli import search_command
 
     search_command(scenario, budget_mb=budget_mb, trials=trials, storage=storage, timeout=timeout,
                    out=_check_out(out), workers=workers, study_name=study_name, space=space, enable=enable,
-                   finalize_results=finalize, heartbeat_s=heartbeat)
+                   finalize_results=finalize, heartbeat_s=heartbeat, target=target, draft=draft)
 
 
 def _register_distill() -> None:

@@ -36,11 +36,25 @@ def heldout_confirmation(sp: SearchSpace, settings, out_dir: Path, models_fn: Ca
 
 
 def shipped_recipes(sp: SearchSpace) -> list:
-    """The shipped recipes ``heldout.compare`` names."""
+    """The shipped recipes ``heldout.compare`` names; on a user's model (``sp.target``) the same recipes for that
+    model, those that need the embedded model's own EAGLE head left out."""
+    import dataclasses
+
     from toolkit.recipe import Recipe
     from toolkit.resources import resolve
+    from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_TARGET
 
-    return [Recipe.load(resolve(n, "", "search.heldout.compare")) for n in sp.heldout.get("compare", [])]
+    out = []
+    for name in sp.heldout.get("compare", []):
+        recipe = Recipe.load(resolve(name, "", "search.heldout.compare"))
+        if sp.target is not None:
+            if recipe.spec.config.draft == DRAFT_EAGLE_HEAD:
+                continue
+            recipe = recipe.replace(target=dataclasses.replace(recipe.target, source=sp.target))
+            if recipe.spec.config.draft == DRAFT_TARGET:
+                recipe = recipe.replace(draft=dataclasses.replace(recipe.draft, source=sp.target))
+        out.append(recipe)
+    return out
 
 
 def confirm_winner(best, sp: SearchSpace, sc: Scenario, confirm: Callable) -> None:

@@ -194,8 +194,9 @@ def start_workers(count: int, args: dict, storage: str) -> list[subprocess.Popen
         cmd += ["--space", str(args["space"])]
     for item in args["enable"]:
         cmd += ["--enable", item]
-    for flag, key in (("--budget-mb", "budget_mb"), ("--heartbeat", "heartbeat_s")):
-        if args[key] is not None:
+    for flag, key in (("--budget-mb", "budget_mb"), ("--heartbeat", "heartbeat_s"), ("--target", "target"),
+                      ("--draft", "draft")):
+        if args.get(key) is not None:
             cmd += [flag, str(args[key])]
     env = {**os.environ, STORAGE_ENV: storage,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -225,10 +226,13 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
                workers: int = 1, enable: list[str] | None = None, finalize_results: bool = True,
                heartbeat_s: float | None = None, models_fn: Callable | None = None, prompts=None, ppl_ids=None,
                heldout_prompts=None, progress: bool = True, eval_overrides: dict | None = None,
-               study_name: str | None = None, heldout: bool = True) -> dict:
+               study_name: str | None = None, heldout: bool = True, target: str | None = None,
+               draft: str | None = None) -> dict:
     """Run (or resume) the search of ``scenario``; returns a summary dict (best row, Pareto front, counts, files).
 
     Args:
+        target / draft: a user's model (local directory or .gguf) and draft LM: the space is adapted to them
+            (:meth:`eval.space.SearchSpace.for_model`) and the found recipe names them.
         space: the space file (default ``recipes/search/<scenario>.yaml``), a path or a dict.
         out: output directory (relative to the working directory): ``<out>/<scenario>.yaml`` and ``<out>/<scenario>/``.
         found_dir: where the found recipe goes (default ``out``); ``None`` writes none.
@@ -266,6 +270,7 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
     if sp.scenario != scenario:
         sp = dataclasses.replace(sp, scenario=scenario)
     sp.enable(list(enable or []))
+    sp.for_model(target, draft)
     settings = EvalSettings(**{"mode": "search", **sp.eval, **(eval_overrides or {})})
     out = Path(out)
     (out / scenario).mkdir(parents=True, exist_ok=True)
@@ -283,7 +288,8 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
         children = start_workers(workers - 1, {"scenario": scenario, "study_name": study.study_name,
                                                "trials": run.n_total, "out": out, "timeout": run.time_left(),
                                                "space": space, "enable": list(enable or []),
-                                               "budget_mb": budget_mb, "heartbeat_s": heartbeat_s}, storage)
+                                               "budget_mb": budget_mb, "heartbeat_s": heartbeat_s, "target": target,
+                                           "draft": draft}, storage)
         run.optimize(study, finalize_results and heldout)
         for child in children:
             if child.wait() != 0:
