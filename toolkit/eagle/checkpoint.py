@@ -79,13 +79,30 @@ def save_head(head: EagleHead, directory: Path, dtype: torch.dtype | None = None
 
 
 def _read_state(directory: Path, field: str) -> dict[str, torch.Tensor]:
+    """The head's tensors: ``model.safetensors`` when present (no code can run from it), else the
+    ``pytorch_model.bin`` the published EAGLE-1 heads ship, read by torch's restricted unpickler
+    (``weights_only=True``: tensors and plain containers only; refused on torch < 2.6, whose restricted unpickler
+    could be made to run code, CVE-2025-32434). Raises ConfigError (``field``) for anything else."""
     for name in WEIGHT_FILES:
         path = directory / name
-        if path.is_file():
+        if not path.is_file():
+            continue
+        try:
             if name.endswith(".safetensors"):
                 from safetensors.torch import load_file
                 return load_file(str(path))
-            return torch.load(path, map_location="cpu", weights_only=True)
+            if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 6):
+                raise ConfigError(field, f"{path}: reading a pickled head needs torch >= 2.6 (older restricted "
+                                  "unpicklers can run code); convert it to model.safetensors")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except ConfigError:
+            raise
+        except Exception as exc:  # a corrupt file, or a pickle holding more than tensors (refused, never run)
+            raise ConfigError(field, f"{path} is not a file of plain tensors ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+        if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
+            raise ConfigError(field, f"{path} does not hold a mapping of tensor names to tensors")
+        return state
     raise ConfigError(field, f"{directory} holds no head weights ({' or '.join(WEIGHT_FILES)})")
 
 
