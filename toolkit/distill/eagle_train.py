@@ -353,7 +353,7 @@ def train_head(config: EagleTrainConfig, target=None, tokenizer=None, progress: 
 
         target, tokenizer = load_model(ModelSpec(source=config.target, precision=config.target_precision),
                                        field="target")
-    atomic_write_json(out / "config.json.run", dataclasses.asdict(config) | {"out": str(out)})
+    atomic_write_json(out / "config.json.run", dataclasses.asdict(config) | {"out": str(out)}, durable=True)
     run = _HeadRun(config, target, prepare_data(config, target, tokenizer))
     if config.resume:
         run.resume()
