@@ -232,7 +232,7 @@ class _Run:
 
 
 def _start(config: DistillConfig, target_model, tokenizer) -> _Run:
-    """Check ``out`` and ``--resume``, load the teacher, prepare ``out``; returns a run without data or draft."""
+    """Check ``out`` and ``--resume`` (touching nothing), load the teacher; returns a run without data or draft."""
     from toolkit.models import resolve_device
 
     device = resolve_device(config.device)
