@@ -286,6 +286,32 @@ def test_bad_heads_raise_config_error_naming_draft_source(tmp_path, target, trai
         load_head(tmp_path / "empty", target)
 
 
+class _Hostile:
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):  # unpickling would create the file
+        return (open, (self.path, "w"))
+
+
+def test_a_hostile_pickled_head_is_refused_and_never_run(tmp_path, target):
+    """A head directory with a pytorch_model.bin whose unpickling would run code: one ConfigError naming
+    draft.source, and the code never runs (only safetensors or torch's restricted unpickler read heads)."""
+    import pickle
+
+    marker = tmp_path / "pwned"
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps(_llama_config(target)))
+    (head / "pytorch_model.bin").write_bytes(pickle.dumps({"fc.weight": _Hostile(marker)}, protocol=2))
+    with pytest.raises(ConfigError, match=r"^draft\.source: .*not a file of plain tensors"):
+        load_head(head, target)
+    assert not marker.exists()
+    (head / "pytorch_model.bin").write_bytes(b"not a pickle at all")
+    with pytest.raises(ConfigError, match=r"^draft\.source: "):
+        load_head(head, target)
+
+
 # ------------------------------------------------------------------------------------------------------ recipe
 def test_recipe_fields_for_eagle(tmp_path, target, trained_head):
     from toolkit.generator import build

@@ -4,6 +4,11 @@ everything they cannot, and the ``toolkit export`` command writing what it print
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -121,3 +126,86 @@ def test_eagle_method_follows_the_heads_layout(tmp_path, config, vllm_method, sg
     r = _recipe(draft={"source": str(tmp_path), "precision": "bf16"}, spec={"drafter": "eagle", "num_draft_tokens": 3})
     assert export(r, "vllm").config["speculative_config"]["method"] == vllm_method
     assert export(r, "sglang").config["speculative_algorithm"] == sglang_algorithm
+
+
+# ------------------------------------------------------------------------------------------------ hostile values
+def _fake_engine(bin_dir: Path, name: str, record: Path) -> None:
+    """An executable ``name`` on PATH that records its argv as JSON and runs nothing else."""
+    bin_dir.mkdir(exist_ok=True)
+    tool = bin_dir / name
+    tool.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+    tool.chmod(0o755)
+
+
+def _run_script(script: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {"PATH": f"{tmp_path / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin", "HOME": str(tmp_path)}
+    return subprocess.run(["sh", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_hostile_recipe_values_never_run_as_shell_commands(tmp_path, engine):
+    """Model sources with ``$(...)``, backticks and ``;``, stop strings with newlines, a recipe name with ``;``, a
+    KV parameter list with a newline: the generated script parses (``bash -n``), and run with a fake engine on PATH
+    it starts the engine with exactly the recipe's values as arguments and nothing else runs."""
+    from toolkit.export import render
+
+    marker = tmp_path / "pwned"
+    m = str(marker)
+    target = f"x$(touch {m}1)"
+    draft = f"d`touch {m}2`;touch {m}3"
+    recipe = _recipe(target={"source": target, "precision": "fp32"}, draft={"source": draft, "precision": "fp32"},
+                     kv={"policy": "head_aware", "budget": 64, "calibration_files": [f"a\ntouch {m}4\n"]},
+                     generation={"max_new_tokens": 8, "stop_strings": [f"\ntouch {m}5\n", f"$(touch {m}6)'\"",
+                                                                        "\u2028touch x"]})
+    recipe.name = f"r;touch {m}7\ntouch {m}8"  # (set after validation: the exporter must not rely on it)
+    exp = export(recipe, engine)
+    text, _ = render(exp)
+    script = tmp_path / "serve.sh"
+    if engine == "vllm":
+        script.write_text("#!/bin/sh\n" + json.loads(text)["command"] + "\n")
+    else:
+        script.write_text(text)
+        assert all(line.startswith(("#", "exec ")) for line in text.splitlines() if line), text
+    if shutil.which("bash"):
+        syntax = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert syntax.returncode == 0, syntax.stderr
+    record = tmp_path / "argv.json"
+    _fake_engine(tmp_path / "bin", "vllm" if engine == "vllm" else "python", record)
+    result = _run_script(script, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert not list(tmp_path.glob("pwned*")), "a recipe value ran as a shell command"
+    argv = json.loads(record.read_text())
+    if engine == "vllm":
+        assert argv[:2] == ["serve", target] and json.loads(argv[argv.index("--speculative-config") + 1])["model"] == draft
+    else:
+        assert argv[:2] == ["-m", "sglang.launch_server"]
+        assert argv[argv.index("--model-path") + 1] == target
+        assert argv[argv.index("--speculative-draft-model-path") + 1] == draft
+
+
+@pytest.mark.parametrize("section, value", [
+    ("target", "models/t\nrm -rf ~"), ("target", "models/t\rx"), ("draft", "d\x1b[2J"), ("draft", "--trust-remote-code"),
+    ("target", "-x"), ("draft", "a\u2028b"),
+])
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_control_characters_and_option_like_sources_are_refused(engine, section, value):
+    recipe = _recipe(**{section: {"source": value, "precision": "fp32"}})
+    with pytest.raises(ConfigError) as info:
+        export(recipe, engine)
+    assert info.value.field == f"{section}.source"
+    eagle = _recipe(draft={"source": value, "precision": "bf16"}, spec={"drafter": "eagle", "num_draft_tokens": 3})
+    if section == "draft":
+        with pytest.raises(ConfigError) as info:
+            export(eagle, engine)
+        assert info.value.field == "draft.source"
+
+
+def test_comment_lines_escape_every_line_break():
+    from toolkit.export import Export, render
+
+    exp = Export("sglang", {}, {"stop": ["\n"]}, "python -m sglang.launch_server", ["a\nb", "c\rd\x1b[31m", "e\u2029f"],
+                 recipe="n\nx")
+    text, _ = render(exp)
+    lines = text.splitlines()
+    assert lines[0] == "#!/bin/sh" and lines[-1].startswith("exec ") and all(x.startswith("# ") for x in lines[1:-1])
+    assert "# WARNING: a\\nb" in text and "c\\rd\\x1b[31m" in text and "e\\u2029f" in text

@@ -1,4 +1,5 @@
-"""KIVI quantized KV cache: packing, layout, exact bytes, exact rollback and keep_tail, config errors, spec == AR."""
+"""KIVI quantized KV cache: packing, layout, exact bytes, exact rollback and keep_tail, config errors, spec == AR,
+for chains and for token trees (target and draft caches quantized, standalone and composed with StreamingLLM)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from toolkit.speculative.adaptive import ConstantK
 from toolkit.speculative.decoder import SpeculativeDecoder
 from toolkit.speculative.drafters import DraftModel, NGramDrafter
 from toolkit.speculative.stats import GenerationStats
+from toolkit.speculative.tree import TreeShape
 
 HEADS, DIM, LAYERS = 2, 16, 2  # tiny_llama: 2 KV heads of head_dim 16, 2 layers
 
@@ -167,6 +169,30 @@ def test_keep_tail_keeps_the_accepted_path_only():
         tree.layers[0].keep_tail(3, torch.tensor([2, 1]))
 
 
+def test_cache_keep_tail_takes_the_list_the_decoder_passes():
+    """The decoder's tree commit goes through CompressedCache.keep_tail, which hands each layer the list of
+    ops.check_keep (QuantizedLayer.keep_tail used to call ``.to`` on it): the result equals a cache that saw only
+    the kept entries, also in what the next commit quantizes."""
+    model = tiny_llama()
+    tree = ops.new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=8), model)
+    path = ops.new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=8), model)
+    for cache in (tree, path):
+        append(cache, 0, 21)
+        cache.commit()
+    kv = [token_kv(200 + i) for i in range(5)]
+    for node in kv:
+        for layer, (k, v) in enumerate(node):
+            tree.update(k, v, layer)
+    ops.keep_tail(tree, [0, 3, 4])
+    for i in (0, 3, 4):
+        for layer, (k, v) in enumerate(kv[i]):
+            path.update(k, v, layer)
+    for cache in (tree, path):
+        cache.commit()
+    assert state(tree)["len"] == state(path)["len"] == 24 and state(tree)["bytes"] == state(path)["bytes"]
+    assert all(torch.equal(a, b) for a, b in zip(state(tree)["tensors"], state(path)["tensors"]))
+
+
 # ---------------------------------------------------------------------------------------------------- config
 @pytest.mark.parametrize("params,field", [
     (dict(quant_bits=3), "kv.quant_bits"),
@@ -247,6 +273,74 @@ def test_speculative_equals_ar_under_quantized_cache(make, name, params):
         assert held <= 4 + 24 + 4 + params["quant_group_size"] + 3
     else:
         assert held == decoder.cache.get_seq_length()
+
+
+TREE_POLICIES = [
+    ("quantized", dict(quant_bits=2, quant_group_size=8, residual_length=12, sink_tokens=0)),
+    ("quantized", dict(quant_bits=4, quant_group_size=4, residual_length=6, sink_tokens=3)),  # R = depth + G - 2
+    ("streaming", dict(sink_tokens=4, window=24, compress_interval=4, quant_bits=2, quant_group_size=8,
+                       residual_length=12)),
+]
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_neox])
+@pytest.mark.parametrize("name,params", TREE_POLICIES)
+def test_tree_speculation_equals_ar_under_quantized_cache(make, name, params):
+    """EAGLE-2 dynamic trees of a draft model (its cache quantized too) reproduce AR under the same policy exactly:
+    tree verify forwards straddle quantization boundaries (the root in the shadow), with acceptances, rejections
+    and many compressions, standalone and composed with StreamingLLM."""
+    target = make()
+    prompt = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(3))
+    shape = TreeShape(budget=8, depth=4, topk=2)
+    policy(name, **params).check_tree(shape.depth)  # what the plan checks
+    ar, _, _ = run(target, None, policy(name, **params), prompt, 90)
+    draft = DraftModel(perturbed_copy(target, scale=0.3), policy(name, **params))
+    stats = GenerationStats()
+    decoder = SpeculativeDecoder(target, draft, ConstantK(3), policy(name, **params), tree=shape)
+    gen = GenerationSpec(max_new_tokens=90, ignore_eos=True)
+    spec = [t for chunk in decoder.decode(prompt, gen, stats) for t in chunk]
+    assert spec == ar
+    assert stats.rounds >= 2 and 0 < stats.accepted < stats.drafted
+    assert stats.compressions_target >= 3 and stats.compressions_draft >= 3
+    assert decoder.cache.get_seq_length() == 20 + 90 - 1
+
+
+def test_tree_bound_keeps_every_tree_node_out_of_quantization_groups():
+    """check_quant_tree, exhaustively for small sizes: it accepts (depth, residual_length, group, sinks) exactly when
+    for every root position r the deepest query's boundary(r + depth) stays at most r + 1 (or in the sinks)."""
+    model = tiny_llama()
+    for sinks in (0, 3):
+        for group in (1, 2, 4, 8):
+            for residual in range(1, 22):
+                pol = policy(quant_bits=8, quant_group_size=group, residual_length=residual, sink_tokens=sinks)
+                cache = pol.make_cache(model)
+                for depth in range(1, 8):
+                    exact = all(cache.boundary(r + depth) <= max(r + 1, sinks) for r in range(160))
+                    try:
+                        pol.check_tree(depth)
+                        accepted = True
+                    except ConfigError as exc:
+                        assert exc.field == "kv.residual_length"
+                        accepted = False
+                    assert accepted == exact, (sinks, group, residual, depth)
+
+
+def test_a_tree_reaching_a_quantization_group_is_refused():
+    """Without the plan's check a tree whose nodes would fall into a quantization group raises instead of
+    decoding wrongly (sinks 0, group 8, residual 5, six tokens committed: boundary(6 + 4) = 8 > 7)."""
+    model = tiny_llama()
+    cache = ops.new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=5, sink_tokens=0), model)
+    with torch.no_grad():
+        model(input_ids=torch.arange(6)[None], past_key_values=cache, **ops.model_inputs(cache, torch.arange(6)[None]))
+    cache.commit()
+    parents = [-1, 0, 0, 1, 3, 4]  # root, two siblings at depth 1, then a chain down to depth 4
+    depth = [0, 1, 1, 2, 3, 4]
+    mask = torch.zeros(6, 6, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        mask[i, i] = True
+        mask[i] |= mask[p] if p >= 0 else mask[i]
+    with pytest.raises(ValueError, match="quantization group"):
+        ops.model_inputs(cache, (6 + torch.tensor(depth))[None], tree_mask=mask)
 
 
 def test_shadow_mask_gives_each_query_its_autoregressive_view():

@@ -138,6 +138,60 @@ def test_resume_after_interrupt_does_not_repeat_finished_trials(tmp_path, tiny):
     assert calls3 == []
 
 
+_KILLED_SEARCH = """
+import os, signal, sys
+from pathlib import Path
+import torch
+torch.set_num_threads(1)
+from conftest import perturbed_copy, tiny_llama
+import test_search
+
+class KillAtThirdTrial(list):
+    def append(self, item):  # models_fn records each trial's config hash here, then builds the models
+        super().append(item)
+        if len(self) == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+target = tiny_llama()
+test_search._run(Path(sys.argv[1]), {"target": target, "draft": perturbed_copy(target, scale=0.3)},
+                 calls=KillAtThirdTrial(), trials=4)
+"""
+
+
+def test_resume_after_kill_9_reruns_only_what_was_lost(tmp_path, tiny):
+    """A search killed with SIGKILL in the middle of its third trial (a subprocess): the SQLite study stays
+    readable with two finished trials and the killed one RUNNING; the lock dies with the process; ``--resume``
+    (the same call again) marks the leftover FAIL, measures only the killed and the missing points, and writes the
+    recipe."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import optuna
+
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_SEARCH, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    storage = f"sqlite:///{(tmp_path / 'found' / 'short' / 'study.db').resolve()}"
+    study = optuna.load_study(study_name="search-short", storage=storage)
+    states = [t.state for t in study.trials]
+    assert states.count(optuna.trial.TrialState.COMPLETE) == 2
+    assert states.count(optuna.trial.TrialState.RUNNING) == 1  # what a kill -9 leaves behind
+    finished = {t.user_attrs["config_hash"] for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE}
+    calls: list[str] = []
+    result = _run(tmp_path, tiny, calls=calls, trials=4)
+    assert result["trials"] == 4 and len(calls) == 2 and not finished & set(calls)
+    study = optuna.load_study(study_name="search-short", storage=storage)
+    assert not [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
+    done = {t.user_attrs["config_hash"] for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE}
+    assert len(done) == 4
+    assert Recipe.load(result["recipe_path"]).spec.drafter in ("draft_model", "ngram")
+
+
 def test_space_files_parse_and_build_valid_recipes():
     from eval.space import load_space
 

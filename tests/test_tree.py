@@ -6,7 +6,8 @@
   logits on the accepted path and the cache after :func:`keep_tail` equal a plain forward over that path;
 * greedy tree speculation is token-identical to AR decoding for the draft model (EAGLE-2 dynamic trees) and the
   suffix drafter, with and without StreamingLLM, with rejections and >= 2 rounds;
-* the draft model's own cache holds exactly the committed prefix after every tree round.
+* the draft model's own cache holds exactly the committed prefix after every tree round;
+* trees under a quantized KV cache plan when its residual has room (their exactness: tests/test_kv_quantized.py).
 """
 
 from __future__ import annotations
@@ -233,17 +234,20 @@ POLICIES = {
 
 @pytest.mark.parametrize("kv", [{"policy": "quantized", "quant_bits": 4},
                                 {"policy": "streaming", "window": 200, "quant_bits": 4}])
-def test_trees_under_a_quantized_cache_are_rejected_before_loading(kv):
-    """Tree rounds under the quantized cache do not reproduce AR yet (its length bookkeeping after keep_tail):
-    the plan refuses the combination with one error naming the field instead of decoding wrongly."""
+def test_trees_under_a_quantized_cache_plan(kv):
+    """Trees run under a quantized cache (tests/test_kv_quantized.py checks they reproduce AR); the plan only asks
+    for room: residual_length >= tree_depth + quant_group_size - 2, named when missing."""
     from toolkit.errors import ConfigError
     from toolkit.recipe import Recipe
     from toolkit.session import plan
 
-    recipe = Recipe.from_dict({"spec": {"drafter": "suffix", "tree": True}, "draft": None, "kv": kv})
+    spec = {"drafter": "suffix", "tree": True, "tree_depth": 6}
+    plan(Recipe.from_dict({"spec": spec, "draft": None, "kv": kv}))  # defaults: group 64, residual 128
+    small = {**kv, "quant_group_size": 16, "residual_length": 19}
     with pytest.raises(ConfigError) as info:
-        plan(recipe)
-    assert info.value.field == "kv.policy" and "tree" in str(info.value)
+        plan(Recipe.from_dict({"spec": spec, "draft": None, "kv": small}))
+    assert info.value.field == "kv.residual_length" and "20" in str(info.value)
+    plan(Recipe.from_dict({"spec": spec, "draft": None, "kv": {**small, "residual_length": 20}}))
 
 
 def policy_of(name):

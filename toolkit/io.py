@@ -4,12 +4,17 @@ Every writer goes through :func:`atomic_write`: the content is written to a uniq
 (``mkstemp`` in the same directory, so two processes writing the same path never share a temporary file), flushed
 and, with ``durable``, fsynced, then renamed over the target with ``os.replace`` (atomic on POSIX). On any error,
 ``KeyboardInterrupt`` included, the temporary file is removed and the target is left as it was.
+
+Directories (checkpoints, a model directory) are written the same way: filled in a temporary sibling, made durable
+with :func:`fsync_tree`, renamed into place; :func:`replace_dir` swaps a new directory in for an existing one and
+:func:`recover_dir` undoes a swap an interrupt cut in half.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -34,13 +39,15 @@ def atomic_write(path: Path, write: Callable[[Path], None], suffix: str = ".tmp"
                 os.fsync(handle.fileno())
         os.replace(tmp, path)
         if durable:
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """fsync a directory (its entries: a rename into it survives a power loss); errors are ignored (some file
+    systems cannot fsync a directory)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -66,3 +73,51 @@ def atomic_write_json(path: Path, data: Any, durable: bool = False) -> None:
 def atomic_write_png(path: Path, figure, dpi: int = 100) -> None:
     """Save a matplotlib ``figure`` as PNG atomically."""
     atomic_write(path, lambda tmp: figure.savefig(tmp, dpi=dpi, format="png"), suffix=".png")
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every regular file under ``root``, then every directory bottom-up (``root`` included)."""
+    root = Path(root)
+    directories = []
+    for dirpath, _, filenames in os.walk(root):
+        directories.append(Path(dirpath))
+        for name in filenames:
+            path = Path(dirpath) / name
+            if path.is_symlink() or not path.is_file():
+                continue
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    for directory in reversed(directories):
+        fsync_dir(directory)
+
+
+def _old_name(final: Path) -> Path:
+    return final.with_name(f".{final.name}.old")
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Put the complete directory ``tmp`` (a sibling of ``final``) in place of ``final``, durably.
+
+    POSIX cannot rename a directory over a non-empty one, so an existing ``final`` is first renamed to
+    ``.NAME.old``, ``tmp`` renamed to ``final``, then the old one deleted. Killed between the two renames, ``final``
+    is missing and ``.NAME.old`` complete: :func:`recover_dir` puts it back.
+    """
+    tmp, final = Path(tmp), Path(final)
+    fsync_tree(tmp)
+    old = _old_name(final)
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_dir(final: Path) -> None:
+    """Undo a :func:`replace_dir` cut between its two renames: restore ``.NAME.old`` when ``final`` is missing."""
+    final = Path(final)
+    old = _old_name(final)
+    if not final.exists() and old.is_dir():
+        os.replace(old, final)
+        fsync_dir(final.parent)

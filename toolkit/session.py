@@ -19,7 +19,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from toolkit.errors import ConfigError
 from toolkit.kv import make_policy
 from toolkit.recipe import ModelSpec, Recipe
 from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_MODEL, DRAFT_TARGET
@@ -80,10 +79,8 @@ def plan(recipe: Recipe) -> Plan:
         policy = make_policy(getattr(recipe, section), section)
         if policy is not None:
             policy.check_compatible(widest, section)
-            if recipe.spec.tree and getattr(policy, "quant_bits", None) is not None:
-                raise ConfigError(f"{section}.policy", "token trees (spec.tree) under a quantized KV cache do not "
-                                  "reproduce AR yet; use a chain (spec.tree: false) or an unquantized policy",
-                                  ["none", "streaming", "l2norm", "head_aware"])
+            if recipe.spec.tree:
+                policy.check_tree(recipe.spec.tree_depth, section)
         policies[section] = policy
     return Plan(recipe, policies["kv"], policies["draft_kv"], draft_spec(recipe), widest)
 

@@ -8,7 +8,6 @@ in the file; nothing is dropped silently.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -19,30 +18,19 @@ from toolkit_cli.errors import reported
 export_app = typer.Typer(no_args_is_help=True, help="Export a recipe to a serving engine (vLLM, SGLang).")
 
 
-def _render(exp) -> tuple[str, str]:
-    """``(text printed, file suffix)``; the printed text is also the file's content."""
-    if exp.engine == "vllm":
-        body = {"config": exp.config, "sampling": exp.sampling, "command": exp.command, "warnings": exp.warnings}
-        return json.dumps(body, indent=2) + "\n", ".vllm.json"
-    lines = ["#!/bin/sh", "# SGLang server for this recipe (`toolkit export sglang`); per-request sampling parameters:",
-             f"#   {json.dumps(exp.sampling)}"]
-    lines += [f"# WARNING: {w}" for w in exp.warnings]
-    lines += ["exec " + exp.command, ""]
-    return "\n".join(lines), ".sglang.sh"
-
-
 def _export(engine: str, recipe_path: Path, out: Optional[Path]) -> None:
-    from toolkit.export import export
+    from toolkit.export import export, render
+    from toolkit.export.common import one_line
     from toolkit.io import atomic_write_text
     from toolkit.recipe import Recipe
 
     exp = export(Recipe.load(recipe_path), engine)
-    text, suffix = _render(exp)
+    text, suffix = render(exp)
     path = out if out is not None else Path(recipe_path.stem + suffix)
     atomic_write_text(path, text)
     typer.echo(text, nl=False)
     for w in exp.warnings:
-        typer.secho(f"warning: {w}", fg="yellow", err=True)
+        typer.secho(f"warning: {one_line(w)}", fg="yellow", err=True)
     typer.secho(f"written: {path} ({len(exp.warnings)} warning(s))", err=True)
 
 

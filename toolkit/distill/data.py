@@ -147,10 +147,10 @@ def tokenize_stream(texts: list[str], tokenizer) -> torch.Tensor:
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.npy")
-    np.save(tmp, array)
-    os.replace(tmp, path)
+    """``np.save`` to a unique temporary sibling, fsynced and renamed into place (read back without pickle)."""
+    from toolkit.io import atomic_write
+
+    atomic_write(path, lambda tmp: np.save(tmp, array, allow_pickle=False), suffix=".npy", durable=True)
 
 
 def load_streams(data: list[str], heldout_fraction: float, tokenizer, cache: Path) -> tuple[dict[str, torch.Tensor],
@@ -166,7 +166,8 @@ def load_streams(data: list[str], heldout_fraction: float, tokenizer, cache: Pat
 
     train_path, held_path, manifest_path = cache / "train.npy", cache / "heldout.npy", cache / "manifest.json"
     if train_path.is_file() and held_path.is_file() and manifest_path.is_file():
-        streams = {"train": torch.from_numpy(np.load(train_path)), "heldout": torch.from_numpy(np.load(held_path))}
+        streams = {split: torch.from_numpy(np.load(path, allow_pickle=False))
+                   for split, path in (("train", train_path), ("heldout", held_path))}
         return streams, json.loads(manifest_path.read_text())
     texts, manifest = _load_texts(data, heldout_fraction)
     streams = {split: tokenize_stream(texts[split], tokenizer) for split in ("train", "heldout")}
@@ -177,7 +178,7 @@ def load_streams(data: list[str], heldout_fraction: float, tokenizer, cache: Pat
             raise ConfigError("data", f"the {split} split has only {stream.numel()} tokens")
     _save_npy(train_path, streams["train"].numpy())
     _save_npy(held_path, streams["heldout"].numpy())
-    atomic_write_json(manifest_path, manifest)
+    atomic_write_json(manifest_path, manifest, durable=True)
     return streams, manifest
 
 

@@ -11,18 +11,26 @@ target's features precomputed once.
 * Features: one batched forward of the target per window with a hook on the last decoder layer
   (:class:`toolkit.eagle.features.FeatureHook`), stored post-final-norm in bf16: ``features (n, seq_len, H)``,
   ``tokens (n, seq_len)`` int64, ``mask (n, seq_len)`` bool (valid positions), ``kind (n,)`` (0 text, 1 chat).
-  Saved to ``out/data/features-{split}.pt`` atomically and reused by a resumed run.
+  Saved to ``out/data/features-{split}.safetensors`` atomically and durably and reused by a resumed run. A feature
+  cache is only ever read as safetensors (tensors, no code); a ``.pt`` pickle from an older version is ignored and
+  recomputed, never unpickled.
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import logging
+import math
 import os
 import random
 import time
 from pathlib import Path
 
 import torch
+
+from toolkit.errors import ConfigError
+from toolkit.io import atomic_write, atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +186,115 @@ def compute_features(target, rows: list[list[int]], seq_len: int, pad: int, batc
     return {"features": features, "tokens": tokens, "mask": mask}
 
 
-def atomic_save(obj, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+FEATURE_KEYS = ("features", "tokens", "mask", "kind", "answer_start")
+
+
+def save_features(cache: dict, path: Path) -> None:
+    """Write the tensors of a feature cache (:data:`FEATURE_KEYS`) to ``path`` as safetensors, atomically and
+    durably."""
+    from safetensors.torch import save_file
+
+    tensors = {key: cache[key].contiguous() for key in FEATURE_KEYS}
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp)), suffix=".safetensors", durable=True)
+
+
+def load_features(path: Path) -> dict:
+    """A feature cache written by :func:`save_features` (safetensors only: reading it runs no code).
+
+    Raises:
+        ConfigError (``data``): the file is not a safetensors feature cache.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        cache = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ConfigError("data", f"{path} is not a feature cache written by this toolkit ({exc}); delete it or "
+                          "start over with --force") from exc
+    missing = [key for key in FEATURE_KEYS if key not in cache]
+    if missing:
+        raise ConfigError("data", f"{path} lacks the tensors {missing}; delete it or start over with --force")
+    return cache
+
+
+def expand_data(entries: list[str]) -> list[str]:
+    """Globs -> sorted existing regular files (``.gz`` and other compressed files skipped)."""
+    files = set()
+    for entry in entries:
+        for path in glob.glob(os.path.expanduser(entry), recursive=True):
+            p = Path(path)
+            if p.is_file() and p.suffix not in (".gz", ".xz", ".bz2", ".zst"):
+                files.add(str(p.resolve()))
+    if not files:
+        raise ConfigError("data", f"no file matches {entries}")
+    return sorted(files)
+
+
+def _cached(data_dir: Path, paths: dict[str, Path]) -> dict | None:
+    """The feature caches and manifest of an earlier run in ``data_dir``, or None when incomplete."""
+    manifest = data_dir / "eagle_manifest.json"
+    if not (all(p.is_file() for p in paths.values()) and manifest.is_file()):
+        for legacy in sorted(data_dir.glob("features-*.pt")):
+            log.warning("ignoring %s: a pickled feature cache of an older version is never loaded (unpickling can "
+                        "run code); the features are recomputed", legacy)
+        return None
+    return {s: load_features(p) for s, p in paths.items()} | {"manifest": json.loads(manifest.read_text())}
+
+
+def _rows(config, split: dict, streams: dict, target, tokenizer) -> tuple[dict, dict, list[str]]:
+    """``({split: chat rows}, {split: text rows}, held-out prompts)``: the target's greedy answers to chat prompts
+    (``(ids, prompt length)`` each) and windows of ``seq_len`` tokens of local text."""
+    held_prompts = chat_prompts(split, "heldout", config.heldout_prompts, config.seed)
+    chat = {"heldout": generate_answers(target, tokenizer, held_prompts, config.chat_new_tokens, config.chat_batch,
+                                        math.inf, config.seq_len - config.chat_new_tokens)}
+    train_prompts = chat_prompts(split, "train", config.chat_prompts, config.seed)
+    chat["train"] = generate_answers(target, tokenizer, train_prompts, config.chat_new_tokens, config.chat_batch,
+                                     config.chat_minutes, config.seq_len - config.chat_new_tokens)
+    text, held_text, seq_len = streams["train"], streams["heldout"], config.seq_len
+    n_windows = min(config.text_windows, text.numel() // seq_len)
+    gen = torch.Generator().manual_seed(config.seed)
+    starts = torch.randperm(text.numel() // seq_len, generator=gen)[:n_windows] * seq_len
+    texts = {"train": [text[s:s + seq_len].tolist() for s in starts.tolist()],
+             "heldout": [held_text[i * seq_len:(i + 1) * seq_len].tolist()
+                         for i in range(min(8, held_text.numel() // seq_len))]}
+    return chat, texts, held_prompts
+
+
+def prepare_data(config, target, tokenizer) -> dict:
+    """Build (or read back) ``{"train": cache, "heldout": cache, "manifest": ...}`` of feature caches for an
+    :class:`~toolkit.distill.eagle_train.EagleTrainConfig` run, in ``config.out / "data"``.
+
+    Raises:
+        ConfigError (``data``): no data file matches, or a cache in ``data/`` is not one this toolkit wrote.
+    """
+    from toolkit.distill.data import load_streams, resolve_files
+
+    data_dir = config.out / "data"
+    paths = {s: data_dir / f"features-{s}.safetensors" for s in ("train", "heldout")}
+    cached = _cached(data_dir, paths)
+    if cached is not None:
+        return cached
+    files = expand_data(config.data)
+    split = resolve_files(files, 0.05)
+    streams, _ = load_streams(files, 0.05, tokenizer, data_dir)
+    t0 = time.monotonic()
+    chat, texts, held_prompts = _rows(config, split, streams, target, tokenizer)
+    chat_s, t1 = time.monotonic() - t0, time.monotonic()
+    caches = {}
+    for name in ("heldout", "train"):
+        cache = compute_features(target, [r for r, _ in chat[name]] + texts[name], config.seq_len,
+                                 tokenizer.eos_token_id)
+        cache["kind"] = torch.tensor([1] * len(chat[name]) + [0] * len(texts[name]))
+        cache["answer_start"] = torch.tensor([p for _, p in chat[name]] + [0] * len(texts[name]))
+        save_features(cache, paths[name])
+        caches[name] = cache
+    manifest = {"files": split, "chat_sequences": {s: len(chat[s]) for s in ("train", "heldout")},
+                "chat_tokens": {s: sum(len(r) for r, _ in chat[s]) for s in ("train", "heldout")},
+                "text_windows": {s: len(texts[s]) for s in ("train", "heldout")},
+                "seq_len": config.seq_len, "chat_seconds": round(chat_s, 1),
+                "feature_seconds": round(time.monotonic() - t1, 1),
+                "heldout_prompts": held_prompts[:len(chat["heldout"])]}
+    atomic_write_json(data_dir / "eagle_manifest.json", manifest, durable=True)
+    caches["manifest"] = manifest
+    return caches

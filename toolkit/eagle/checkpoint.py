@@ -57,16 +57,15 @@ def save_head(head: EagleHead, directory: Path, dtype: torch.dtype | None = None
     """Write ``config.json`` + ``model.safetensors`` into ``directory`` (created), weights cast to ``dtype``."""
     from safetensors.torch import save_file
 
-    from toolkit.io import atomic_write_json
+    from toolkit.io import atomic_write, atomic_write_json
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     c = head.config
     state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).cpu()
              for k, v in head_state(head).items()}
-    tmp = directory / ".model.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt"})
-    tmp.replace(directory / "model.safetensors")
+    atomic_write(directory / "model.safetensors", lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}),
+                 suffix=".safetensors")
     config = {"architectures": ["LlamaForCausalLM"] if c.variant == "eagle1" else ["LlamaForCausalLMEagle3"],
               "model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
               "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
@@ -80,13 +79,30 @@ def save_head(head: EagleHead, directory: Path, dtype: torch.dtype | None = None
 
 
 def _read_state(directory: Path, field: str) -> dict[str, torch.Tensor]:
+    """The head's tensors: ``model.safetensors`` when present (no code can run from it), else the
+    ``pytorch_model.bin`` the published EAGLE-1 heads ship, read by torch's restricted unpickler
+    (``weights_only=True``: tensors and plain containers only; refused on torch < 2.6, whose restricted unpickler
+    could be made to run code, CVE-2025-32434). Raises ConfigError (``field``) for anything else."""
     for name in WEIGHT_FILES:
         path = directory / name
-        if path.is_file():
+        if not path.is_file():
+            continue
+        try:
             if name.endswith(".safetensors"):
                 from safetensors.torch import load_file
                 return load_file(str(path))
-            return torch.load(path, map_location="cpu", weights_only=True)
+            if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 6):
+                raise ConfigError(field, f"{path}: reading a pickled head needs torch >= 2.6 (older restricted "
+                                  "unpicklers can run code); convert it to model.safetensors")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except ConfigError:
+            raise
+        except Exception as exc:  # a corrupt file, or a pickle holding more than tensors (refused, never run)
+            raise ConfigError(field, f"{path} is not a file of plain tensors ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+        if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
+            raise ConfigError(field, f"{path} does not hold a mapping of tensor names to tensors")
+        return state
     raise ConfigError(field, f"{directory} holds no head weights ({' or '.join(WEIGHT_FILES)})")
 
 
@@ -114,6 +130,105 @@ def _dense_weight(module: torch.nn.Module) -> torch.Tensor:
     return out.T.contiguous()
 
 
+def _read_config(directory: Path, source, field: str) -> dict:
+    """The head's ``config.json`` as a dict; ConfigError (``field``) when the directory or the file is missing or
+    the JSON is invalid."""
+    if not directory.is_dir():
+        raise ConfigError(field, f"EAGLE head directory {str(source)!r} does not exist")
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(field, f"{directory} has no config.json")
+    try:
+        return json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(field, f"{config_path} is not valid JSON: {exc}") from exc
+
+
+def _variant(state: dict, directory: Path, field: str) -> str:
+    if any(k.startswith("midlayer.") for k in state):
+        return "eagle3"
+    if any(k.startswith("layers.0.") for k in state):
+        return "eagle1"
+    raise ConfigError(field, f"{directory}: neither an EAGLE-1 (layers.0.*) nor an EAGLE-3 (midlayer.*) head")
+
+
+def _feature_layers(raw: dict, variant: str, n_layers: int, field: str) -> list[int]:
+    """Target layers the head reads (see the module docstring); ConfigError when one is outside the target."""
+    own = raw.get("toolkit_eagle", {})
+    if "feature_layers" in own:
+        layers = list(own["feature_layers"])
+    elif variant == "eagle3":
+        ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        layers = [i - 1 for i in ids] if ids else [1, n_layers // 2 - 1, n_layers - 4]
+    else:
+        layers = [-1]
+    for index in layers:
+        if not -n_layers <= index < n_layers:
+            raise ConfigError(field, f"feature layer {index} outside the target's {n_layers} layers")
+    return layers
+
+
+def _head_config(raw: dict, state: dict, variant: str, target, field: str) -> HeadConfig:
+    """The :class:`HeadConfig` of a checkpoint fitted to ``target``; ConfigError when hidden size, vocabulary or
+    feature layers do not fit it."""
+    tc = _target_config(target)
+    hidden = raw.get("hidden_size")
+    if hidden != tc.hidden_size:
+        raise ConfigError(field, f"head hidden_size {hidden} does not fit the target's hidden_size {tc.hidden_size}")
+    vocab = raw.get("vocab_size", tc.vocab_size)
+    if vocab != tc.vocab_size:
+        raise ConfigError(field, f"head vocab_size {vocab} does not fit the target's vocab_size {tc.vocab_size}")
+    heads = raw.get("num_attention_heads", tc.num_attention_heads)
+    layers = _feature_layers(raw, variant, tc.num_hidden_layers, field)
+    draft_vocab = raw.get("draft_vocab_size") or vocab
+    if "d2t" in state:
+        draft_vocab = state["d2t"].numel()
+    rope = raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    return HeadConfig(variant=variant, hidden_size=hidden, intermediate_size=raw.get("intermediate_size"),
+                      num_attention_heads=heads, num_key_value_heads=raw.get("num_key_value_heads", heads),
+                      head_dim=raw.get("head_dim") or hidden // heads, rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+                      rope_theta=float(rope), vocab_size=vocab, draft_vocab_size=draft_vocab,
+                      feature_layers=layers, fc_bias="fc.bias" in state)
+
+
+def _mapped_state(state: dict, config: HeadConfig, target, field: str) -> tuple[dict, torch.Tensor]:
+    """``(tensors named as EagleHead's state dict, draft_to_target)``: published names mapped, the embedding and
+    (without one of its own) the LM head rows of the draft vocabulary taken from the target."""
+    prefix = _prefix(config)
+    mapped = {}
+    for name, tensor in state.items():
+        if name in ("d2t", "t2d"):
+            continue
+        if name.startswith(prefix):
+            name = "layer." + name[len(prefix):]
+        mapped[name] = tensor
+    if "d2t" in state:
+        draft_to_target = from_d2t(state["d2t"])
+        if draft_to_target.min() < 0 or draft_to_target.max() >= config.vocab_size:
+            raise ConfigError(field, f"d2t maps draft ids outside the target vocabulary of {config.vocab_size}")
+    else:
+        draft_to_target = torch.arange(config.draft_vocab_size)
+    mapped.setdefault("embed_tokens.weight", target.get_input_embeddings().weight.detach())
+    if "lm_head.weight" not in mapped:
+        lm = _dense_weight(target.get_output_embeddings())
+        mapped["lm_head.weight"] = lm[draft_to_target.to(lm.device)]
+    return mapped, draft_to_target
+
+
+def _check_tensors(mapped: dict, head: EagleHead, directory: Path, field: str) -> None:
+    """ConfigError unless ``mapped`` holds exactly the head's tensors, each of the head's shape."""
+    expected = head.state_dict()
+    for name, tensor in mapped.items():
+        if name not in expected:
+            raise ConfigError(field, f"{directory}: unexpected tensor {name!r} for an {head.config.variant} head")
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ConfigError(field, f"{directory}: tensor {name!r} has shape {tuple(tensor.shape)}, the target "
+                                     f"needs {tuple(expected[name].shape)}")
+    missing = [k for k in expected if k not in mapped]
+    if missing:
+        raise ConfigError(field, f"{directory}: missing tensors {missing[:4]}")
+
+
 def load_head(source: str | Path, target, field: str = "draft.source", dtype: torch.dtype | None = None
               ) -> EagleHead:
     """Load a head directory in either published layout and fit it to ``target`` (frozen embedding / LM head copied
@@ -125,15 +240,7 @@ def load_head(source: str | Path, target, field: str = "draft.source", dtype: to
             vocabulary that does not fit the target.
     """
     directory = Path(source).expanduser()
-    if not directory.is_dir():
-        raise ConfigError(field, f"EAGLE head directory {str(source)!r} does not exist")
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise ConfigError(field, f"{directory} has no config.json")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(field, f"{config_path} is not valid JSON: {exc}") from exc
+    raw = _read_config(directory, source, field)
     from toolkit.eagle.features import decoder_layers
 
     try:
@@ -141,71 +248,9 @@ def load_head(source: str | Path, target, field: str = "draft.source", dtype: to
     except AttributeError as exc:
         raise ConfigError(field, f"an EAGLE head needs a Llama-like target with model.layers ({exc})") from exc
     state = _read_state(directory, field)
-    tc = _target_config(target)
-    if any(k.startswith("midlayer.") for k in state):
-        variant = "eagle3"
-    elif any(k.startswith("layers.0.") for k in state):
-        variant = "eagle1"
-    else:
-        raise ConfigError(field, f"{directory}: neither an EAGLE-1 (layers.0.*) nor an EAGLE-3 (midlayer.*) head")
-    hidden = raw.get("hidden_size")
-    if hidden != tc.hidden_size:
-        raise ConfigError(field, f"head hidden_size {hidden} does not fit the target's hidden_size {tc.hidden_size}")
-    vocab = raw.get("vocab_size", tc.vocab_size)
-    if vocab != tc.vocab_size:
-        raise ConfigError(field, f"head vocab_size {vocab} does not fit the target's vocab_size {tc.vocab_size}")
-    heads = raw.get("num_attention_heads", tc.num_attention_heads)
-    n_layers = tc.num_hidden_layers
-    own = raw.get("toolkit_eagle", {})
-    if "feature_layers" in own:
-        layers = list(own["feature_layers"])
-    elif variant == "eagle3":
-        ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        layers = [i - 1 for i in ids] if ids else [1, n_layers // 2 - 1, n_layers - 4]
-    else:
-        layers = [-1]
-    draft_vocab = raw.get("draft_vocab_size") or vocab
-    if "d2t" in state:
-        draft_vocab = state["d2t"].numel()
-    rope = raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    config = HeadConfig(variant=variant, hidden_size=hidden, intermediate_size=raw.get("intermediate_size"),
-                        num_attention_heads=heads, num_key_value_heads=raw.get("num_key_value_heads", heads),
-                        head_dim=raw.get("head_dim") or hidden // heads, rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-                        rope_theta=float(rope), vocab_size=vocab, draft_vocab_size=draft_vocab,
-                        feature_layers=layers, fc_bias="fc.bias" in state)
-    for index in layers:
-        if not -n_layers <= index < n_layers:
-            raise ConfigError(field, f"feature layer {index} outside the target's {n_layers} layers")
-    head = EagleHead(config)
-    prefix = _prefix(config)
-    mapped = {}
-    for name, tensor in state.items():
-        if name in ("d2t", "t2d"):
-            continue
-        if name.startswith(prefix):
-            name = "layer." + name[len(prefix):]
-        mapped[name] = tensor
-    embedding = target.get_input_embeddings().weight.detach()
-    if "d2t" in state:
-        draft_to_target = from_d2t(state["d2t"])
-        if draft_to_target.min() < 0 or draft_to_target.max() >= vocab:
-            raise ConfigError(field, f"d2t maps draft ids outside the target vocabulary of {vocab}")
-    else:
-        draft_to_target = torch.arange(draft_vocab)
-    mapped.setdefault("embed_tokens.weight", embedding)
-    if "lm_head.weight" not in mapped:
-        lm = _dense_weight(target.get_output_embeddings())
-        mapped["lm_head.weight"] = lm[draft_to_target.to(lm.device)]
-    expected = head.state_dict()
-    for name, tensor in mapped.items():
-        if name not in expected:
-            raise ConfigError(field, f"{directory}: unexpected tensor {name!r} for an {variant} head")
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ConfigError(field, f"{directory}: tensor {name!r} has shape {tuple(tensor.shape)}, the target "
-                                     f"needs {tuple(expected[name].shape)}")
-    missing = [k for k in expected if k not in mapped]
-    if missing:
-        raise ConfigError(field, f"{directory}: missing tensors {missing[:4]}")
+    head = EagleHead(_head_config(raw, state, _variant(state, directory, field), target, field))
+    mapped, draft_to_target = _mapped_state(state, head.config, target, field)
+    _check_tensors(mapped, head, directory, field)
     head.load_state_dict({k: v.float().cpu() for k, v in mapped.items()})
     head.draft_to_target = draft_to_target
     param = next(target.parameters())

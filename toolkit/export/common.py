@@ -7,6 +7,9 @@ registered config (:mod:`toolkit.speculative.drafters.registry`), never from com
 
 from __future__ import annotations
 
+import unicodedata
+
+from toolkit.errors import ConfigError
 from toolkit.speculative.drafters.registry import DRAFT_TARGET
 
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the checkpoint the embedded GGUF was made from
@@ -25,8 +28,41 @@ def target_config(recipe, model_key: str, warnings: list[str]) -> dict:
     return config
 
 
+def _unsafe(char: str) -> bool:
+    """Control characters (newline, carriage return, escape, ...) and Unicode line / paragraph separators."""
+    return unicodedata.category(char) in ("Cc", "Zl", "Zp")
+
+
+def command_value(field: str, value: str) -> str:
+    """``value`` unchanged when it may be an argument of the engine's command line.
+
+    Raises:
+        ConfigError (``field``): a control character (a newline ends a command in a shell script; an escape
+            sequence rewrites the terminal that prints it), or a leading ``-`` (the engine would read an option).
+    """
+    bad = sorted({repr(c) for c in value if _unsafe(c)})
+    if bad:
+        raise ConfigError(field, f"contains control characters {', '.join(bad)}; it cannot be exported to a command "
+                          "line")
+    if value.startswith("-"):
+        raise ConfigError(field, f"starts with '-' ({value!r}): an engine would read it as an option; write ./{value} "
+                          "for a local path")
+    return value
+
+
+def one_line(text: str) -> str:
+    """``text`` with every control character and line separator written as an escape (``\\n``, ``\\x1b``,
+    ``\\u2028``): safe in a ``#`` comment of a shell script (nothing can end the comment) and on a terminal."""
+    return "".join(c.encode("unicode_escape").decode("ascii") if _unsafe(c) else c for c in text)
+
+
 def model_path(spec, prefix: str, warnings: list[str]) -> str:
-    """The engine's model argument for a ``ModelSpec`` (``embedded`` maps to its hub checkpoint)."""
+    """The engine's model argument for a ``ModelSpec`` (``embedded`` maps to its hub checkpoint).
+
+    Raises:
+        ConfigError (``PREFIX.source``): a source that cannot go into a command line (:func:`command_value`).
+    """
+    command_value(f"{prefix}.source", spec.source)
     if spec.source == "embedded":
         warnings.append(f"{prefix}.source: 'embedded' is the Q4_1 GGUF of {EMBEDDED_HUB_ID} dequantized; the "
                         f"engine loads the original hub checkpoint {EMBEDDED_HUB_ID} (higher precision, so outputs "

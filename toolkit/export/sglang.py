@@ -14,7 +14,7 @@ from __future__ import annotations
 import shlex
 
 from toolkit.export import Export
-from toolkit.export.common import draft_source, eagle_variant, model_path, target_config
+from toolkit.export.common import command_value, draft_source, eagle_variant, model_path, target_config
 from toolkit.export.gaps import engine_warnings
 from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD
 
@@ -29,11 +29,11 @@ def _speculative(recipe, warnings: list[str]) -> dict:
         return {}
     out = {"speculative_algorithm": config.sglang_algorithm, **config.engine_params("sglang")}
     if config.uses_draft_model:
-        source, _ = draft_source(recipe)
-        out["speculative_draft_model_path"] = model_path(source, "draft", [])
+        source, role = draft_source(recipe)
+        out["speculative_draft_model_path"] = model_path(source, role, [])
     elif config.draft == DRAFT_EAGLE_HEAD:
         out["speculative_algorithm"] = eagle_variant(recipe).upper()
-        out["speculative_draft_model_path"] = recipe.draft.source
+        out["speculative_draft_model_path"] = command_value("draft.source", recipe.draft.source)
     if out["speculative_algorithm"] == "NGRAM":
         warnings.append(f"spec.drafter: {s.drafter} — SGLang's NGRAM speculation runs on CUDA only")
         out["speculative_num_draft_tokens"] = K
@@ -62,4 +62,4 @@ def to_sglang(recipe) -> Export:
     args = ["python", "-m", "sglang.launch_server"]
     for key, value in config.items():
         args += [f"--{key.replace('_', '-')}", str(value)]
-    return Export("sglang", config, sampling, shlex.join(args), warnings)
+    return Export("sglang", config, sampling, shlex.join(args), warnings, recipe.name)

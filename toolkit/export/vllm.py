@@ -14,7 +14,7 @@ import json
 import shlex
 
 from toolkit.export import Export
-from toolkit.export.common import draft_source, eagle_variant, model_path, target_config
+from toolkit.export.common import command_value, draft_source, eagle_variant, model_path, target_config
 from toolkit.export.gaps import engine_warnings
 from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD
 
@@ -36,7 +36,7 @@ def _speculative_config(recipe, warnings: list[str]) -> dict | None:
                             "draft at the engine's dtype")
     elif config.draft == DRAFT_EAGLE_HEAD:
         cfg["method"] = eagle_variant(recipe)
-        cfg["model"] = recipe.draft.source
+        cfg["model"] = command_value("draft.source", recipe.draft.source)
     if s.tree:
         tree = {k: getattr(s, k) for k in ("tree_budget", "tree_depth", "tree_topk")}
         warnings.append(f"spec.tree_*: {tree} — token-tree drafting is not exported to vLLM (its tree option is "
@@ -63,4 +63,4 @@ def to_vllm(recipe) -> Export:
         args += ["--quantization", config["quantization"]]
     if spec is not None:
         args += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
-    return Export("vllm", config, sampling, shlex.join(args), warnings)
+    return Export("vllm", config, sampling, shlex.join(args), warnings, recipe.name)

@@ -92,6 +92,10 @@ class KVPolicy:
         :func:`toolkit.session.plan`; policies never read speculation settings themselves.
         """
 
+    def check_tree(self, depth: int, prefix: str = "kv") -> None:
+        """Raise :class:`ConfigError` if the policy cannot verify token trees of ``depth`` levels exactly (every
+        policy can, except where a quantized cache needs room; see :class:`toolkit.kv.quantized.QuantizedKV`)."""
+
     def check_model(self, model, prefix: str = "kv") -> None:
         """Raise :class:`ConfigError` if the policy cannot run on ``model``."""
 

@@ -22,6 +22,11 @@ Layout of one layer (all layers alike), oldest to newest::
   the tokens that become quantized inside it are appended once more as dequantized *shadow* entries and a 4D
   additive mask (:meth:`QuantizedKVCache.forward_kwargs`) shows each query the shadow or the full-precision copy.
   Hence greedy speculative output under this cache equals AR under this cache, as for the other policies.
+* **token trees**: the cache records the absolute position of every pending entry, so a tree forward (siblings share
+  a position) gets each query's autoregressive view too, its ancestors through the tree mask. A quantization group
+  must never hold a tree node below the root (the group's scale would depend on the path): that holds when
+  ``residual_length >= tree_depth + quant_group_size - 2`` (:func:`check_quant_tree`, checked by the plan) and is
+  verified at every tree forward.
   (``model.generate`` passes no such mask: there only the prefill forward differs, seeing the prompt at full
   precision, as HF's ``QuantizedCache`` does.)
 * **attention** dequantizes the quantized part of a layer once per forward (dequantize-then-concat).
@@ -65,6 +70,17 @@ def check_quant_compatible(policy, max_query_tokens: int, prefix: str) -> None:
         raise ConfigError(f"{prefix}.residual_length", f"must be >= num_draft_tokens + 1 = {max_query_tokens} (the "
                           f"tokens of a verify forward stay in the full-precision residual), got "
                           f"{policy.residual_length}")
+
+
+def check_quant_tree(policy, depth: int, prefix: str) -> None:
+    """Token trees of ``depth`` levels: ``residual_length >= depth + quant_group_size - 2``. Then for every root
+    position ``r`` the boundary of the deepest query, ``boundary(r + depth)``, is at most ``r + 1``: no quantization
+    group ever holds a tree node below the root, whose siblings would need other scales (exhaustively checked for
+    small sizes in ``tests/test_kv_quantized.py``)."""
+    need = depth + policy.quant_group_size - 2
+    if depth >= 2 and policy.residual_length < need:
+        raise ConfigError(f"{prefix}.residual_length", f"must be >= tree_depth + quant_group_size - 2 = {need} for "
+                          f"token trees (no quantization group may hold a tree node), got {policy.residual_length}")
 
 
 def check_quant_model(policy, model, prefix: str) -> None:
@@ -115,6 +131,9 @@ class QuantizedKV(KVPolicy):
     def check_compatible(self, max_query_tokens: int, prefix: str = "kv") -> None:
         check_quant_compatible(self, max_query_tokens, prefix)
 
+    def check_tree(self, depth: int, prefix: str = "kv") -> None:
+        check_quant_tree(self, depth, prefix)
+
     def check_model(self, model, prefix: str = "kv") -> None:
         check_quant_model(self, model, prefix)
 
@@ -164,6 +183,9 @@ class QuantizedStreamingLLM(StreamingLLM):
     def check_compatible(self, max_query_tokens: int, prefix: str = "kv") -> None:
         super().check_compatible(max_query_tokens, prefix)
         check_quant_compatible(self, max_query_tokens, prefix)
+
+    def check_tree(self, depth: int, prefix: str = "kv") -> None:
+        check_quant_tree(self, depth, prefix)
 
     def check_model(self, model, prefix: str = "kv") -> None:
         check_quant_model(self, model, prefix)
@@ -267,9 +289,10 @@ class QuantizedLayer(DynamicLayer):
             raise ValueError(f"cannot crop {n} tokens: the full-precision residual holds {self.residual}")
         self.keys, self.values = self.keys[:, :, :-n], self.values[:, :, :-n]
 
-    def keep_tail(self, pending: int, keep: torch.LongTensor) -> None:
+    def keep_tail(self, pending: int, keep: torch.LongTensor | list[int]) -> None:
         """Keep, of the ``pending`` newest entries (appended since the last commit point), only those at offsets
-        ``keep`` (ascending, in ``[0, pending)``) — the accepted path of a token tree. Committed entries stay.
+        ``keep`` (a 1-D tensor or a list, ascending, in ``[0, pending)``) — the accepted path of a token tree.
+        Committed entries stay.
 
         Raises:
             ValueError: ``pending`` exceeds the residual, or ``keep`` is out of range / not ascending.
@@ -278,7 +301,7 @@ class QuantizedLayer(DynamicLayer):
             return
         if pending > self.residual:
             raise ValueError(f"pending={pending} exceeds the full-precision residual ({self.residual} entries)")
-        keep = keep.to(device=self.keys.device, dtype=torch.long).flatten()
+        keep = torch.as_tensor(keep, dtype=torch.long).to(self.keys.device).flatten()
         if keep.numel() and (int(keep.min()) < 0 or int(keep.max()) >= pending or bool((keep.diff() <= 0).any())):
             raise ValueError(f"keep must be ascending offsets in [0, {pending}), got {keep.tolist()}")
         base = self.residual - pending
@@ -321,11 +344,17 @@ class QuantizedLayer(DynamicLayer):
 
 
 class QuantizedKVCache(CompressedCache):
-    """The cache of :class:`QuantizedKV` / :class:`QuantizedStreamingLLM` (see the module docstring)."""
+    """The cache of :class:`QuantizedKV` / :class:`QuantizedStreamingLLM` (see the module docstring).
+
+    Besides the base bookkeeping it records the absolute position of every pending entry (``_pending_pos``, in the
+    order the entries sit at the residual's tail): a chain's are consecutive, a tree's repeat (siblings).
+    """
 
     def __init__(self, policy, model):
         super().__init__(policy, model)
         self._shadow: tuple[int, int] = (0, 0)
+        self._pending_pos: list[int] = []
+        self._query_pos: list[int] | None = None  # positions of the next update (set by forward_kwargs)
 
     def boundary(self, n: int) -> int:
         """Absolute position before which a query at position ``n`` (or a commit of ``n`` tokens) sees tokens
@@ -336,44 +365,90 @@ class QuantizedKVCache(CompressedCache):
             return s
         return s + g * min((n - s) // g, -(-(n - s - r) // g))
 
+    # ------------------------------------------------------------------------------------------------ bookkeeping
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if layer_idx == 0:
             self._maybe_auto_commit()
-            self._length += key_states.shape[-2]
-            self._pending += key_states.shape[-2]
+            q = key_states.shape[-2]
+            positions = self._query_pos if self._query_pos is not None and len(self._query_pos) == q else \
+                list(range(self._length, self._length + q))
+            self._pending_pos.extend(positions)
+            self._query_pos = None
+            self._length += q
+            self._pending += q
         layer = self.layers[layer_idx]
         layer.shadow = self._shadow
         if layer_idx == len(self.layers) - 1:
             self._shadow = (0, 0)  # the mask of forward_kwargs is for one forward only
         return layer.update(key_states, value_states)
 
+    def crop(self, max_length: int) -> None:
+        super().crop(max_length)
+        if max_length < 0:
+            del self._pending_pos[len(self._pending_pos) + max_length:]
+
+    def keep_tail(self, keep) -> None:
+        from toolkit.kv.ops import check_keep
+
+        keep = check_keep(keep, self._pending)
+        super().keep_tail(keep)
+        self._pending_pos = [self._pending_pos[k] for k in keep]
+
+    def _commit(self) -> None:
+        self._pending_pos = []
+        super()._commit()
+
+    # ------------------------------------------------------------------------------------------------ masks
+    def _check_tree_view(self, committed: int, new_pos: list[int], last: int) -> None:
+        """Entries at positions before ``last`` (the deepest query's boundary) must be one chain — committed, then
+        pending/new entries at ``committed, committed + 1, ...`` — so that every query reads them (quantized in the
+        shadow, or at full precision) as its own ancestors. Raises ValueError when a tree would straddle it."""
+        later = self._pending_pos + new_pos
+        k = max(0, last - committed)
+        if later[:k] != list(range(committed, committed + k)) or any(p < last for p in later[k:]):
+            raise ValueError(f"a token tree reaches a quantization group (boundary {last}, tree positions "
+                             f"{sorted(set(later))[:8]}...): residual_length must be >= tree_depth + "
+                             "quant_group_size - 2")
+
     def forward_kwargs(self, position_ids: torch.Tensor, tree_mask: torch.Tensor | None = None) -> dict:
         """``position_ids`` ``(1, q)`` absolute (starting at the logical length; contiguous for a chain, committed
         length + depth for a token tree) -> the additive mask ``(1, 1, q, held + shadow + q)`` that gives every query
         exactly its autoregressive view (see the module docstring), or ``None`` when the model's causal mask already
         does. ``tree_mask`` ``(q, t)`` (:func:`toolkit.kv.ops.model_inputs`) further restricts the last ``t`` keys to
-        each node's ancestors; a tree never crosses the quantization boundary (``residual_length >= tree_depth + 1``).
+        each node's ancestors; a tree never reaches a quantization group (:func:`check_quant_tree`).
 
         Raises:
-            ValueError: ``position_ids`` do not continue the cache.
+            ValueError: ``position_ids`` do not continue the cache (a chain: the logical length; a tree level: at
+                least the committed length), or a tree would reach a quantization group.
         """
         self._maybe_auto_commit()
         policy = self.policy
-        start = int(position_ids[0, 0])
-        if start != self._length:
+        start, committed = int(position_ids[0, 0]), self._length - self._pending
+        if (start != self._length) if tree_mask is None else (start < committed):
             raise ValueError(f"position_ids start at {start} but the quantized cache holds {self._length} tokens")
-        query_pos = position_ids[0].to(position_ids.device)
-        first, last = self.boundary(start), self.boundary(int(query_pos.max()))
+        query_pos = position_ids[0]
+        self._query_pos = query_pos.tolist()
+        first, last = self.boundary(min(self._query_pos)), self.boundary(max(self._query_pos))
         self._shadow = (first, last)
-        if last == first and not policy.exact_window and tree_mask is None:
+        if tree_mask is None and last == first and not policy.exact_window:
             return {"position_ids": position_ids, "attention_mask": None}
-        device = position_ids.device
+        if tree_mask is not None:
+            self._check_tree_view(committed, self._query_pos, last)
+        return {"position_ids": position_ids, "attention_mask": self._mask(query_pos, committed, first, last,
+                                                                           tree_mask)}
+
+    def _mask(self, query_pos: torch.Tensor, committed: int, first: int, last: int,
+              tree_mask: torch.Tensor | None) -> torch.Tensor:
+        """The additive mask ``(1, 1, q, keys)`` over ``[sinks, quantized, shadow, residual]`` (see
+        :meth:`forward_kwargs`)."""
+        policy, device = self.policy, query_pos.device
         layer: QuantizedLayer = self.layers[0]
         held_pos = [torch.arange(layer.sinks), torch.arange(layer.q_start, layer.q_start + layer.q_len)]
         if not layer.is_initialized:
             held_pos = []
-        residual_pos = torch.cat((torch.arange(layer.res_start if layer.is_initialized else 0, start),
-                                  query_pos.cpu()))  # committed residual, then this forward's tokens
+        residual_pos = torch.cat((torch.arange(layer.res_start if layer.is_initialized else 0, committed),
+                                  torch.tensor(self._pending_pos, dtype=torch.long),
+                                  query_pos.cpu()))  # committed residual, pending entries, this forward's tokens
         shadow_pos = torch.arange(first, last)
         key_pos = torch.cat((*held_pos, shadow_pos, residual_pos)).to(device)
         kind = torch.cat((torch.zeros(sum(p.numel() for p in held_pos), dtype=torch.long),
@@ -390,5 +465,4 @@ class QuantizedKVCache(CompressedCache):
             width = tree_mask.shape[1]
             visible[:, -width:] &= tree_mask.to(device)
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
-        mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[None, None]
-        return {"position_ids": position_ids, "attention_mask": mask}
+        return mask.masked_fill(~visible, torch.finfo(self.dtype).min)[None, None]
