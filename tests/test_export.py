@@ -153,11 +153,14 @@ def test_hostile_recipe_values_never_run_as_shell_commands(tmp_path, engine):
     m = str(marker)
     target = f"x$(touch {m}1)"
     draft = f"d`touch {m}2`;touch {m}3"
-    recipe = _recipe(target={"source": target, "precision": "fp32"}, draft={"source": draft, "precision": "fp32"},
-                     kv={"policy": "head_aware", "budget": 64, "calibration_files": [f"a\ntouch {m}4\n"]},
+    recipe = _recipe(target={"source": "t", "precision": "fp32"}, draft={"source": "d", "precision": "fp32"},
+                     kv={"policy": "head_aware", "budget": 64},
                      generation={"max_new_tokens": 8, "stop_strings": [f"\ntouch {m}5\n", f"$(touch {m}6)'\"",
                                                                         "\u2028touch x"]})
-    recipe.name = f"r;touch {m}7\ntouch {m}8"  # (set after validation: the exporter must not rely on it)
+    # set after validation (which refuses most of them): the exporter must not rely on it
+    recipe.target.source, recipe.draft.source = target, draft
+    recipe.kv.params["calibration_files"] = [f"a\ntouch {m}4\n"]
+    recipe.name = f"r;touch {m}7\ntouch {m}8"
     exp = export(recipe, engine)
     text, _ = render(exp)
     script = tmp_path / "serve.sh"
@@ -189,14 +192,13 @@ def test_hostile_recipe_values_never_run_as_shell_commands(tmp_path, engine):
 ])
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_control_characters_and_option_like_sources_are_refused(engine, section, value):
-    recipe = _recipe(**{section: {"source": value, "precision": "fp32"}})
-    with pytest.raises(ConfigError) as info:
-        export(recipe, engine)
+    with pytest.raises(ConfigError) as info:  # by the recipe's validation or, at the latest, by the exporter
+        export(_recipe(**{section: {"source": value, "precision": "fp32"}}), engine)
     assert info.value.field == f"{section}.source"
-    eagle = _recipe(draft={"source": value, "precision": "bf16"}, spec={"drafter": "eagle", "num_draft_tokens": 3})
     if section == "draft":
         with pytest.raises(ConfigError) as info:
-            export(eagle, engine)
+            export(_recipe(draft={"source": value, "precision": "bf16"},
+                           spec={"drafter": "eagle", "num_draft_tokens": 3}), engine)
         assert info.value.field == "draft.source"
 
 

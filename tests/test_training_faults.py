@@ -257,7 +257,7 @@ def _log_steps(out: Path) -> list[int]:
 def _no_stale_files(out: Path) -> None:
     entries = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert len(entries) == 2 and entries[0] == "LATEST" and entries[1].startswith("step-"), entries
-    assert not [p for p in out.rglob(".*") if p.name not in (".gitignore",)], list(out.rglob(".*"))
+    assert not [p for p in out.rglob(".*") if p.name not in (".gitignore", ".toolkit-output")], list(out.rglob(".*"))
 
 
 def test_distillation_killed_mid_checkpoint_resumes_without_loss(tmp_path, model_dir):
@@ -271,7 +271,7 @@ def test_distillation_killed_mid_checkpoint_resumes_without_loss(tmp_path, model
             "--eval-prompts", "0", "--device", "cpu", "--precision", "fp32", "--threads", "1"]
     for f in FILES:
         args += ["--data", f]
-    _run_killed(_KILLER.format(module="toolkit.distill.trainer") + textwrap.dedent(f"""
+    _run_killed(_KILLER.format(module="toolkit.distill.outputs") + textwrap.dedent(f"""
         sys.argv = ["distill"] + {args!r}
         from toolkit_cli.distill import main
         main()

@@ -29,11 +29,8 @@ import dataclasses
 import json
 import logging
 import math
-import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -46,52 +43,26 @@ from toolkit.distill.checkpoints import (
     deferred_interrupts,
     latest_checkpoint,
     load_state,
-    save_state,
     trim_log,
-    write_checkpoint,
 )
-from toolkit.distill.config import RESUME_KEYS, DistillConfig
+from toolkit.distill.config import DistillConfig
 from toolkit.distill.data import BlockSampler, heldout_windows, load_streams
 from toolkit.distill.draft import build_draft, check_target, set_trainable
 from toolkit.distill.evaluate import evaluate, kd_loss
+from toolkit.distill.outputs import (
+    FINAL_MARKER,
+    check_out,
+    check_resume,
+    markdown,
+    prepare_out,
+    save_checkpoint,
+    save_final,
+)
 from toolkit.dtypes import torch_dtype
 from toolkit.errors import ConfigError
-from toolkit.io import atomic_write_json, atomic_write_text, fsync_dir, fsync_tree
+from toolkit.io import atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
-
-_FINAL_MARKER = "distill_config.json"
-
-
-# ------------------------------------------------------------------------------------------------ checkpoints
-def save_checkpoint(out: Path, draft, tokenizer, state: dict) -> Path:
-    """Write ``checkpoints/step-NNNNNN`` atomically and durably (:func:`write_checkpoint`), point ``LATEST`` at it,
-    delete older checkpoints. ``state`` holds the optimizer state dict, step, clock, losses and RNG states; it is
-    stored as safetensors + JSON (:func:`toolkit.distill.checkpoints.save_state`), never pickled."""
-
-    def write(tmp: Path) -> None:
-        draft.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        save_state(tmp, state)
-
-    return write_checkpoint(out, state["step"], write)
-
-
-def save_final(out: Path, draft, tokenizer) -> None:
-    """Write the draft as a standard HF model directory into ``out`` (files made durable in a temp dir, then renamed
-    in one by one; ``config.json`` last, so a directory with ``config.json`` always has its weights)."""
-    tmp = Path(tempfile.mkdtemp(dir=out, prefix=".final."))
-    try:
-        draft.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        fsync_tree(tmp)
-        names = sorted(p.name for p in tmp.iterdir())
-        names.sort(key=lambda n: n == "config.json")
-        for name in names:
-            os.replace(tmp / name, out / name)
-        fsync_dir(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------ schedule
@@ -110,77 +81,12 @@ def learning_rate(step: int, total: int, peak: float, warmup: int, min_ratio: fl
 
 
 # ------------------------------------------------------------------------------------------------ the run
-def _check_out(config: DistillConfig) -> None:
-    """Raise :class:`ConfigError` (field ``out``) when ``out`` is a file, a non-empty directory without
-    --resume / --force, or, with --force, a directory the toolkit did not create (:mod:`toolkit.outdirs`). Touches
-    nothing."""
-    from toolkit.outdirs import check_removable
-
-    out: Path = config.out
-    if out.exists() and not out.is_dir():
-        raise ConfigError("out", f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (config.force or config.resume):
-        raise ConfigError("out", f"{out} already exists; pass --resume to continue that run or --force to "
-                          "delete it and start over", ["--resume", "--force", "a new directory"])
-    if config.force:
-        check_removable(out, "out")
-
-
-def _prepare_out(config: DistillConfig) -> Path | None:
-    """Apply --force (delete a directory the toolkit created) / --resume to ``config.out``, which is then a marked
-    toolkit output directory; returns the checkpoint to resume from (or None)."""
-    from toolkit.outdirs import make_output_dir, remove_output_dir
-
-    _check_out(config)
-    out: Path = config.out
-    if config.force:
-        remove_output_dir(out, "out")
-    make_output_dir(out, "out")
-    return latest_checkpoint(out) if config.resume else None
-
-
-def _check_resume(config: DistillConfig, out: Path) -> None:
-    saved_path = out / _FINAL_MARKER
-    if not saved_path.is_file():
-        return
-    saved = json.loads(saved_path.read_text())
-    current = config.to_dict()
-    for key in RESUME_KEYS:
-        if key in saved and saved[key] != current[key]:
-            raise ConfigError(key, f"--resume: the run in {out} used {key}={saved[key]!r}, now {current[key]!r}; "
-                              "use the same value or start a new run (--force / a new --out)")
-
-
 def _load_target(config: DistillConfig, device: torch.device, dtype: torch.dtype):
     from toolkit.recipe import ModelSpec
     from toolkit.session import SHARED_POOL
 
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     return SHARED_POOL.get(ModelSpec(source=config.target, precision=precision, device=device.type), "target")
-
-
-def _markdown(metrics: dict) -> str:
-    before, after, train = metrics["before"], metrics["after"], metrics["training"]
-    rows = [("top-1 agreement", "top1_agreement", "{:.1%}"), ("KL(target||draft), nats/token", "kl", "{:.3f}"),
-            (f"acceptance rate alpha (K={metrics['eval']['k']})", "alpha", "{:.3f}"),
-            ("tokens per round tau", "tokens_per_round", "{:.3f}")]
-    lines = [f"# Draft distillation: {metrics['config']['target']} -> {metrics['draft']['layers']}-layer draft", "",
-             f"Draft layers initialized from target layers {metrics['draft']['init_layers']} "
-             f"(of {metrics['draft']['target_layers']}); {metrics['draft']['trainable_parameters']:,} trainable / "
-             f"{metrics['draft']['parameters']:,} parameters; embedding and LM head "
-             f"{'frozen' if metrics['config']['freeze_embeddings'] else 'trained'}.", "",
-             f"Training: {train['steps']} steps, {train['tokens']:,} tokens, {train['minutes']:.1f} min "
-             f"({train['tokens_per_second']:.0f} tokens/s), temperature {metrics['config']['temperature']}, "
-             f"device {train['device']}, precision {train['precision']}; loss {train['first_loss']:.3f} -> "
-             f"{train['last_loss']:.3f} (mean of first / last 10 steps). Stopped by: {train['stopped_by']}.", "",
-             f"Held-out evaluation: {metrics['eval']['windows']} windows x {metrics['eval']['seq_len']} tokens "
-             f"(agreement, KL); {metrics['eval']['prompts']} prompts x {metrics['eval']['prompt_len']} tokens, "
-             f"{metrics['eval']['new_tokens']} new tokens each, greedy, EOS ignored (alpha, tau).", "",
-             "| metric | before | after |", "|---|---|---|"]
-    for label, key, fmt in rows:
-        if key in before and key in after:
-            lines.append(f"| {label} | {fmt.format(before[key])} | {fmt.format(after[key])} |")
-    return "\n".join(lines) + "\n"
 
 
 @dataclass
@@ -246,9 +152,9 @@ def _start(config: DistillConfig, target_model, tokenizer) -> _Run:
     device = resolve_device(config.device)
     precision = config.precision if config.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     dtype = torch_dtype(precision)
-    _check_out(config)  # fail fast on bad input, before loading anything or touching the output directory
+    check_out(config)  # fail fast on bad input, before loading anything or touching the output directory
     if config.resume:
-        _check_resume(config, config.out)
+        check_resume(config, config.out)
     if target_model is None:
         target_model, tokenizer = _load_target(config, device, dtype)
     else:
@@ -269,7 +175,7 @@ def _load_data(run: _Run) -> None:
     run.total_steps = math.ceil(config.tokens / run.tokens_per_step)
     run.warmup = (config.warmup_steps if config.warmup_steps is not None
                   else min(100, max(1, run.total_steps // 20)))
-    atomic_write_json(run.out / _FINAL_MARKER, config.to_dict(), durable=True)
+    atomic_write_json(run.out / FINAL_MARKER, config.to_dict(), durable=True)
     streams, run.manifest = load_streams(config.data, config.heldout_fraction, run.tokenizer, run.out / "data")
     run.sampler = BlockSampler(streams["train"], run.seq_len, run.batch_size, config.seed)
     run.windows = heldout_windows(streams["heldout"], run.seq_len, config.eval_windows)
@@ -478,7 +384,7 @@ def distill(config: DistillConfig | None = None, *, target_model=None, tokenizer
     if config.threads:
         torch.set_num_threads(config.threads)
     run = _start(config, target_model, tokenizer)
-    checkpoint = _prepare_out(config)
+    checkpoint = prepare_out(config)
     _load_data(run)
     _make_optimizer(run, _restore(run, checkpoint))
     _train(run, callback, progress)
@@ -490,5 +396,5 @@ def distill(config: DistillConfig | None = None, *, target_model=None, tokenizer
     save_final(run.out, run.draft, run.tokenizer)
     metrics = _metrics(run, run.evaluate())
     atomic_write_json(run.out / "metrics.json", metrics, durable=True)
-    atomic_write_text(run.out / "report.md", _markdown(metrics), durable=True)
+    atomic_write_text(run.out / "report.md", markdown(metrics), durable=True)
     return metrics
