@@ -7,7 +7,7 @@ RECIPE ?= recipes/short.yaml
 SCENARIO ?= short
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup short long memory run eval search bench bench-quant bench-kvquant bench-tree bench-eagle test test-fast distill clean
+.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle test test-fast distill clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,15 @@ bench: $(STAMP)
 ## Quantized KV cache (ours vs HF QuantizedCache quanto/HQQ vs eviction at equal bytes, QuantSpec self-speculation).
 bench-kvquant: $(STAMP)
 	$(BIN)/pip install -q -e ".[kvquant-bench]" && $(BIN)/python bench/kv_quant_bench.py --threads 2
+
+## The main job against HF AR and HF prompt lookup on the same weights, on every kind of prompt (short, held-out,
+## unseen, repeated requests): bench/main_bench.py -> bench/results/main/. Batched decoding at B = 8 vs HF batched AR.
+bench-main: $(STAMP)
+	$(BIN)/python bench/main_bench.py
+
+bench-batch: $(STAMP)
+	$(BIN)/toolkit run short --batch-size 8 --compare --prompts repeat --out bench/results/batch
+	$(BIN)/toolkit run short --batch-size 8 --compare --out bench/results/batch
 
 ## Token trees vs chains and the suffix drafter vs n-gram / HF prompt lookup, short and repeated-request suites.
 bench-tree: $(STAMP)

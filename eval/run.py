@@ -107,6 +107,7 @@ def run_recipe(recipe: Recipe, compare: bool = False, repeats: int = 3, prompts:
     # the same repetition, never an earlier repetition of the same prompt
     measured = measure(runners_for(generator, methods, eos, reference), items, gen,
                        repeats=repeats if compare else 1, warmup=1, progress=progress, desc=f"run {recipe.name}",
+                       warm_gen=dataclasses.replace(gen, max_new_tokens=min(16, gen.max_new_tokens)),
                        before_repetition=lambda rep: generator.forget())
     return _result(recipe, generator, measured, compare)
 

@@ -90,8 +90,9 @@ def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped reci
         batch_size: Optional[int] = typer.Option(None, min=1, max=256, help="batched speculative decoding: N rows "
                                                  "per forward over all the prompts (with --compare: vs HF batched AR "
                                                  "and our single-row decoder)"),
-        prompts: Optional[Path] = typer.Option(None, help="JSONL file of prompts ({\"prompt\": ...} or "
-                                               "{\"messages\": [...]} per line) instead of the recipe's suite"),
+        prompts: Optional[Path] = typer.Option(None, help="prompts instead of the recipe's suite: a JSONL file "
+                                               "({\"prompt\": ...} or {\"messages\": [...]} per line), or a prompt "
+                                               "suite (shipped name or YAML)"),
         target: Optional[str] = typer.Option(None, help=TARGET_HELP),
         draft: Optional[str] = typer.Option(None, help=DRAFT_HELP),
         out: Path = typer.Option(Path("results/run"), help="directory for the results JSON and Markdown")):
@@ -121,10 +122,11 @@ def _run_batch(recipe, batch_size: int, prompt_file: Optional[Path], compare: bo
     from toolkit.measure.harness import spread
     from toolkit.measure.prompts import load_suite
 
-    if prompt_file is not None:
+    if prompt_file is not None and prompt_file.suffix == ".jsonl":
         texts = load_prompt_file(prompt_file)[:num_prompts]
-    else:
-        texts = [p.prompt for p in spread(load_suite(recipe.prompts), num_prompts)]
+    else:  # a prompt suite: the recipe's, or one named / given as YAML with --prompts
+        suite = str(prompt_file) if prompt_file is not None else recipe.prompts
+        texts = [p.prompt for p in spread(load_suite(suite), num_prompts)]
     result = run_batch(toolkit.build(recipe), texts, batch_size, compare=compare, repeats=repeats if compare else 1)
     path = write_batch_results(result, out)
     typer.echo(markdown(result))
