@@ -218,51 +218,96 @@ def evaluate(recipe: Recipe, *, settings: EvalSettings | None = None, out_dir: s
         ConfigError / ModelLoadError: from recipe validation and model loading.
         ValueError: invalid settings, no prompts, or metrics that do not match the schema.
     """
-
-    from toolkit.generator import build
-
     settings = settings or EvalSettings()
     recipe.validate()
     out = Path(out_dir) if out_dir is not None else results_dir(recipe, settings, results_root)
-    metrics_path = out / "metrics.json"
-    if metrics_path.is_file() and not force:
-        try:
-            cached = json.loads(metrics_path.read_text())
-            if cached.get("settings") == settings.to_dict():
-                log.info("results exist, skipped (use --force to recompute): %s", out)
-                cached["skipped"] = True
-                return EvalResult.from_dict(cached)
-        except json.JSONDecodeError:
-            log.warning("unreadable %s: recomputing", metrics_path)
-
+    cached = None if force else _cached(out, settings)
+    if cached is not None:
+        return cached
     started = time.perf_counter()
-    if target is None:
-        target, tokenizer, draft_model, loaded_ref = load_recipe_models(recipe, settings.reference)
-        reference_model = reference_model or loaded_ref
-    generator = build(recipe, target=target, tokenizer=tokenizer, draft_model=draft_model)
-    draft_model = generator.draft_model
-    if reference_model is None and recipe.target.precision == "fp32":
-        reference_model = target
-    has_separate_ref = reference_model is not None and reference_model is not target
-    device = next(target.parameters()).device
-    K = recipe.spec.num_draft_tokens
+    run = _Run.start(recipe, settings, prompts, progress, target, tokenizer, draft_model, reference_model)
+    perplexity = _perplexity(run, ppl_ids)
+    measured, reused = _timed(run)
+    result = _document(run, measured, reused, perplexity, started)
+    validate_metrics(result)
+    if write:
+        from eval.report import write_report
 
-    items = _prompts(recipe, prompts, generator, settings)
-    max_new = recipe.generation.max_new_tokens
-    if settings.max_new_tokens is not None:
-        max_new = min(max_new, settings.max_new_tokens)
-    gen = dataclasses.replace(recipe.generation, max_new_tokens=max_new,
-                              ignore_eos=settings.ignore_eos or recipe.generation.ignore_eos)
-    gen.validate("generation")
-    for item in items:  # before any forward: empty prompts, prompts past the context, EOS ids outside the vocab
-        generator.check_request(item.input_ids, gen, f"prompts.{item.id}")
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "config.yaml", recipe.to_yaml())
+        result["files"] = write_report(result, out, plots=plots)
+        atomic_write_json(out / "metrics.json", result)  # last: its presence marks a finished run
+    return EvalResult.from_dict(result)
 
-    # ---------------------------------------------------------------------------------------- perplexity
+
+def _cached(out: Path, settings: EvalSettings) -> EvalResult | None:
+    """The finished evaluation in ``out`` when it was measured with the same settings."""
+    metrics_path = out / "metrics.json"
+    if not metrics_path.is_file():
+        return None
+    try:
+        cached = json.loads(metrics_path.read_text())
+    except json.JSONDecodeError:
+        log.warning("unreadable %s: recomputing", metrics_path)
+        return None
+    if cached.get("settings") != settings.to_dict():
+        return None
+    log.info("results exist, skipped (use --force to recompute): %s", out)
+    cached["skipped"] = True
+    return EvalResult.from_dict(cached)
+
+
+@dataclass
+class _Run:
+    """One evaluation: the recipe built, its reference model, its prompts and generation settings."""
+
+    recipe: Recipe
+    settings: EvalSettings
+    generator: object
+    reference_model: object
+    items: list
+    gen: object
+    progress: bool
+
+    @classmethod
+    def start(cls, recipe, settings, prompts, progress, target, tokenizer, draft_model, reference_model) -> _Run:
+        from toolkit.generator import build
+
+        if target is None:
+            target, tokenizer, draft_model, loaded_ref = load_recipe_models(recipe, settings.reference)
+            reference_model = reference_model or loaded_ref
+        generator = build(recipe, target=target, tokenizer=tokenizer, draft_model=draft_model)
+        if reference_model is None and recipe.target.precision == "fp32":
+            reference_model = target
+        items = _prompts(recipe, prompts, generator, settings)
+        max_new = recipe.generation.max_new_tokens
+        if settings.max_new_tokens is not None:
+            max_new = min(max_new, settings.max_new_tokens)
+        gen = dataclasses.replace(recipe.generation, max_new_tokens=max_new,
+                                  ignore_eos=settings.ignore_eos or recipe.generation.ignore_eos)
+        gen.validate("generation")
+        for item in items:  # before any forward: empty prompts, prompts past the context, EOS ids outside the vocab
+            generator.check_request(item.input_ids, gen, f"prompts.{item.id}")
+        return cls(recipe, settings, generator, reference_model, items, gen, progress)
+
+    @property
+    def target(self):
+        return self.generator.target
+
+    @property
+    def separate_reference(self) -> bool:
+        return self.reference_model is not None and self.reference_model is not self.target
+
+
+def _perplexity(run: _Run, ppl_ids: list[int] | None) -> dict:
+    """Perplexity through the recipe's cache, sliding-window of the target, and of the fp32 reference (cached per
+    process: pure functions of the model and the text)."""
+    settings, target = run.settings, run.target
     if ppl_ids is None:
         from eval.data import describe, heldout_ids
 
         try:
-            ppl_ids = heldout_ids(tokenizer, settings.ppl_source, settings.ppl_tokens)
+            ppl_ids = heldout_ids(run.generator.tokenizer, settings.ppl_source, settings.ppl_tokens)
         except RuntimeError as exc:  # the hub is unreachable, or the text is shorter than ppl_tokens
             from toolkit.errors import ConfigError
 
@@ -271,58 +316,58 @@ def evaluate(recipe: Recipe, *, settings: EvalSettings | None = None, out_dir: s
     else:
         text_desc = "injected token ids"
     ppl_ids = list(ppl_ids)
-    ppl_conf = M.perplexity_through_cache(target, ppl_ids, generator.target_policy, chunk=K + 1, progress=progress)
+    ppl_conf = M.perplexity_through_cache(target, ppl_ids, run.generator.target_policy,
+                                          chunk=run.recipe.spec.num_draft_tokens + 1, progress=run.progress)
     window = min(settings.ppl_window, len(ppl_ids))
     ids_key = hashlib.sha256(str(ppl_ids).encode()).hexdigest()
     slide_key = ("slide", id(target), ids_key, window, settings.ppl_stride)
-    if slide_key not in _REF_PPL:  # a pure function of the model and the text: computed once per process
+    if slide_key not in _REF_PPL:
         _REF_PPL[slide_key] = M.perplexity_sliding_window(target, ppl_ids, window, min(settings.ppl_stride, window),
-                                                          progress=progress)
-    ppl_slide = _REF_PPL[slide_key]
+                                                          progress=run.progress)
     ppl_ref = None
-    if reference_model is not None:
-        key = ("ref", id(reference_model), ids_key)
+    if run.reference_model is not None:
+        key = ("ref", id(run.reference_model), ids_key)
         if key not in _REF_PPL:
-            _REF_PPL[key] = M.perplexity_sliding_window(reference_model, ppl_ids, len(ppl_ids), len(ppl_ids))
+            _REF_PPL[key] = M.perplexity_sliding_window(run.reference_model, ppl_ids, len(ppl_ids), len(ppl_ids))
             _REF_PPL[key]["protocol"]["method"] = ("fp32 target, no KV compression, full context over the same "
                                                     "tokens (= through-cache with policy none)")
         ppl_ref = _REF_PPL[key]
-    perplexity = {"text": text_desc, "configured": ppl_conf, "sliding_window": ppl_slide,
-                  "reference_fp32": ppl_ref,
-                  "ratio_to_fp32": ppl_conf["value"] / ppl_ref["value"] if ppl_ref else None}
+    return {"text": text_desc, "configured": ppl_conf, "sliding_window": _REF_PPL[slide_key],
+            "reference_fp32": ppl_ref, "ratio_to_fp32": ppl_conf["value"] / ppl_ref["value"] if ppl_ref else None}
 
-    # ---------------------------------------------------------------------------------------- generation runs
-    eos_ids = generator.eos_token_ids(gen)
-    applicable = baseline_methods(recipe, has_separate_ref) if settings.baselines else []
+
+def _timed(run: _Run) -> tuple:
+    """Our decoder and the applicable HF baselines, timed with the harness; baselines measured earlier in this
+    process on the same models, prompts and settings are reused (``settings.reuse_baselines``)."""
+    recipe, settings, generator, gen = run.recipe, run.settings, run.generator, run.gen
+    applicable = baseline_methods(recipe, run.separate_reference) if settings.baselines else []
     if isinstance(settings.baselines, (list, tuple)):
         applicable = [m for m in applicable if m in settings.baselines]
     methods = [OURS] + applicable
-    reused: dict[str, list] = {}
-    if settings.reuse_baselines:
-        for m in applicable:
-            key = _baseline_key(m, recipe, target, draft_model, reference_model, items, gen, settings)
-            if key in _BASELINES:
-                reused[m] = _BASELINES[key]
+
+    def key(m):
+        return _baseline_key(m, recipe, run.target, generator.draft_model, run.reference_model, run.items, gen,
+                             settings)
+
+    reused = {m: _BASELINES[key(m)] for m in applicable if settings.reuse_baselines and key(m) in _BASELINES}
     timed = [m for m in methods if m not in reused]
-    measured = measure(runners_for(generator, timed, eos_ids, reference_model, trajectory=True), items, gen,
-                       repeats=settings.repeats, warmup=settings.warmup,
-                       warm_gen=dataclasses.replace(gen, max_new_tokens=min(16, max_new)),
-                       meter=lambda: M.PeakMemory(str(device)), progress=progress, desc=f"eval {recipe.name}",
+    device = next(run.target.parameters()).device
+    measured = measure(runners_for(generator, timed, generator.eos_token_ids(gen), run.reference_model,
+                                   trajectory=True), run.items, gen, repeats=settings.repeats, warmup=settings.warmup,
+                       warm_gen=dataclasses.replace(gen, max_new_tokens=min(16, gen.max_new_tokens)),
+                       meter=lambda: M.PeakMemory(str(device)), progress=run.progress, desc=f"eval {recipe.name}",
                        before_repetition=lambda rep: generator.forget())  # no repetition sees another's prompts
     for m in timed:
         if m != OURS and settings.reuse_baselines:
-            _BASELINES[_baseline_key(m, recipe, target, draft_model, reference_model, items, gen, settings)] = \
-                measured.calls[m]
+            _BASELINES[key(m)] = measured.calls[m]
     measured.calls.update(reused)
     measured.methods = methods
+    return measured, reused
 
-    first = {m: [(c.token_ids, c.stats) for c in measured.first(m)] for m in methods}
-    ours_stats = [s for _, s in first[OURS]]
-    acc = M.acceptance(ours_stats)
-    per_token = M.kv_bytes_per_token(target)
-    lengths = [s.prompt_tokens + s.new_tokens - 1 for s in ours_stats]
-    method_metrics = {}
-    for m in methods:
+
+def _method_metrics(measured, reused: dict, first: dict) -> dict:
+    out = {}
+    for m in measured.methods:
         entry = measured.speed(m)
         entry["peak_memory"] = M.merge_peaks([c.peak for rep in measured.calls[m] for c in rep])
         if m != OURS:
@@ -331,32 +376,42 @@ def evaluate(recipe: Recipe, *, settings: EvalSettings | None = None, out_dir: s
                                          max(1, sum(s.rounds for _, s in first[m])))
         if m in reused:
             entry["reused"] = True
-        method_metrics[m] = entry
-    trajectories = [c.trajectory for c in measured.first(OURS)]
+        out[m] = entry
+    return out
 
+
+def _ratios(method_metrics: dict) -> dict:
     def ratio(a, b):
         if a in method_metrics and b in method_metrics:
             den = method_metrics[b]["throughput"]["median"]
             return method_metrics[a]["throughput"]["median"] / den if den > 0 else None
         return None
 
-    ratios = {"ours_vs_ar": ratio("ours", "ar"), "ours_vs_assisted": ratio("ours", "assisted"),
-              "ours_vs_prompt_lookup": ratio("ours", "prompt_lookup"),
-              "ours_vs_prompt_lookup_10": ratio("ours", "prompt_lookup_10"), "assisted_vs_ar": ratio("assisted", "ar"),
-              "ours_vs_ar_fp32": ratio("ours", "ar_fp32")}
-    ratios = {k: v for k, v in ratios.items() if v is not None}
+    pairs = {"ours_vs_ar": ("ours", "ar"), "ours_vs_assisted": ("ours", "assisted"),
+             "ours_vs_prompt_lookup": ("ours", "prompt_lookup"), "ours_vs_prompt_lookup_10": ("ours", "prompt_lookup_10"),
+             "assisted_vs_ar": ("assisted", "ar"), "ours_vs_ar_fp32": ("ours", "ar_fp32")}
+    ratios = {name: ratio(a, b) for name, (a, b) in pairs.items()}
+    return {k: v for k, v in ratios.items() if v is not None}
 
+
+def _fidelity(run: _Run, first: dict) -> dict:
     fid = {}
     if "ar" in first:
         fid["vs_ar"] = M.fidelity_summary([(a, b) for (a, _), (b, _) in zip(first["ours"], first["ar"])])
-    ref_runs = first.get("ar_fp32") or (first.get("ar") if reference_model is target else None)
+    ref_runs = first.get("ar_fp32") or (first.get("ar") if run.reference_model is run.target else None)
     if ref_runs is not None:
         fid["vs_fp32"] = M.fidelity_summary([(a, b) for (a, _), (b, _) in zip(first["ours"], ref_runs)])
-    fid["greedy"] = not gen.do_sample
+    fid["greedy"] = not run.gen.do_sample
+    return fid
 
+
+def _memory(run: _Run, ours_stats: list, ppl_conf: dict, peak: dict) -> dict:
+    weights = run.generator.weight_bytes
+    per_token = M.kv_bytes_per_token(run.target)
+    lengths = [s.prompt_tokens + s.new_tokens - 1 for s in ours_stats]
     memory = {
-        "weight_bytes": {"target": generator.weight_bytes["target"], "draft": generator.weight_bytes["draft"],
-                         "total": generator.weight_bytes["target"] + generator.weight_bytes["draft"]},
+        "weight_bytes": {"target": weights["target"], "draft": weights["draft"],
+                         "total": weights["target"] + weights["draft"]},
         "kv_bytes": {
             "target_final": max(s.kv_bytes_target for s in ours_stats),
             "draft_final": max(s.kv_bytes_draft for s in ours_stats),
@@ -368,42 +423,42 @@ def evaluate(recipe: Recipe, *, settings: EvalSettings | None = None, out_dir: s
         },
         "compressions": {"target": sum(s.compressions_target for s in ours_stats),
                          "draft": sum(s.compressions_draft for s in ours_stats)},
-        "peak": method_metrics["ours"]["peak_memory"],
+        "peak": peak,
     }
     memory["total_peak_bytes"] = (memory["weight_bytes"]["total"] + memory["kv_bytes"]["target_peak"]
                                   + memory["kv_bytes"]["draft_peak"])
+    return memory
 
-    result = {
+
+def _document(run: _Run, measured, reused: dict, perplexity: dict, started: float) -> dict:
+    """The ``metrics.json`` document of one evaluation."""
+    recipe, settings, gen, items = run.recipe, run.settings, run.gen, run.items
+    first = {m: [(c.token_ids, c.stats) for c in measured.first(m)] for m in measured.methods}
+    ours_stats = [s for _, s in first[OURS]]
+    method_metrics = _method_metrics(measured, reused, first)
+    trajectories = [c.trajectory for c in measured.first(OURS)]
+    return {
         "schema_version": SCHEMA_VERSION,
         "recipe": {"name": recipe.name, "config_hash": recipe.config_hash(), "config": recipe.to_dict()},
         "settings": settings.to_dict(),
         "environment": environment(),
         "protocol": {
-            "max_new_tokens": max_new, "ignore_eos": gen.ignore_eos, "do_sample": gen.do_sample,
+            "max_new_tokens": gen.max_new_tokens, "ignore_eos": gen.ignore_eos, "do_sample": gen.do_sample,
             "warmup": settings.warmup, "repeats": settings.repeats, "num_prompts": len(items),
             "timing": "wall clock with device synchronization; per repetition: throughput = new tokens / time over "
                       "all prompts, TTFT/TPOT = mean over prompts; median [min-max] over repetitions",
         },
         "prompts": [{"id": it.id, "kind": it.kind, "prompt_tokens": int(it.input_ids.shape[1])} for it in items],
         "perplexity": perplexity,
-        "acceptance": acc,
-        "memory": memory,
+        "acceptance": M.acceptance(ours_stats),
+        "memory": _memory(run, ours_stats, perplexity["configured"], method_metrics["ours"]["peak_memory"]),
         "methods": method_metrics,
-        "ratios": ratios,
-        "fidelity": fid,
+        "ratios": _ratios(method_metrics),
+        "fidelity": _fidelity(run, first),
         "trajectories": [{"prompt": it.id, "rows": _downsample(t)} for it, t in zip(items, trajectories)],
         "elapsed_s": time.perf_counter() - started,
         "skipped": False,
     }
-    validate_metrics(result)
-    if write:
-        from eval.report import write_report
-
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "config.yaml", recipe.to_yaml())
-        result["files"] = write_report(result, out, plots=plots)
-        atomic_write_json(metrics_path, result)  # last: its presence marks a finished run
-    return EvalResult.from_dict(result)
 
 
 def validate_metrics(data: dict) -> None:
