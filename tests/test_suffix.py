@@ -14,8 +14,8 @@ from test_generator import word_tokenizer
 import toolkit
 from toolkit.errors import ConfigError
 from toolkit.recipe import GenerationSpec, Recipe, SpecSpec
-from toolkit.speculative.drafters.suffix import PROMPT_CONTEXT, SuffixDrafter
-from toolkit.speculative.drafters.suffix_trie import SuffixTrie
+from toolkit.speculative.drafters.suffix import SuffixDrafter
+from toolkit.speculative.drafters.suffix_trie import PROMPT_CONTEXT, SuffixTrie
 
 
 def path(trie: SuffixTrie, tokens: list[int]):

@@ -23,7 +23,6 @@ online and verifies as many tokens as pay (:mod:`toolkit.speculative.verify_leng
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -31,11 +30,8 @@ import torch
 from toolkit.checks import check_float, check_int
 from toolkit.speculative.drafters.base import Drafter
 from toolkit.speculative.drafters.registry import DrafterConfig, register_drafter
-from toolkit.speculative.drafters.suffix_trie import SuffixTrie
+from toolkit.speculative.drafters.suffix_trie import RequestMemory
 
-#: prompt tokens stored before each earlier output in the memory trie (so a first output token can match the
-#: chat template's assistant header)
-PROMPT_CONTEXT = 8
 #: occurrences of the last token examined per round (the most recent ones)
 MAX_OCCURRENCES = 256
 
@@ -87,13 +83,11 @@ class LookupDrafter(Drafter):
                  prior_bias: float = -1.79, prior_slope: float = 1.22, prior_share: float = 1.30):
         self.max_match, self.max_cached_requests = max_match, max_cached_requests
         self.prior_bias, self.prior_slope, self.prior_share = prior_bias, prior_slope, prior_share
-        self.memory = SuffixTrie(memory_depth)
-        self.cached_requests: OrderedDict[int, list[int]] = OrderedDict()
-        self._shared = {"next_id": 0}  # shared with forks (batched decoding): ids of archived requests
+        self.memory = RequestMemory(memory_depth, max_cached_requests)
         self._tokens: list[int] = []
         self._where: dict[int, list[int]] = {}
         self._prompt_len: int | None = None
-        self._memory_cursor = self.memory.matcher()
+        self._memory_cursor = self.memory.trie.matcher()
         self._confidence: list[float] | None = None
         self._features: list[tuple[int, float]] = []
 
@@ -107,9 +101,14 @@ class LookupDrafter(Drafter):
         of earlier requests: what either archives, both draw from."""
         other = LookupDrafter(self.max_match, self.max_cached_requests, self.memory.depth, self.prior_bias,
                               self.prior_slope, self.prior_share)
-        other.memory, other.cached_requests, other._shared = self.memory, self.cached_requests, self._shared
-        other._memory_cursor = other.memory.matcher()
+        other.memory = self.memory
+        other._memory_cursor = other.memory.trie.matcher()
         return other
+
+    @property
+    def cached_requests(self):
+        """The earlier requests held in memory (oldest first)."""
+        return self.memory.requests
 
     # ------------------------------------------------------------------------------------------------ state
     def reset(self) -> None:
@@ -117,26 +116,17 @@ class LookupDrafter(Drafter):
         super().reset()
         self._archive()
         self._tokens, self._where, self._prompt_len = [], {}, None
-        self._memory_cursor = self.memory.matcher()
+        self._memory_cursor = self.memory.trie.matcher()
 
     def close(self) -> None:
         """The request is over: archive it in the memory of earlier requests (shared with forks)."""
         self._archive()
 
     def _archive(self) -> None:
-        """Add the current request (its output after the last ``PROMPT_CONTEXT`` prompt tokens) to the memory, once."""
+        """Add the current request to the memory of earlier requests, once."""
         prompt_len, self._prompt_len = self._prompt_len, None
-        if prompt_len is None or self.max_cached_requests == 0:
-            return
-        stored = self._tokens[max(0, prompt_len - PROMPT_CONTEXT):]
-        if len(stored) <= PROMPT_CONTEXT:
-            return
-        self.memory.insert(stored)
-        self.cached_requests[self._shared["next_id"]] = stored
-        self._shared["next_id"] += 1
-        while len(self.cached_requests) > self.max_cached_requests:
-            _, old = self.cached_requests.popitem(last=False)
-            self.memory.remove(old)
+        if prompt_len is not None:
+            self.memory.archive(self._tokens, prompt_len)
 
     def _sync(self, input_ids: torch.Tensor) -> None:
         """Index the committed tokens not seen yet (the whole prompt on the first call)."""
@@ -229,4 +219,4 @@ class LookupDrafter(Drafter):
 
     def memory_nodes(self) -> int:
         """Nodes of the memory trie: the drafter's memory across requests."""
-        return self.memory.nodes
+        return self.memory.trie.nodes

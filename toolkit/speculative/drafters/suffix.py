@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -31,11 +30,8 @@ import torch
 from toolkit.checks import check_float, check_int
 from toolkit.speculative.drafters.base import Drafter
 from toolkit.speculative.drafters.registry import DrafterConfig, register_drafter
-from toolkit.speculative.drafters.suffix_trie import SuffixTrie, TrieNode
+from toolkit.speculative.drafters.suffix_trie import RequestMemory, SuffixTrie, TrieNode
 from toolkit.speculative.tree import TokenTree
-
-#: prompt tokens stored before each earlier output in the global trie
-PROMPT_CONTEXT = 8
 
 
 @dataclass
@@ -85,9 +81,7 @@ class SuffixDrafter(Drafter):
                  depth: int = 48):
         self.max_spec_factor, self.min_token_prob = max_spec_factor, min_token_prob
         self.max_cached_requests, self.depth = max_cached_requests, depth
-        self.global_trie = SuffixTrie(depth)
-        self.cached_requests: OrderedDict[int, list[int]] = OrderedDict()
-        self._shared = {"next_id": 0}  # shared with forks (batched decoding): ids of archived requests
+        self.memory = RequestMemory(depth, max_cached_requests)
         self._tokens: list[int] = []
         self._prompt_len = None
         self._request = None
@@ -100,8 +94,18 @@ class SuffixDrafter(Drafter):
         """A drafter for another request in flight at the same time (batched decoding) sharing this one's global
         trie: what either archives, both draw from."""
         other = SuffixDrafter(self.max_spec_factor, self.min_token_prob, self.max_cached_requests, self.depth)
-        other.global_trie, other.cached_requests, other._shared = self.global_trie, self.cached_requests, self._shared
+        other.memory = self.memory
         return other
+
+    @property
+    def global_trie(self) -> SuffixTrie:
+        """The trie of earlier requests (shared with forks)."""
+        return self.memory.trie
+
+    @property
+    def cached_requests(self):
+        """The earlier requests held in the global trie (oldest first)."""
+        return self.memory.requests
 
     # ------------------------------------------------------------------------------------------------ state
     def reset(self) -> None:
@@ -118,19 +122,10 @@ class SuffixDrafter(Drafter):
         self._archive()
 
     def _archive(self) -> None:
-        """Add the current request (its output after the last ``PROMPT_CONTEXT`` prompt tokens) to the memory, once."""
+        """Add the current request to the memory of earlier requests, once."""
         prompt_len, self._prompt_len = self._prompt_len, None
-        if prompt_len is None or self.max_cached_requests == 0:
-            return
-        stored = self._tokens[max(0, prompt_len - PROMPT_CONTEXT):]
-        if len(stored) <= PROMPT_CONTEXT:
-            return
-        self.global_trie.insert(stored)
-        self.cached_requests[self._shared["next_id"]] = stored
-        self._shared["next_id"] += 1
-        while len(self.cached_requests) > self.max_cached_requests:
-            _, old = self.cached_requests.popitem(last=False)
-            self.global_trie.remove(old)
+        if prompt_len is not None:
+            self.memory.archive(self._tokens, prompt_len)
 
     def _sync(self, input_ids: torch.Tensor) -> None:
         """Feed the committed tokens not seen yet to both cursors (the prompt on the first call)."""

@@ -13,6 +13,8 @@ memory: the counts of that sequence's substrings are decremented and emptied nod
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 
 class TrieNode:
     """A trie node: ``count`` occurrences of the substring it spells, ``children`` by next token id."""
@@ -116,3 +118,39 @@ class TrieCursor:
             if length <= max_length and node.children and node.count >= min_count:
                 return node, length
         return None, 0
+
+
+#: prompt tokens stored before each archived output (so its first tokens can match the chat template's header)
+PROMPT_CONTEXT = 8
+
+
+class RequestMemory:
+    """A bounded memory of earlier requests in one suffix trie (SuffixDecoding's global tree): each archived
+    request's output, preceded by its last :data:`PROMPT_CONTEXT` prompt tokens; past ``limit`` requests the oldest is
+    removed. The drafters of concurrent requests (batched decoding) share one memory.
+
+    Args:
+        depth: the trie's depth (longest indexed substring, tokens).
+        limit: most requests kept (0 = none: nothing is archived).
+    """
+
+    def __init__(self, depth: int, limit: int):
+        self.trie, self.limit = SuffixTrie(depth), limit
+        self.requests: OrderedDict[int, list[int]] = OrderedDict()
+        self._next_id = 0
+
+    @property
+    def depth(self) -> int:
+        return self.trie.depth
+
+    def archive(self, tokens: list[int], prompt_len: int) -> None:
+        """Keep ``tokens`` (prompt + output) from ``PROMPT_CONTEXT`` tokens before the output on."""
+        stored = tokens[max(0, prompt_len - PROMPT_CONTEXT):]
+        if self.limit == 0 or len(stored) <= PROMPT_CONTEXT:
+            return
+        self.trie.insert(stored)
+        self.requests[self._next_id] = stored
+        self._next_id += 1
+        while len(self.requests) > self.limit:
+            _, old = self.requests.popitem(last=False)
+            self.trie.remove(old)
