@@ -190,9 +190,9 @@ def bytes_section(tokenizer, num_tokens, errors) -> dict:
     ids = torch.tensor([heldout_ids(tokenizer, "prose", num_tokens)])
     rows = {}
     for name, factory in caches(eight_bit=True).items():
-        def nbytes(f=factory):
-            cache = ops.new_cache(f(), model)
-            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        def nbytes(f=factory, m=model):
+            cache = ops.new_cache(f(), m)
+            m(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             ops.commit(cache)
             return ops.kv_bytes(cache)
 
