@@ -1,8 +1,10 @@
 """The converted-model cache: concurrent first use by two real processes, and detection of a damaged copy.
 
 The GGUF here is a real llama-architecture GGUF file written with the ``gguf`` package: the embedded model's
-tokenizer metadata (so transformers' GGUF loader builds the same tokenizer) and one random decoder layer of width 64,
-so a conversion takes a second instead of the embedded model's ~17 s.
+tokenizer metadata cut to its first ``VOCAB`` tokens (special tokens, the byte alphabet and the merges among them, so
+transformers' GGUF loader builds a working GPT-2 BPE tokenizer) and one random decoder layer of width 64, so a
+conversion takes about a second (the full 49k-token metadata alone costs ~5 s per read, and a conversion reads the
+file four times).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from toolkit.models import embedded_gguf_path, manifest_problem
 from toolkit.models.embedded import MANIFEST
 
 REPO = Path(__file__).resolve().parents[1]
-HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 64, 128, 4, 2, 1
-_OVERRIDES = {"llama.block_count": LAYERS, "llama.embedding_length": HIDDEN, "llama.feed_forward_length": FFN,
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 128, 4, 2, 1, 1024
+_OVERRIDES = {"llama.vocab_size": VOCAB, "llama.block_count": LAYERS, "llama.embedding_length": HIDDEN,
+              "llama.feed_forward_length": FFN,
               "llama.attention.head_count": HEADS, "llama.attention.head_count_kv": KV_HEADS,
               "llama.rope.dimension_count": HIDDEN // HEADS, "llama.context_length": 512, "general.file_type": 0}
 
@@ -38,10 +41,15 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
         if name.startswith("GGUF.") or name in ("general.architecture", "general.quantization_version"):
             continue
         value = _OVERRIDES.get(name, field.contents())
+        if name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            value = value[:VOCAB]
+        elif name == "tokenizer.ggml.merges":
+            kept = set(reader.fields["tokenizer.ggml.tokens"].contents()[:VOCAB])
+            value = [m for m in value if "".join(m.split(" ")) in kept and all(p in kept for p in m.split(" "))]
         sub_type = field.types[1] if len(field.types) > 1 else None
         writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
     rng = np.random.default_rng(seed)
-    vocab = int(reader.fields["llama.vocab_size"].contents())
+    vocab = VOCAB
 
     def weight(*shape):  # numpy order (out, in); the writer stores GGUF's reversed order
         return (rng.standard_normal(shape) * 0.02).astype(np.float32)
