@@ -2,8 +2,9 @@
 
 Every writer goes through :func:`atomic_write`: the content is written to a uniquely named temporary sibling
 (``mkstemp`` in the same directory, so two processes writing the same path never share a temporary file), flushed
-and, with ``durable``, fsynced, then renamed over the target with ``os.replace`` (atomic on POSIX). On any error,
-``KeyboardInterrupt`` included, the temporary file is removed and the target is left as it was.
+and, with ``durable``, fsynced, then renamed over the target with ``os.replace`` (atomic on POSIX), with the mode
+``open()`` would have given it. On any error, ``KeyboardInterrupt`` included, the temporary file is removed and the
+target is left as it was.
 
 Directories (checkpoints, a model directory) are written the same way: filled in a temporary sibling, made durable
 with :func:`fsync_tree`, renamed into place; :func:`replace_dir` swaps a new directory in for an existing one and
@@ -21,6 +22,16 @@ from pathlib import Path
 from typing import Any
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+#: the mode a plainly created file gets under this process's umask (0644 under the usual 022)
+_CREATE_MODE = 0o666 & ~_umask()
+
+
 def atomic_write(path: Path, write: Callable[[Path], None], suffix: str = ".tmp", durable: bool = False) -> None:
     """Create ``path`` by calling ``write(temporary_path)`` and renaming the result into place.
 
@@ -34,6 +45,7 @@ def atomic_write(path: Path, write: Callable[[Path], None], suffix: str = ".tmp"
     tmp = Path(name)
     try:
         write(tmp)
+        os.chmod(tmp, _CREATE_MODE)  # mkstemp makes the file 0600; a result file gets the mode open() would give it
         if durable:
             with open(tmp, "rb+") as handle:
                 os.fsync(handle.fileno())
