@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import time
 from pathlib import Path
 
@@ -143,8 +144,10 @@ def _summary(generator, prompts, batch_size, methods, times, outputs, peaks, rep
 
 
 def markdown(result: dict) -> str:
-    lines = [f"## {result['recipe']['name']} ({result['config_hash']}): {result['prompts']} prompts, batch size "
-             f"{result['batch_size']}" + ("" if result["batched"] else " (this recipe runs one request at a time)"),
+    source = f" of {result['prompts_source']}" if result.get("prompts_source") else ""
+    single = "" if result["batched"] else " (this recipe runs one request at a time)"
+    lines = [f"## {result['recipe']['name']} ({result['config_hash']}): {result['prompts']} prompts{source}, "
+             f"batch size {result['batch_size']}{single}",
              "", "| method | new tokens | tok/s median [min-max] | vs ours-batch | peak RSS |", "|---|---|---|---|---|"]
     ours = result["summary"]["ours-batch"]["throughput"]["median"]
     for m, s in result["summary"].items():
@@ -158,8 +161,13 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_batch_results(result: dict, out_dir: Path) -> Path:
-    path = Path(out_dir) / f"{result['recipe']['name']}-{result['config_hash']}-batch{result['batch_size']}.json"
+def write_batch_results(result: dict, out_dir: Path, prompts_label: str = "") -> Path:
+    """Write ``<out_dir>/<name>-<hash>[-<prompts_label>]-batch<N>.{json,md}`` (the label names the prompt file or
+    suite, so runs of one recipe over different prompts do not overwrite each other); returns the JSON's path."""
+    label = re.sub(r"[^A-Za-z0-9._-]", "_", prompts_label).strip("._")
+    stem = "-".join(part for part in (result["recipe"]["name"], result["config_hash"], label) if part)
+    path = Path(out_dir) / f"{stem}-batch{result['batch_size']}.json"
+    result = {**result, "prompts_source": prompts_label or None}
     atomic_write_json(path, result)
     atomic_write_text(path.with_suffix(".md"), markdown(result))
     return path

@@ -142,7 +142,7 @@ def test_prompt_file_and_batched_run_with_baselines(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from eval.batch_run import load_prompt_file, markdown, run_batch
+    from eval.batch_run import load_prompt_file, markdown, run_batch, write_batch_results
     from toolkit.errors import ConfigError
 
     path = tmp_path / "p.jsonl"
@@ -168,3 +168,10 @@ def test_prompt_file_and_batched_run_with_baselines(tmp_path):
     assert set(result["summary"]) == {"ours-batch", "hf-batch-ar", "ours-single"}
     assert all(s["new_tokens"] == 36 for s in result["summary"].values())  # HF's rows too: same prompts, same length
     assert "hf-batch-ar" in markdown(result)
+    # runs of one recipe over two prompt sources land in two files, never over each other
+    first = write_batch_results(result, tmp_path / "out", "repeat")
+    second = write_batch_results(result, tmp_path / "out", "../my prompts")
+    assert first.name == f"batch-{result['config_hash']}-repeat-batch2.json"
+    assert second.name == f"batch-{result['config_hash']}-my_prompts-batch2.json"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        [first.name, first.with_suffix(".md").name, second.name, second.with_suffix(".md").name])
