@@ -16,8 +16,8 @@ greedy outputs: 0.22 at m = 1, 0.51 at 2, 0.67 at 3, 0.84 at 5-7, 0.96 at >= 16)
 earlier matches disagree on what comes next. The drafter reports for draft token ``i`` the estimate
 ``sigmoid(prior_bias + prior_slope * ln(m + i) + prior_share * share)``, ``share`` being the fraction of the equally
 long matches (memory: of the observed continuations) that agree with the token; the decode loop calibrates these
-online and verifies as many tokens as pay (:mod:`toolkit.speculative.verify_length`). Of the two candidates the one with the larger expected accepted length
-(the sum of the running products of the estimates) is proposed.
+online and verifies as many tokens as pay (:mod:`toolkit.speculative.verify_length`). Of the two candidates the one
+with the larger expected accepted length (the sum of the running products of the estimates) is proposed.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from toolkit.checks import check_float, check_int
 from toolkit.speculative.drafters.base import Drafter
 from toolkit.speculative.drafters.registry import DrafterConfig, register_drafter
-from toolkit.speculative.drafters.suffix_trie import RequestMemory
+from toolkit.speculative.drafters.suffix_trie import RemembersRequests, RequestMemory
 
 #: occurrences of the last token examined per round (the most recent ones)
 MAX_OCCURRENCES = 256
@@ -72,7 +72,7 @@ class LookupConfig(DrafterConfig):
 
 
 @register_drafter(LookupConfig)
-class LookupDrafter(Drafter):
+class LookupDrafter(RemembersRequests, Drafter):
     """See the module docstring. One instance serves every ``generate`` call of a Generator: ``reset()`` moves the
     previous request into the memory trie.
 
@@ -105,11 +105,6 @@ class LookupDrafter(Drafter):
         other._memory_cursor = other.memory.trie.matcher()
         return other
 
-    @property
-    def cached_requests(self):
-        """The earlier requests held in memory (oldest first)."""
-        return self.memory.requests
-
     # ------------------------------------------------------------------------------------------------ state
     def reset(self) -> None:
         """Archive the previous request (if any) in the memory trie; start an empty request."""
@@ -117,16 +112,6 @@ class LookupDrafter(Drafter):
         self._archive()
         self._tokens, self._where, self._prompt_len = [], {}, None
         self._memory_cursor = self.memory.trie.matcher()
-
-    def close(self) -> None:
-        """The request is over: archive it in the memory of earlier requests (shared with forks)."""
-        self._archive()
-
-    def _archive(self) -> None:
-        """Add the current request to the memory of earlier requests, once."""
-        prompt_len, self._prompt_len = self._prompt_len, None
-        if prompt_len is not None:
-            self.memory.archive(self._tokens, prompt_len)
 
     def _sync(self, input_ids: torch.Tensor) -> None:
         """Index the committed tokens not seen yet (the whole prompt on the first call)."""

@@ -30,7 +30,7 @@ import torch
 from toolkit.checks import check_float, check_int
 from toolkit.speculative.drafters.base import Drafter
 from toolkit.speculative.drafters.registry import DrafterConfig, register_drafter
-from toolkit.speculative.drafters.suffix_trie import RequestMemory, SuffixTrie, TrieNode
+from toolkit.speculative.drafters.suffix_trie import RemembersRequests, RequestMemory, SuffixTrie, TrieNode
 from toolkit.speculative.tree import TokenTree
 
 
@@ -64,7 +64,7 @@ class SuffixConfig(DrafterConfig):
 
 
 @register_drafter(SuffixConfig)
-class SuffixDrafter(Drafter):
+class SuffixDrafter(RemembersRequests, Drafter):
     """Suffix-trie drafter with a bounded memory of earlier requests (see the module docstring).
 
     Args:
@@ -102,11 +102,6 @@ class SuffixDrafter(Drafter):
         """The trie of earlier requests (shared with forks)."""
         return self.memory.trie
 
-    @property
-    def cached_requests(self):
-        """The earlier requests held in the global trie (oldest first)."""
-        return self.memory.requests
-
     # ------------------------------------------------------------------------------------------------ state
     def reset(self) -> None:
         """Archive the previous request (if any) in the global trie; start an empty request trie."""
@@ -116,16 +111,6 @@ class SuffixDrafter(Drafter):
         self._request = SuffixTrie(self.depth)
         self._request_cursor = self._request.cursor()
         self._global_cursor = self.global_trie.matcher()
-
-    def close(self) -> None:
-        """The request is over: archive it in the memory of earlier requests (shared with forks)."""
-        self._archive()
-
-    def _archive(self) -> None:
-        """Add the current request to the memory of earlier requests, once."""
-        prompt_len, self._prompt_len = self._prompt_len, None
-        if prompt_len is not None:
-            self.memory.archive(self._tokens, prompt_len)
 
     def _sync(self, input_ids: torch.Tensor) -> None:
         """Feed the committed tokens not seen yet to both cursors (the prompt on the first call)."""

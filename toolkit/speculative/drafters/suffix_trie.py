@@ -154,3 +154,28 @@ class RequestMemory:
         while len(self.requests) > self.limit:
             _, old = self.requests.popitem(last=False)
             self.trie.remove(old)
+
+
+class RemembersRequests:
+    """Mixin of the drafters that keep a :class:`RequestMemory`: at the end of a request (``close``, or the next
+    ``reset``) its tokens are archived once. The drafter sets ``memory``, ``_tokens`` (prompt + output so far) and
+    ``_prompt_len`` (``None`` once archived or before the first call)."""
+
+    memory: RequestMemory
+    _tokens: list[int]
+    _prompt_len: int | None
+
+    @property
+    def cached_requests(self) -> OrderedDict[int, list[int]]:
+        """The earlier requests held in memory (oldest first)."""
+        return self.memory.requests
+
+    def close(self) -> None:
+        """The request is over: archive it in the memory of earlier requests (shared with forks)."""
+        self._archive()
+
+    def _archive(self) -> None:
+        """Add the current request to the memory of earlier requests, once."""
+        prompt_len, self._prompt_len = self._prompt_len, None
+        if prompt_len is not None:
+            self.memory.archive(self._tokens, prompt_len)
