@@ -58,8 +58,8 @@ bench-main: $(STAMP)
 	$(BIN)/python bench/main_bench.py
 
 bench-batch: $(STAMP)
-	$(BIN)/toolkit run short --batch-size 8 --compare --prompts repeat --out bench/results/batch
-	$(BIN)/toolkit run short --batch-size 8 --compare --out bench/results/batch
+	$(BIN)/toolkit run short-exact --batch-size 8 --compare --prompts repeat --out bench/results/batch
+	$(BIN)/toolkit run short-exact --batch-size 8 --compare --out bench/results/batch
 
 ## Token trees vs chains and the suffix drafter vs n-gram / HF prompt lookup, short and repeated-request suites.
 bench-tree: $(STAMP)

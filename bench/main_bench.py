@@ -21,6 +21,7 @@ speedups vs HF AR and vs the better HF prompt lookup).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -59,7 +60,10 @@ def per_prompt(result: dict) -> list[dict]:
 def summarize(name: str, suite: str, result: dict) -> dict:
     s = result["summary"]
     prompts = per_prompt(result)
-    return {"recipe": name, "suite": suite, "throughput": {m: v["throughput"] for m, v in s.items()},
+    target = result["recipe"]["target"]
+    weights = target["precision"] + (f" {target['backend']}" if target["precision"] in ("int8", "int4") else "")
+    return {"recipe": name, "suite": suite, "weights": weights,
+            "throughput": {m: v["throughput"] for m, v in s.items()},
             "speedup": {k[len("speedup_vs_"):]: v for k, v in s["ours"].items() if k.startswith("speedup_vs_")},
             "worst_prompt_vs_ar": min(p["vs_ar"] for p in prompts),
             "worst_prompt_vs_best_prompt_lookup": min(p["vs_best_prompt_lookup"] or 0 for p in prompts),
@@ -73,9 +77,9 @@ def markdown(runs: list[dict], env: dict) -> str:
              "Throughput = new tokens / wall time, median of the repetitions; every method on the same model "
              "objects, interleaved per prompt. `PL` = HF prompt lookup (max n-gram 3), the faster of K = 4 and "
              "K = 10 per suite.", "",
-             "| recipe | suite | ours tok/s | HF AR | HF PL K=4 | HF PL K=10 | fp32 AR | vs AR | vs best PL | "
-             "worst prompt vs AR | τ | ms/round draft + verify + overhead | identical to AR |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| recipe | weights | suite | ours tok/s | HF AR | HF PL K=4 | HF PL K=10 | fp32 HF AR | vs AR | "
+             "vs best PL | worst prompt vs AR | τ | ms/round draft + verify + overhead | identical to AR |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         t, sp, rm = r["throughput"], r["speedup"], r["round_ms"]
         best = sp.get("best_prompt_lookup")
@@ -83,9 +87,10 @@ def markdown(runs: list[dict], env: dict) -> str:
         same = f"{agree.get('identical', '-')}/{agree.get('prompts', '-')}"
         if agree.get("max_divergence_margin") is not None:
             same += f" (largest margin {agree['max_divergence_margin']:.2f})"
+        fp32_ar = f"{t['ar_fp32']:.1f}" if "ar_fp32" in t else "= HF AR"
         lines.append(
-            f"| {r['recipe']} | {r['suite']} | {t['ours']:.1f} | {t['ar']:.1f} | {t.get('prompt_lookup', 0):.1f} | "
-            f"{t.get('prompt_lookup_10', 0):.1f} | {t.get('ar_fp32', float('nan')):.1f} | {sp['ar']:.2f}× | "
+            f"| {r['recipe']} | {r.get('weights', '-')} | {r['suite']} | {t['ours']:.1f} | {t['ar']:.1f} | "
+            f"{t.get('prompt_lookup', 0):.1f} | {t.get('prompt_lookup_10', 0):.1f} | {fp32_ar} | {sp['ar']:.2f}× | "
             f"{best:.2f}× | {r['worst_prompt_vs_ar']:.2f}× | {r['tau']:.2f} | "
             f"{rm['draft']:.1f} + {rm['target']:.1f} + {rm['overhead']:.2f} ({rm['overhead_pct']:.1f}%) | {same} |")
     lines += ["", "## Per prompt (ours / HF AR, ours / best HF prompt lookup)", ""]
@@ -127,7 +132,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the recipe's")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/main")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="re-render an earlier main_bench.json's Markdown and plot into --out, measuring nothing")
     args = parser.parse_args()
+    if args.from_json:
+        earlier = json.loads(args.from_json.read_text())
+        runs = [summarize(r["recipe"], r["suite"], r["result"]) for r in earlier["raw"]]
+        args.out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.out / "main_bench.md", markdown(runs, earlier["environment"]))
+        plot(runs, args.out / "main_bench.png")
+        return
     runs, raw = [], []
     for name in args.recipes:
         recipe = Recipe.load(resolve(name, "", "--recipes"))
