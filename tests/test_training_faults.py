@@ -191,7 +191,17 @@ def test_hostile_pickles_in_eagle_caches_and_checkpoints_never_run(tmp_path, tok
 
 
 # ------------------------------------------------------------------------------------------------ atomicity
-def test_ctrl_c_is_held_until_the_step_is_applied():
+@pytest.fixture
+def sigint_disposition():
+    """Set SIGINT's handler for one test and restore it after (a job started in the background of a non-interactive
+    shell inherits SIGINT ignored, so the test cannot rely on Python's default handler being there)."""
+    original = signal.getsignal(signal.SIGINT)
+    yield lambda handler: signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGINT, original)
+
+
+def test_ctrl_c_is_held_until_the_step_is_applied(sigint_disposition):
+    sigint_disposition(signal.default_int_handler)
     applied = []
     with pytest.raises(KeyboardInterrupt):
         with deferred_interrupts():
@@ -200,6 +210,15 @@ def test_ctrl_c_is_held_until_the_step_is_applied():
             applied.append("bookkeeping")
     assert applied == ["update", "bookkeeping"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_held_ctrl_c_keeps_an_ignored_sigint_ignored(sigint_disposition):
+    sigint_disposition(signal.SIG_IGN)  # e.g. under nohup ... & : the process asked not to be interrupted
+    applied = []
+    with deferred_interrupts():
+        os.kill(os.getpid(), signal.SIGINT)
+        applied.append("update")
+    assert applied == ["update"] and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
 
 
 def test_resaving_a_step_switches_latest_atomically(tmp_path):
