@@ -109,6 +109,9 @@ def test_two_processes_converting_at_once_share_one_conversion(tmp_path, tiny_gg
     assert converted.parent == cache and (converted / "config.json").is_file()
     conversions = sum("converting tiny-llama.gguf" in err for _, err in results)
     assert conversions == 1, [err[-2000:] for _, err in results]  # the second waited and reused, not re-converted
+    reports = [line for _, err in results for line in err.splitlines() if line.startswith("converted ")]
+    assert len(reports) == 1 and "tiny-llama.gguf (" in reports[0] and str(converted) in reports[0]
+    assert "MiB GGUF) in " in reports[0] and "cached as fp32 safetensors" in reports[0]
     assert manifest_problem(converted) is None
     leftovers = [p.name for p in cache.iterdir() if p.name.startswith(".")]
     assert leftovers == []  # no temporary directory left behind

@@ -26,7 +26,9 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -157,6 +159,13 @@ def _convert_into(gguf_path: Path, tmp: Path) -> None:
         bar.update()
 
 
+def _report_conversion(gguf_path: Path, out_dir: Path, seconds: float) -> None:
+    """One line on stderr: what was converted, where the copy is cached, how big it is and how long it took."""
+    mib = sum(f.stat().st_size for f in out_dir.iterdir() if f.is_file()) / 2**20
+    print(f"converted {gguf_path.name} ({gguf_path.stat().st_size / 2**20:.0f} MiB GGUF) in {seconds:.0f} s: "
+          f"cached as fp32 safetensors, {mib:.0f} MiB, in {out_dir}", file=sys.stderr, flush=True)
+
+
 def check_gguf(path: Path, field: str = "source") -> None:
     """Raise :class:`ModelLoadError` naming ``field`` unless ``path`` is a readable GGUF file: the magic bytes, then
     the header and tensor table (``gguf.GGUFReader``, memory-mapped: nothing is dequantized)."""
@@ -214,9 +223,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, field: str = "source") -> Path:
                 log.warning("cached model copy is damaged: %s; converting %s again", problem, gguf_path.name)
                 shutil.rmtree(out_dir)
             tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+            started = time.perf_counter()
             try:
                 _convert_into(gguf_path, tmp)
                 os.replace(tmp, out_dir)
+                _report_conversion(gguf_path, out_dir, time.perf_counter() - started)
             except BaseException as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
                 Path(lock.lock_file).unlink(missing_ok=True)
