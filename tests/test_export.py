@@ -211,3 +211,52 @@ def test_comment_lines_escape_every_line_break():
     lines = text.splitlines()
     assert lines[0] == "#!/bin/sh" and lines[-1].startswith("exec ") and all(x.startswith("# ") for x in lines[1:-1])
     assert "# WARNING: a\\nb" in text and "c\\rd\\x1b[31m" in text and "e\\u2029f" in text
+
+
+# ------------------------------------------------------------------------------------------------ engine schema
+#: vLLM's ``SpeculativeConfig`` (vllm/config/speculative.py, vLLM main at commit 002e77c1, Nov 2026): the fields an
+#: export may set and their types, and the ``SpeculativeMethod`` values among those this toolkit emits. vLLM does not
+#: install on a CPU-only machine, so the exports are held against this table, written from that source.
+VLLM_SPECULATIVE_FIELDS = {
+    "method": str, "model": str, "num_speculative_tokens": int, "quantization": str,
+    "prompt_lookup_max": int, "prompt_lookup_min": int,
+    "suffix_decoding_max_tree_depth": int, "suffix_decoding_max_cached_requests": int,
+    "suffix_decoding_max_spec_factor": float, "suffix_decoding_min_token_prob": float,
+}
+VLLM_METHODS = {"ngram", "draft_model", "suffix", "eagle", "eagle3"}
+
+
+def _every_drafter_recipe():
+    from toolkit.resources import shipped
+
+    recipes = [Recipe.load(p) for p in sorted(shipped("").glob("*.yaml"))]
+    recipes += [_recipe(spec={"drafter": name, "num_draft_tokens": 3})
+                for name in ("draft_model", "self", "ngram", "suffix", "lookup")]
+    return recipes
+
+
+def test_vllm_speculative_config_matches_the_engines_schema():
+    seen = set()
+    for r in _every_drafter_recipe():
+        spec = export(r, "vllm").config.get("speculative_config")
+        if spec is None:
+            continue
+        unknown = set(spec) - set(VLLM_SPECULATIVE_FIELDS)
+        assert not unknown, (r.name, unknown)
+        for key, value in spec.items():
+            kind = VLLM_SPECULATIVE_FIELDS[key]
+            assert isinstance(value, kind) and not isinstance(value, bool), (r.name, key, value)
+        assert spec["method"] in VLLM_METHODS and spec["num_speculative_tokens"] >= 1
+        assert spec.get("prompt_lookup_min", 1) <= spec.get("prompt_lookup_max", 1 << 30)
+        assert 0.0 <= spec.get("suffix_decoding_min_token_prob", 0.0) <= 1.0
+        seen.add(spec["method"])
+    assert {"ngram", "draft_model", "suffix"} <= seen
+
+
+def test_suffix_knobs_reach_vllm_suffix_decoding():
+    r = _recipe(draft=None, spec={"drafter": "suffix", "num_draft_tokens": 6, "max_spec_factor": 2.5,
+                                  "min_token_prob": 0.2, "max_cached_requests": 0, "suffix_depth": 32})
+    spec = export(r, "vllm").config["speculative_config"]
+    assert spec == {"method": "suffix", "num_speculative_tokens": 6, "suffix_decoding_max_spec_factor": 2.5,
+                    "suffix_decoding_min_token_prob": 0.2, "suffix_decoding_max_cached_requests": 0,
+                    "suffix_decoding_max_tree_depth": 32}

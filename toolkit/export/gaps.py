@@ -39,7 +39,9 @@ def spec_warnings(recipe, engine: str) -> list[str]:
     s = recipe.spec
     out = []
     if s.adaptive != "constant":
-        out.append(f"spec.adaptive: {s.adaptive} (K in [{s.k_min}, {s.k_max}]) — adaptive draft length is not "
+        span = f"K in [{s.k_min}, {s.k_max}]" if s.adaptive == "ema" else \
+            f"verify length 1..{s.num_draft_tokens} by the measured cost curve"
+        out.append(f"spec.adaptive: {s.adaptive} ({span}) — adaptive draft length is not "
                    f"expressed; exported a constant K = spec.num_draft_tokens = {s.num_draft_tokens}")
     out += [f"spec.{field}: {what} has no {name} setting" for field, what in s.config.engine_gaps()]
     if s.config.draft == DRAFT_TARGET:

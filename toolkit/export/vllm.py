@@ -1,8 +1,11 @@
 """Recipe -> vLLM configuration (``LLM(**config)`` / ``vllm serve``).
 
 Key names checked against vLLM's documentation of ``SpeculativeConfig`` and its speculative-decoding pages
-(docs.vllm.ai, latest): ``speculative_config`` = ``{method, model, num_speculative_tokens, prompt_lookup_max,
-prompt_lookup_min, quantization}`` with ``method`` one of ``draft_model``, ``ngram``, ``suffix``, ``eagle``, ``eagle3``;
+(docs.vllm.ai, latest; vllm/config/speculative.py): ``speculative_config`` = ``{method, model,
+num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, suffix_decoding_max_tree_depth,
+suffix_decoding_max_cached_requests, suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob, quantization}``
+with ``method`` one of ``draft_model``, ``ngram``, ``suffix``, ``eagle``, ``eagle3`` (held against that source by
+``tests/test_export.py``);
 top-level ``quantization`` (``bitsandbytes``), ``dtype`` and ``kv_cache_dtype`` (``auto``). Marked uncertain for the
 lead: the draft's own ``quantization`` key inside ``speculative_config`` and the tree settings (vLLM's token tree
 option is experimental), both reported as warnings rather than guessed.

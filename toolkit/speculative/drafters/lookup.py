@@ -70,6 +70,14 @@ class LookupConfig(DrafterConfig):
         check_float(f"{prefix}.prior_slope", self.prior_slope, low=0.0, high=20.0)
         check_float(f"{prefix}.prior_share", self.prior_share, low=0.0, high=20.0)
 
+    def engine_params(self, engine: str) -> dict:
+        """The nearest vLLM method is suffix decoding: its memory of earlier requests and its tree depth carry over;
+        the match-length prior and the cost-aware length do not (listed by :meth:`engine_gaps`)."""
+        if engine != "vllm":
+            return {}
+        return {"suffix_decoding_max_cached_requests": self.max_cached_requests,
+                "suffix_decoding_max_tree_depth": self.memory_depth}
+
 
 @register_drafter(LookupConfig)
 class LookupDrafter(RemembersRequests, Drafter):

@@ -62,6 +62,15 @@ class SuffixConfig(DrafterConfig):
         check_int(f"{prefix}.max_cached_requests", self.max_cached_requests, low=0, high=100000)
         check_int(f"{prefix}.suffix_depth", self.suffix_depth, low=4, high=1024)
 
+    def engine_params(self, engine: str) -> dict:
+        """vLLM's suffix decoding (``SpeculativeConfig.suffix_decoding_*``, the same four knobs); SGLang has none."""
+        if engine != "vllm":
+            return {}
+        return {"suffix_decoding_max_spec_factor": self.max_spec_factor,
+                "suffix_decoding_min_token_prob": self.min_token_prob,
+                "suffix_decoding_max_cached_requests": self.max_cached_requests,
+                "suffix_decoding_max_tree_depth": self.suffix_depth}
+
 
 @register_drafter(SuffixConfig)
 class SuffixDrafter(RemembersRequests, Drafter):
