@@ -161,13 +161,13 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_batch_results(result: dict, out_dir: Path, prompts_label: str = "") -> Path:
-    """Write ``<out_dir>/<name>-<hash>[-<prompts_label>]-batch<N>.{json,md}`` (the label names the prompt file or
-    suite, so runs of one recipe over different prompts do not overwrite each other); returns the JSON's path."""
-    label = re.sub(r"[^A-Za-z0-9._-]", "_", prompts_label).strip("._")
+def write_batch_results(result: dict, out_dir: Path) -> Path:
+    """Write ``<out_dir>/<name>-<hash>[-<prompts_source>]-batch<N>.{json,md}`` (``result["prompts_source"]`` names the
+    prompt file or suite, so runs of one recipe over different prompts do not overwrite each other); returns the
+    JSON's path."""
+    label = re.sub(r"[^A-Za-z0-9._-]", "_", result.get("prompts_source") or "").strip("._")
     stem = "-".join(part for part in (result["recipe"]["name"], result["config_hash"], label) if part)
     path = Path(out_dir) / f"{stem}-batch{result['batch_size']}.json"
-    result = {**result, "prompts_source": prompts_label or None}
     atomic_write_json(path, result)
     atomic_write_text(path.with_suffix(".md"), markdown(result))
     return path

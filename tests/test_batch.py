@@ -169,8 +169,8 @@ def test_prompt_file_and_batched_run_with_baselines(tmp_path):
     assert all(s["new_tokens"] == 36 for s in result["summary"].values())  # HF's rows too: same prompts, same length
     assert "hf-batch-ar" in markdown(result)
     # runs of one recipe over two prompt sources land in two files, never over each other
-    first = write_batch_results(result, tmp_path / "out", "repeat")
-    second = write_batch_results(result, tmp_path / "out", "../my prompts")
+    first = write_batch_results({**result, "prompts_source": "repeat"}, tmp_path / "out")
+    second = write_batch_results({**result, "prompts_source": "../my prompts"}, tmp_path / "out")
     assert first.name == f"batch-{result['config_hash']}-repeat-batch2.json"
     assert second.name == f"batch-{result['config_hash']}-my_prompts-batch2.json"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(

@@ -128,8 +128,8 @@ def _run_batch(recipe, batch_size: int, prompt_file: Optional[Path], compare: bo
         suite = str(prompt_file) if prompt_file is not None else recipe.prompts
         texts = [p.prompt for p in spread(load_suite(suite), num_prompts)]
     result = run_batch(toolkit.build(recipe), texts, batch_size, compare=compare, repeats=repeats if compare else 1)
-    source = prompt_file if prompt_file is not None else Path(recipe.prompts)
-    path = write_batch_results(result, out, source.stem)
+    result["prompts_source"] = (prompt_file if prompt_file is not None else Path(recipe.prompts)).stem
+    path = write_batch_results(result, out)
     typer.echo(markdown(result))
     typer.echo(f"results: {path}")
 
