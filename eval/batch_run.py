@@ -16,50 +16,17 @@ Throughput = all new tokens / wall time of the method over all prompts; median [
 from __future__ import annotations
 
 import copy
-import json
 import re
 import time
 from pathlib import Path
 
 import torch
 
-from toolkit.errors import ConfigError
 from toolkit.io import atomic_write_json, atomic_write_text
 from toolkit.measure.harness import environment
 from toolkit.measure.timing import Summary, synchronize
 
 METHODS = ("ours-batch", "hf-batch-ar", "ours-single")
-
-
-def load_prompt_file(path: str | Path) -> list:
-    """Prompts of a JSONL file: one per line, ``{"prompt": "text"}``, ``{"messages": [...]}`` or a JSON string.
-
-    Raises:
-        ConfigError: unreadable file, a line that is not JSON, or a line of another shape (the line is named).
-    """
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError("--prompts", f"cannot read {path}: {exc}") from None
-    prompts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"--prompts:{number}", f"not JSON: {exc.msg}") from None
-        if isinstance(item, dict) and isinstance(item.get("messages"), list):
-            item = item["messages"]
-        elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
-            item = item["prompt"]
-        if not (isinstance(item, str) and item) and not (isinstance(item, list) and item):
-            raise ConfigError(f"--prompts:{number}", 'expected {"prompt": "text"}, {"messages": [...]} or a string')
-        prompts.append(item)
-    if not prompts:
-        raise ConfigError("--prompts", f"{path} holds no prompt")
-    return prompts
 
 
 def hf_batch_generate(model, tokenizer, inputs: list[torch.Tensor], gen, eos_ids: list[int],
@@ -68,7 +35,8 @@ def hf_batch_generate(model, tokenizer, inputs: list[torch.Tensor], gen, eos_ids
     config = copy.deepcopy(model.generation_config)
     config.max_new_tokens, config.min_new_tokens, config.do_sample = gen.max_new_tokens, None, False
     config.eos_token_id = [] if gen.ignore_eos or not eos_ids else list(eos_ids)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    pad = getattr(tokenizer, "pad_token_id", None)  # no tokenizer (token-id prompts): EOS, else 0
+    pad = pad if pad is not None else (eos_ids[0] if eos_ids else 0)
     config.pad_token_id = pad
     device = next(model.parameters()).device
     out: list[list[int]] = []
@@ -87,32 +55,54 @@ def hf_batch_generate(model, tokenizer, inputs: list[torch.Tensor], gen, eos_ids
     return out
 
 
-def _runners(generator, inputs, prompts, gen, batch_size: int) -> dict:
+def _runners(generator, inputs, prompts, gen, batch_size: int, kv_peaks: list | None = None) -> dict:
     eos = generator.eos_token_ids(gen)
     overrides = {"max_new_tokens": gen.max_new_tokens, "ignore_eos": gen.ignore_eos}
+
+    def ours_batch() -> list[list[int]]:
+        results = generator.generate_batch(prompts, batch_size, **overrides)
+        if kv_peaks is not None:  # the batch cache's peak (a recipe run one request at a time: each row's own)
+            kv_peaks.append(max(r.stats.batch_kv_peak_bytes or r.stats.peak_kv_bytes_target for r in results))
+        return [r.token_ids for r in results]
+
     return {
-        "ours-batch": lambda: [r.token_ids for r in generator.generate_batch(prompts, batch_size, **overrides)],
+        "ours-batch": ours_batch,
         "hf-batch-ar": lambda: hf_batch_generate(generator.target, generator.tokenizer, inputs, gen, eos, batch_size),
         "ours-single": lambda: [generator.generate(p, **overrides).token_ids for p in prompts],
     }
 
 
-def run_batch(generator, prompts: list, batch_size: int, compare: bool = False, repeats: int = 3) -> dict:
-    """Time the methods of the module docstring over ``prompts``; returns the JSON-able result."""
+def run_batch(generator, prompts: list, batch_size: int, compare: bool = False, repeats: int = 3, gen=None,
+              methods: list[str] | None = None, reuse: dict | None = None) -> dict:
+    """Time the methods of the module docstring over ``prompts`` (strings, chat messages or ``(1, n)`` token ids);
+    returns the JSON-able result.
+
+    ``gen``: the generation settings (default the recipe's; only ``max_new_tokens`` and ``ignore_eos`` reach HF);
+    ``methods``: which of :data:`METHODS` to time (default all with ``compare``, else ``ours-batch``); ``reuse``: a
+    dict kept by the caller across calls — an ``hf-batch-ar`` measurement of the same model object, prompts, settings
+    and batch size is taken from it instead of timed again (the search's trials share it).
+    """
     from eval.metrics import PeakMemory
 
-    gen = generator.recipe.generation
+    gen = gen or generator.recipe.generation
     inputs = [generator.encode(p) for p in prompts]
-    runners = _runners(generator, inputs, prompts, gen, batch_size)
-    methods = list(METHODS) if compare else ["ours-batch"]
+    kv_peaks: list[int] = []
+    runners = _runners(generator, inputs, prompts, gen, batch_size, kv_peaks)
+    methods = [m for m in METHODS if m in (methods or (METHODS if compare else ["ours-batch"]))]
+    if "ours-batch" not in methods:
+        raise ValueError(f"run_batch: methods must include 'ours-batch', got {methods}")
+    key = ("hf-batch-ar", id(generator.target), tuple(tuple(x[0].tolist()) for x in inputs), gen.max_new_tokens,
+           gen.ignore_eos, batch_size, repeats)
+    reused = reuse.get(key) if reuse is not None and "hf-batch-ar" in methods else None
+    timed = [m for m in methods if not (reused and m == "hf-batch-ar")]
     device = next(generator.target.parameters()).device
-    for method in methods:  # warm-up: kernels, allocator, the verify cost curve for batches
+    for method in timed:  # warm-up: kernels, allocator, the verify cost curve for batches
         generator.forget()
         _runners(generator, inputs[:2], prompts[:2], gen, batch_size)[method]()
-    times = {m: [] for m in methods}
-    outputs, peaks = {}, {m: [] for m in methods}
+    times = {m: [] for m in timed}
+    outputs, peaks = {}, {m: [] for m in timed}
     for rep in range(repeats):
-        for method in methods[rep % len(methods):] + methods[:rep % len(methods)]:
+        for method in timed[rep % len(timed):] + timed[:rep % len(timed)]:
             generator.forget()
             synchronize(device)
             with PeakMemory(str(device)) as meter:
@@ -121,10 +111,18 @@ def run_batch(generator, prompts: list, batch_size: int, compare: bool = False, 
                 synchronize(device)
                 times[method].append(time.perf_counter() - start)
             peaks[method].append(meter.result)
-    return _summary(generator, prompts, batch_size, methods, times, outputs, peaks, repeats)
+    if reused:
+        times["hf-batch-ar"], outputs["hf-batch-ar"], peaks["hf-batch-ar"] = reused
+    elif reuse is not None and "hf-batch-ar" in timed:
+        reuse[key] = (times["hf-batch-ar"], outputs["hf-batch-ar"], peaks["hf-batch-ar"])
+    result = _summary(generator, prompts, batch_size, methods, times, outputs, peaks, repeats, gen)
+    result["summary"]["ours-batch"]["kv_peak_bytes"] = max(kv_peaks)
+    if reused:
+        result["summary"]["hf-batch-ar"]["reused"] = True
+    return result
 
 
-def _summary(generator, prompts, batch_size, methods, times, outputs, peaks, repeats) -> dict:
+def _summary(generator, prompts, batch_size, methods, times, outputs, peaks, repeats, gen) -> dict:
     summary = {}
     for m in methods:
         tokens = sum(len(ids) for ids in outputs[m])
@@ -135,11 +133,12 @@ def _summary(generator, prompts, batch_size, methods, times, outputs, peaks, rep
     for m in methods[1:]:
         summary["ours-batch"][f"speedup_vs_{m}"] = ours / summary[m]["throughput"]["median"]
     identical = None
-    if "ours-single" in outputs and not generator.recipe.generation.do_sample:
+    if "ours-single" in outputs and not gen.do_sample:
         identical = [a == b for a, b in zip(outputs["ours-batch"], outputs["ours-single"])]
     recipe = generator.recipe
     return {"recipe": recipe.to_dict(), "config_hash": recipe.config_hash(), "batch_size": batch_size,
-            "batched": generator.batchable, "prompts": len(prompts), "repeats": repeats, "summary": summary,
+            "batched": generator.batchable and batch_size > 1, "prompts": len(prompts), "repeats": repeats,
+            "summary": summary,
             "rows_identical_to_single": identical, "environment": environment()}
 
 
@@ -171,3 +170,25 @@ def write_batch_results(result: dict, out_dir: Path) -> Path:
     atomic_write_json(path, result)
     atomic_write_text(path.with_suffix(".md"), markdown(result))
     return path
+
+
+def batch_section(generator, prompts: list, gen, repeats: int, baselines, reuse: dict | None) -> dict:
+    """The ``batch`` section of an evaluation of a recipe that sets ``batch_size``: :func:`run_batch` over
+    ``prompts`` (``(1, n)`` token ids) at the recipe's batch size.
+
+    ``baselines``: ``True`` (HF batched AR and our single-row decoder), ``False`` (ours only) or a list naming
+    ``hf-batch-ar`` / ``ours-single``. Returns ``{batch_size, batched, prompts, methods: {method: {throughput,
+    new_tokens, peak_rss_bytes}}, ratios, rows_identical_to_single, kv_peak_bytes}``.
+    """
+    wanted = {True: list(METHODS), False: ["ours-batch"]}.get(baselines) if isinstance(baselines, bool) else \
+        ["ours-batch"] + [m for m in METHODS[1:] if m in baselines]
+    result = run_batch(generator, prompts, generator.recipe.rows_per_forward, repeats=repeats, gen=gen,
+                       methods=wanted, reuse=reuse)
+    summary = result["summary"]
+    ours = summary["ours-batch"]
+    ratios = {f"ours_batch_vs_{m.replace('-', '_')}": ours[f"speedup_vs_{m}"] for m in summary if m != "ours-batch"}
+    methods = {m: {k: v for k, v in s.items() if not k.startswith("speedup_vs_") and k != "kv_peak_bytes"}
+               for m, s in summary.items()}
+    return {"batch_size": result["batch_size"], "batched": result["batched"], "prompts": result["prompts"],
+            "methods": methods, "ratios": ratios, "rows_identical_to_single": result["rows_identical_to_single"],
+            "kv_peak_bytes": ours["kv_peak_bytes"]}

@@ -58,14 +58,18 @@ class EvalSettings:
         ppl_source: text source of :mod:`eval.data` (prose, code, wikitext, pg19), test split.
         ppl_tokens: tokens of held-out text for perplexity.
         ppl_window / ppl_stride: sliding-window protocol for the uncompressed model.
-        baselines: run the HF baselines (``True``: AR, assisted / prompt lookup, AR fp32 reference; or a list of
-            those names; ``False``: none).
+        baselines: run the HF baselines (``True``: AR, assisted / prompt lookup, AR fp32 reference, and in the batch
+            stage HF batched AR and our single-row decoder; or a list of those names — ``ar``, ``assisted``,
+            ``prompt_lookup``, ``prompt_lookup_10``, ``ar_fp32``, ``hf-batch-ar``, ``ours-single``; ``False``: none).
         reuse_baselines: reuse an identical baseline measurement made earlier in this process (same model objects,
             prompts and generation settings) instead of timing it again — the search sets this, since its trials
             share baselines; a single ``toolkit eval`` never does.
         reference: load the fp32 uncompressed target as the quality reference when the target is not fp32.
         ignore_eos: fixed-length runs (EOS disabled) for every method.
         mode: label used in the results directory name (``full`` / ``fast`` / anything).
+        batch_prompts: prompts of the batch stage of a recipe that sets ``batch_size`` (:func:`eval.batch_run.
+            batch_section`, the ``batch`` section of the metrics): N of the suite spread over its kinds, ``None`` =
+            all; ``num_prompts`` cuts only the per-request stage.
     """
 
     num_prompts: int | None = None
@@ -81,6 +85,7 @@ class EvalSettings:
     reference: bool = True
     ignore_eos: bool = True
     mode: str = "full"
+    batch_prompts: int | None = None
 
     def __post_init__(self) -> None:
         """Check every field; raises :class:`ConfigError` naming it (``repeats``, ``ppl_source`` ...)."""
@@ -88,7 +93,7 @@ class EvalSettings:
         from toolkit.checks import TOKENS_MAX, check_choice, check_int
         from toolkit.errors import ConfigError
 
-        for name in ("num_prompts", "max_new_tokens"):
+        for name in ("num_prompts", "max_new_tokens", "batch_prompts"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), low=1, high=TOKENS_MAX)
         check_int("repeats", self.repeats, low=1, high=1000)
@@ -116,7 +121,10 @@ class EvalSettings:
         return cls(**base)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if data["batch_prompts"] is None:  # unset: earlier results (and their directory names) stay valid
+            del data["batch_prompts"]
+        return data
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:6]
@@ -140,6 +148,7 @@ def results_dir(recipe: Recipe, settings: EvalSettings, root: str | Path = DEFAU
 # ------------------------------------------------------------------------------------------------- model cache
 _REF_PPL: dict[tuple, dict] = {}
 _BASELINES: dict[tuple, dict] = {}
+_BATCH_BASELINES: dict[tuple, tuple] = {}
 
 
 def get_model(spec: ModelSpec, field: str = "model"):
@@ -151,6 +160,7 @@ def clear_model_cache() -> None:
     SHARED_POOL.clear()
     _REF_PPL.clear()
     _BASELINES.clear()
+    _BATCH_BASELINES.clear()
 
 
 def load_recipe_models(recipe: Recipe, reference: bool = True):
@@ -164,7 +174,7 @@ def load_recipe_models(recipe: Recipe, reference: bool = True):
 
 
 # ------------------------------------------------------------------------------------------------- helpers
-def _prompts(recipe: Recipe, prompts, generator, settings: EvalSettings) -> list[Prompt]:
+def _prompts(recipe: Recipe, prompts, generator, count: int | None) -> list[Prompt]:
     """Harness prompts from injected prompts (token-id lists, tensors, suite prompts) or the recipe's suite."""
     if prompts is None:
         from toolkit.measure.prompts import load_suite
@@ -178,7 +188,7 @@ def _prompts(recipe: Recipe, prompts, generator, settings: EvalSettings) -> list
             out.append(Prompt(f"ids-{i}", "ids", p.view(1, -1).long()))
         else:
             out.append(Prompt(p.id, p.kind, generator.encode(p.prompt, f"prompts.{p.id}")))
-    out = spread(out, settings.num_prompts)
+    out = spread(out, count)
     if not out:
         raise ValueError("prompts: no prompts to evaluate")
     return out
@@ -228,7 +238,8 @@ def evaluate(recipe: Recipe, *, settings: EvalSettings | None = None, out_dir: s
     run = _Run.start(recipe, settings, prompts, progress, target, tokenizer, draft_model, reference_model)
     perplexity = _perplexity(run, ppl_ids)
     measured, reused = _timed(run)
-    result = _document(run, measured, reused, perplexity, started)
+    batch = _batched(run) if run.batch_items else None
+    result = _document(run, measured, reused, perplexity, started, batch)
     validate_metrics(result)
     if write:
         from eval.report import write_report
@@ -268,6 +279,7 @@ class _Run:
     items: list
     gen: object
     progress: bool
+    batch_items: list  # prompts of the batch stage (empty: the recipe runs one request at a time)
 
     @classmethod
     def start(cls, recipe, settings, prompts, progress, target, tokenizer, draft_model, reference_model) -> _Run:
@@ -279,16 +291,18 @@ class _Run:
         generator = build(recipe, target=target, tokenizer=tokenizer, draft_model=draft_model)
         if reference_model is None and recipe.target.precision == "fp32":
             reference_model = target
-        items = _prompts(recipe, prompts, generator, settings)
+        items = _prompts(recipe, prompts, generator, settings.num_prompts)
+        batched = recipe.batch_size is not None  # scored as it runs: a list of prompts at its batch size
+        batch_items = _prompts(recipe, prompts, generator, settings.batch_prompts) if batched else []
         max_new = recipe.generation.max_new_tokens
         if settings.max_new_tokens is not None:
             max_new = min(max_new, settings.max_new_tokens)
         gen = dataclasses.replace(recipe.generation, max_new_tokens=max_new,
                                   ignore_eos=settings.ignore_eos or recipe.generation.ignore_eos)
         gen.validate("generation")
-        for item in items:  # before any forward: empty prompts, prompts past the context, EOS ids outside the vocab
+        for item in items + batch_items:  # before any forward: empty prompts, prompts past the context, bad EOS ids
             generator.check_request(item.input_ids, gen, f"prompts.{item.id}")
-        return cls(recipe, settings, generator, reference_model, items, gen, progress)
+        return cls(recipe, settings, generator, reference_model, items, gen, progress, batch_items)
 
     @property
     def target(self):
@@ -365,6 +379,19 @@ def _timed(run: _Run) -> tuple:
     return measured, reused
 
 
+def _batched(run: _Run) -> dict:
+    """The batch stage (:func:`eval.batch_run.batch_section`): the recipe over ``run.batch_items`` at its batch size,
+    next to HF batched AR and our single-row decoder (as ``settings.baselines`` allows)."""
+    from eval.batch_run import batch_section
+
+    if run.progress:
+        log.info("batch stage: %d prompts, batch size %d", len(run.batch_items), run.recipe.batch_size)
+    section = batch_section(run.generator, [it.input_ids for it in run.batch_items], run.gen, run.settings.repeats,
+                            run.settings.baselines, _BATCH_BASELINES if run.settings.reuse_baselines else None)
+    section["prompts"] = [it.id for it in run.batch_items]
+    return section
+
+
 def _method_metrics(measured, reused: dict, first: dict) -> dict:
     out = {}
     for m in measured.methods:
@@ -405,7 +432,7 @@ def _fidelity(run: _Run, first: dict) -> dict:
     return fid
 
 
-def _memory(run: _Run, ours_stats: list, ppl_conf: dict, peak: dict) -> dict:
+def _memory(run: _Run, ours_stats: list, ppl_conf: dict, peak: dict, batch: dict | None) -> dict:
     weights = run.generator.weight_bytes
     per_token = M.kv_bytes_per_token(run.target)
     lengths = [s.prompt_tokens + s.new_tokens - 1 for s in ours_stats]
@@ -425,12 +452,15 @@ def _memory(run: _Run, ours_stats: list, ppl_conf: dict, peak: dict) -> dict:
                          "draft": sum(s.compressions_draft for s in ours_stats)},
         "peak": peak,
     }
-    memory["total_peak_bytes"] = (memory["weight_bytes"]["total"] + memory["kv_bytes"]["target_peak"]
-                                  + memory["kv_bytes"]["draft_peak"])
+    kv_peak = memory["kv_bytes"]["target_peak"] + memory["kv_bytes"]["draft_peak"]
+    if batch is not None:  # the batch cache holds every row at once
+        memory["kv_bytes"]["batch_peak"] = batch["kv_peak_bytes"]
+        kv_peak = max(kv_peak, batch["kv_peak_bytes"])
+    memory["total_peak_bytes"] = memory["weight_bytes"]["total"] + kv_peak
     return memory
 
 
-def _document(run: _Run, measured, reused: dict, perplexity: dict, started: float) -> dict:
+def _document(run: _Run, measured, reused: dict, perplexity: dict, started: float, batch: dict | None) -> dict:
     """The ``metrics.json`` document of one evaluation."""
     recipe, settings, gen, items = run.recipe, run.settings, run.gen, run.items
     first = {m: [(c.token_ids, c.stats) for c in measured.first(m)] for m in measured.methods}
@@ -451,11 +481,12 @@ def _document(run: _Run, measured, reused: dict, perplexity: dict, started: floa
         "prompts": [{"id": it.id, "kind": it.kind, "prompt_tokens": int(it.input_ids.shape[1])} for it in items],
         "perplexity": perplexity,
         "acceptance": M.acceptance(ours_stats),
-        "memory": _memory(run, ours_stats, perplexity["configured"], method_metrics["ours"]["peak_memory"]),
+        "memory": _memory(run, ours_stats, perplexity["configured"], method_metrics["ours"]["peak_memory"], batch),
         "methods": method_metrics,
         "ratios": _ratios(method_metrics),
         "fidelity": _fidelity(run, first),
         "trajectories": [{"prompt": it.id, "rows": _downsample(t)} for it, t in zip(items, trajectories)],
+        **({"batch": batch} if batch is not None else {}),
         "elapsed_s": time.perf_counter() - started,
         "skipped": False,
     }

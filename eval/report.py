@@ -24,6 +24,26 @@ def _mb(n: int | None) -> str:
     return "–" if n is None else f"{n / MB:.2f} MiB"
 
 
+def _batch_lines(batch: dict | None) -> list[str]:
+    """The batch stage's table (recipes that set ``batch_size``)."""
+    if batch is None:
+        return []
+    how = "batched" if batch["batched"] else "one request at a time (this recipe cannot batch)"
+    lines = ["", f"### Batch size {batch['batch_size']} ({how})", "",
+             f"{len(batch['prompts'])} prompts, every method over all of them; throughput = all new tokens / wall "
+             "time, median [min–max].", "", "| method | new tokens | throughput (tok/s) | peak RSS |", "|---|---|---|---|"]
+    for name, e in batch["methods"].items():
+        lines.append(f"| {name}{' (reused)' if e.get('reused') else ''} | {e['new_tokens']} | "
+                     f"{_fmt_summary(e['throughput'])} | {_mb(e['peak_rss_bytes'])} |")
+    if batch["ratios"]:
+        lines += ["", "Ratios: " + ", ".join(f"{k.replace('_vs_', ' / ')} = **{v:.2f}×**"
+                                            for k, v in batch["ratios"].items())]
+    same = batch["rows_identical_to_single"]
+    if same is not None:
+        lines += ["", f"Rows identical to the prompt decoded alone: {sum(same)}/{len(same)}."]
+    return lines
+
+
 def markdown(m: dict) -> str:
     """The report.md text of a metrics dict."""
     r, p, a, mem, env = m["recipe"], m["perplexity"], m["acceptance"], m["memory"], m["environment"]
@@ -66,6 +86,7 @@ def markdown(m: dict) -> str:
     if m["ratios"]:
         lines += ["", "Throughput ratios (medians, same process): "
                   + ", ".join(f"{k.replace('_vs_', ' / ')} = **{v:.2f}×**" for k, v in m["ratios"].items())]
+    lines += _batch_lines(m.get("batch"))
     lines += ["", "## Acceptance", "",
               f"α = {a['acceptance_rate']:.3f} (accepted {a['accepted']} / drafted {a['drafted']}), "
               f"τ = {a['tokens_per_round']:.3f} tokens per round ({a['committed']} committed / {a['rounds']} "
@@ -78,6 +99,8 @@ def markdown(m: dict) -> str:
               f"| KV target peak / final (exact) | {_mb(kv['target_peak'])} / {_mb(kv['target_final'])} |",
               f"| KV draft peak / final (exact) | {_mb(kv['draft_peak'])} / {_mb(kv['draft_final'])} |",
               f"| KV target uncompressed at the same length (computed) | {_mb(kv['uncompressed_target_peak'])} |",
+              *([f"| KV batch cache peak (exact; holes and padding included) | {_mb(kv['batch_peak'])} |"]
+                if "batch_peak" in kv else []),
               f"| weights + peak KV | {_mb(mem['total_peak_bytes'])} |",
               f"| compressions target / draft | {mem['compressions']['target']} / {mem['compressions']['draft']} |"]
     lines += ["", "## Fidelity (greedy token agreement)", ""]

@@ -24,13 +24,18 @@ class EvalResult:
 
     Attributes:
         name / config_hash / target_precision: which recipe.
-        throughput / ttft_ms / tpot_ms: our decoder's speed, median [min-max] over repetitions.
+        throughput / ttft_ms / tpot_ms: our decoder's speed, median [min-max] over repetitions; a recipe that sets
+            ``batch_size`` is scored as it runs, so ``throughput`` is then its batched throughput over the batch
+            prompts (``document["batch"]``) and ``single_throughput`` the per-request stage's.
         ppl: perplexity of held-out text through the recipe's cache; ``ppl_ratio``: over the fp32 uncompressed
             reference (``None`` without one).
         acceptance_rate / tokens_per_round: α and τ over the prompts.
-        weight_bytes / kv_peak_bytes / total_peak_bytes: weights (target + draft), peak KV (target + draft), both.
-        ratios: throughput ratios measured in the same run (``ours_vs_ar``, ``ours_vs_assisted``, ...).
-        baseline_throughput: median tok/s of every baseline that ran (``ar``, ``ar_fp32``, ``assisted``, ...).
+        weight_bytes / kv_peak_bytes / total_peak_bytes: weights (target + draft), peak KV (target + draft, or the
+            batch cache's when larger), both.
+        ratios: throughput ratios measured in the same run (``ours_vs_ar``, ``ours_vs_assisted``, ...; batched:
+            ``ours_batch_vs_hf_batch_ar``, ``ours_batch_vs_ours_single``).
+        baseline_throughput: median tok/s of every baseline that ran (``ar``, ``ar_fp32``, ``assisted``, ...,
+            ``hf-batch-ar``, ``ours-single``).
         fidelity_vs_ar / fidelity_vs_fp32: match rate of our greedy text against AR (``None`` when not measured).
         skipped: loaded from an earlier run instead of measured.
         document: the full ``metrics.json`` document.
@@ -40,6 +45,7 @@ class EvalResult:
     config_hash: str
     target_precision: str
     throughput: Summary
+    single_throughput: Summary
     ttft_ms: Summary
     tpot_ms: Summary
     ppl: float
@@ -63,16 +69,23 @@ class EvalResult:
         ours = m["methods"]["ours"]
         kv = m["memory"]["kv_bytes"]
         fid = m["fidelity"]
+        batch = m.get("batch")
+        baselines = {k: v["throughput"]["median"] for k, v in m["methods"].items() if k != "ours"}
+        ratios = dict(m["ratios"])
+        if batch is not None:
+            baselines.update({k: v["throughput"]["median"] for k, v in batch["methods"].items() if k != "ours-batch"})
+            ratios.update(batch["ratios"])
         return cls(
             name=m["recipe"]["name"], config_hash=m["recipe"]["config_hash"],
             target_precision=m["recipe"]["config"]["target"]["precision"],
-            throughput=_summary(ours["throughput"]), ttft_ms=_summary(ours["ttft_ms"]),
+            throughput=_summary((batch["methods"]["ours-batch"] if batch else ours)["throughput"]),
+            single_throughput=_summary(ours["throughput"]), ttft_ms=_summary(ours["ttft_ms"]),
             tpot_ms=_summary(ours["tpot_ms"]),
             ppl=m["perplexity"]["configured"]["value"], ppl_ratio=m["perplexity"]["ratio_to_fp32"],
             acceptance_rate=m["acceptance"]["acceptance_rate"], tokens_per_round=m["acceptance"]["tokens_per_round"],
-            weight_bytes=m["memory"]["weight_bytes"]["total"], kv_peak_bytes=kv["target_peak"] + kv["draft_peak"],
-            total_peak_bytes=m["memory"]["total_peak_bytes"], ratios=dict(m["ratios"]),
-            baseline_throughput={k: v["throughput"]["median"] for k, v in m["methods"].items() if k != "ours"},
+            weight_bytes=m["memory"]["weight_bytes"]["total"],
+            kv_peak_bytes=max(kv["target_peak"] + kv["draft_peak"], kv.get("batch_peak", 0)),
+            total_peak_bytes=m["memory"]["total_peak_bytes"], ratios=ratios, baseline_throughput=baselines,
             fidelity_vs_ar=fid.get("vs_ar", {}).get("match_rate"),
             fidelity_vs_fp32=fid.get("vs_fp32", {}).get("match_rate"),
             elapsed_s=m.get("elapsed_s", 0.0), skipped=bool(m.get("skipped", False)), document=m)
@@ -99,7 +112,10 @@ class EvalResult:
         if self.ppl_ratio is not None:
             parts.append(f"(x{self.ppl_ratio:.3f} of fp32)")
         parts.append(f"α {self.acceptance_rate:.2f} τ {self.tokens_per_round:.2f}")
-        parts.append(f"{self.throughput.median:.1f} tok/s [{self.throughput.min:.1f}-{self.throughput.max:.1f}]")
+        batch = self.document.get("batch")
+        parts.append(f"{self.throughput.median:.1f} tok/s [{self.throughput.min:.1f}-{self.throughput.max:.1f}]"
+                     + (f" at batch size {batch['batch_size']} ({self.single_throughput.median:.1f} one request at a "
+                        "time)" if batch else ""))
         parts += [f"{key} {value:.2f}x" for key, value in self.ratios.items()]
         parts.append(f"weights+KV {self.memory_mb:.1f} MiB")
         return ", ".join(parts)

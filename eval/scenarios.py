@@ -1,4 +1,4 @@
-"""The three scenarios: what a search optimizes and which constraints a recipe must meet (also in the README).
+"""The four scenarios: what a search optimizes and which constraints a recipe must meet (also in the README).
 
 * ``short`` — prompts <= 256 tokens, 128-256 new tokens. Objective: throughput (tokens/s) of our loop.
   Constraints: perplexity <= ``ppl_ratio_max`` x the fp32 uncompressed target (default 1.10); optional memory
@@ -9,6 +9,11 @@
   (the fp32 uncompressed target with HF ``generate``, measured in the same process). Memory = exact bytes of
   weights (target + draft) + peak KV (target + draft): the memory the recipe itself needs, independent of what else
   the process holds; peak RSS / CUDA peaks are reported next to it.
+* ``throughput`` — a file of prompts served in batches (``batch_size`` is searched). Objective: tokens/s of the
+  whole batched run (all new tokens / wall time; :func:`eval.batch_run.batch_section`). Constraints: weights + peak
+  KV of the batch cache <= ``budget_mb`` (default 1024 MiB, ``--budget-mb``); perplexity <= 1.10 x fp32. Baselines in
+  the same run: HF batched ``generate`` (AR, left-padded) at the same batch size; the held-out confirmation adds
+  our single-row decoder over the same prompts.
 
 Every trial is scored on three objectives (throughput up, perplexity down, memory down) so the Pareto front is
 comparable across scenarios; the scenario decides which feasible trial wins (its ``primary`` objective, ties
@@ -65,6 +70,7 @@ SCENARIOS = {
     "short": Scenario("short", primary="throughput", ppl_ratio_max=1.10),
     "long": Scenario("long", primary="throughput", ppl_ratio_max=1.25, kv_budget_mb=32.0),
     "memory": Scenario("memory", primary="memory_mb", ppl_ratio_max=1.10, min_speedup_vs_ar=1.0),
+    "throughput": Scenario("throughput", primary="throughput", ppl_ratio_max=1.10, budget_mb=1024.0),
 }
 
 

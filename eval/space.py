@@ -283,7 +283,7 @@ class SearchSpace:
 SPACE_KEYS = ("scenario", "trials", "timeout_s", "constraints", "base", "eval", "heldout", "seeds", "space",
               "description")
 DIMENSION_KEYS = ("choices", "path", "when", "enabled", "disabled")
-HELDOUT_KEYS = ("prompts", "num_prompts", "compare")
+HELDOUT_KEYS = ("prompts", "num_prompts", "compare", "baselines")
 MAX_TRIALS = 100_000
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
@@ -453,14 +453,17 @@ def _eval_settings(settings: object) -> dict:
 
 
 def _heldout(heldout: object) -> dict:
-    """The ``heldout`` section: ``prompts`` (a suite), optional ``num_prompts`` (>= 1) and ``compare`` (names)."""
+    """The ``heldout`` section: ``prompts`` (a suite), optional ``num_prompts`` (>= 1), ``compare`` (names) and
+    ``baselines`` (the confirmation's, as ``eval.baselines``)."""
     if not isinstance(heldout, dict) or set(heldout) - set(HELDOUT_KEYS):
-        raise ConfigError("search.heldout", "must be a mapping with 'prompts' (a suite), optional 'num_prompts' and "
-                          "'compare' (shipped recipe names measured on the same prompts)")
+        raise ConfigError("search.heldout", "must be a mapping with 'prompts' (a suite), optional 'num_prompts', "
+                          "'compare' (shipped recipe names measured on the same prompts) and 'baselines'")
     if "prompts" in heldout and (not isinstance(heldout["prompts"], str) or not heldout["prompts"]):
         raise ConfigError("search.heldout.prompts", f"must name a prompt suite, got {heldout['prompts']!r}")
     if heldout.get("num_prompts") is not None:
         check_int("search.heldout.num_prompts", heldout["num_prompts"], low=1, high=10_000)
     if "compare" in heldout:
         check_str_list("search.heldout.compare", heldout["compare"], "shipped recipe names")
+    if "baselines" in heldout and not isinstance(heldout["baselines"], bool):
+        check_str_list("search.heldout.baselines", heldout["baselines"], "baseline names (eval.evaluate.EvalSettings)")
     return heldout

@@ -142,8 +142,9 @@ def test_prompt_file_and_batched_run_with_baselines(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from eval.batch_run import load_prompt_file, markdown, run_batch, write_batch_results
+    from eval.batch_run import markdown, run_batch, write_batch_results
     from toolkit.errors import ConfigError
+    from toolkit.measure.prompts import load_prompt_file, load_suite
 
     path = tmp_path / "p.jsonl"
     texts = [" ".join(f"t{int(i)}" for i in p[0]) for p in prompts(3)]
@@ -151,6 +152,8 @@ def test_prompt_file_and_batched_run_with_baselines(tmp_path):
                                json.dumps({"messages": [{"role": "user", "content": texts[2]}]})]))
     loaded = load_prompt_file(path)
     assert loaded[:2] == texts[:2] and loaded[2] == [{"role": "user", "content": texts[2]}]
+    suite = load_suite(str(path))  # a JSONL file is a prompt suite too (a recipe's `prompts`)
+    assert [(p.id, p.kind) for p in suite] == [("prompt-1", "text"), ("prompt-2", "text"), ("prompt-3", "chat")]
     for bad, where in (("{not json", "--prompts:1"), ('{"prompt": 3}', "--prompts:1"), ("", "--prompts")):
         path.write_text(bad)
         with pytest.raises(ConfigError) as excinfo:

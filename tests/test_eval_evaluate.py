@@ -157,3 +157,43 @@ def test_search_mode_reuses_identical_baselines(models, inputs, tmp_path):
     assert set(first["methods"]) == {"ours", "ar"} and not first["methods"]["ar"].get("reused")
     assert second["methods"]["ar"]["reused"]
     assert second["methods"]["ar"]["throughput"] == first["methods"]["ar"]["throughput"]
+
+
+def test_batched_recipe_is_scored_as_it_runs(models, inputs, tmp_path):
+    """batch_size > 1: a batch stage over the suite next to HF batched AR and our single-row decoder; throughput and
+    memory are the batched run's; rows identical to each prompt alone; HF batched AR reused across evaluations."""
+    from eval.evaluate import clear_model_cache
+
+    clear_model_cache()
+    target, _ = models
+    prompts, ppl_ids = inputs
+    g = torch.Generator().manual_seed(5)
+    prompts = prompts + [torch.randint(3, 128, (n,), generator=g).tolist() for n in (7, 15)]
+    recipe = Recipe.from_dict({"name": "tiny-batch", "target": {"device": "cpu"}, "draft": None, "batch_size": 3,
+                               "spec": {"drafter": "lookup", "num_draft_tokens": 4, "adaptive": "cost"},
+                               "generation": {"max_new_tokens": 64}})
+    settings = EvalSettings.fast(max_new_tokens=16, repeats=2, warmup=0, ppl_tokens=120, ppl_window=64,
+                                 ppl_stride=32, num_prompts=1, reuse_baselines=True)
+    result = evaluate(recipe, settings=settings, out_dir=tmp_path / "a", target=target, tokenizer=None,
+                      prompts=prompts, ppl_ids=ppl_ids, progress=False)
+    m = result.to_dict()
+    batch = m["batch"]
+    validate_metrics(m)
+    assert batch["batch_size"] == 3 and batch["batched"] and len(batch["prompts"]) == 4  # num_prompts cuts stage 1
+    assert len(m["prompts"]) == 1 and set(batch["methods"]) == {"ours-batch", "hf-batch-ar", "ours-single"}
+    assert batch["rows_identical_to_single"] == [True] * 4
+    assert all(e["new_tokens"] == 4 * 16 for e in batch["methods"].values())
+    assert result.throughput.median == batch["methods"]["ours-batch"]["throughput"]["median"]
+    assert result.single_throughput.median == m["methods"]["ours"]["throughput"]["median"]
+    assert set(result.ratios) >= {"ours_batch_vs_hf_batch_ar", "ours_batch_vs_ours_single"}
+    per_token = m["memory"]["kv_bytes"]["per_token_uncompressed"]
+    longest_three = sorted(len(p) for p in prompts)[-3:]
+    # three rows share the cache at first: at least their prompts, at most 3 rows x (longest + new + a verify block)
+    assert per_token * sum(longest_three) <= batch["kv_peak_bytes"] <= 3 * per_token * (max(longest_three) + 16 + 17)
+    assert m["memory"]["total_peak_bytes"] == m["memory"]["weight_bytes"]["total"] + batch["kv_peak_bytes"]
+    assert "### Batch size 3 (batched)" in (tmp_path / "a" / "report.md").read_text()
+    again = evaluate(recipe.replace(name="tiny-batch-k2", spec=recipe.spec.__class__(drafter="ngram",
+                     num_draft_tokens=2)), settings=settings, out_dir=tmp_path / "b", target=target, tokenizer=None,
+                     prompts=prompts, ppl_ids=ppl_ids, progress=False).to_dict()["batch"]
+    assert again["methods"]["hf-batch-ar"].get("reused") and not again["methods"]["ours-single"].get("reused")
+    assert again["rows_identical_to_single"] == [True] * 4

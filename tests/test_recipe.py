@@ -186,3 +186,17 @@ def test_yaml_is_plain_data():
     assert data["spec"]["num_draft_tokens"] == 6
     assert data["kv"] == {"policy": "none"}
     assert data["generation"]["stop_strings"] == ["\n\n", "END"]
+
+
+def test_batch_size_is_checked_round_trips_and_leaves_older_hashes_alone():
+    from toolkit.errors import ConfigError
+
+    plain = Recipe()
+    assert "batch_size" not in plain.to_dict() and plain.rows_per_forward == 8  # unset: the default for lists
+    batched = Recipe(batch_size=4)
+    assert Recipe.from_yaml(batched.to_yaml()) == batched and batched.rows_per_forward == 4
+    assert batched.config_hash() != plain.config_hash()
+    for bad in (0, 257, 2.5, True, "8"):
+        with pytest.raises(ConfigError) as excinfo:
+            Recipe(batch_size=bad)
+        assert excinfo.value.field == "batch_size"

@@ -3,6 +3,7 @@ recipe, resumes without repeating finished trials."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -195,7 +196,7 @@ def test_resume_after_kill_9_reruns_only_what_was_lost(tmp_path, tiny):
 def test_space_files_parse_and_build_valid_recipes():
     from eval.space import load_space
 
-    for name in ("short", "long", "memory"):
+    for name in ("short", "long", "memory", "throughput"):
         sp = load_space(name)
         assert sp.scenario == name and sp.source == f"recipes/search/{name}.yaml"
         built = 0
@@ -211,6 +212,12 @@ def test_space_files_parse_and_build_valid_recipes():
         assert built >= 2
         for seed_name, point in sp.seed_points():  # the shipped recipes are valid points of their space
             assert sp.recipe(point).spec.drafter
+    # throughput: every point is a batched recipe of a drafter that batches (model-free, uncompressed cache)
+    sp = load_space("throughput")
+    rng = random.Random(1)
+    for point in [sp.random_point(rng) for _ in range(20)]:
+        recipe = sp.recipe(point)
+        assert recipe.batch_size == point["batch_size"] and recipe.spec.config.batch and recipe.kv.policy == "none"
     # long: only caches whose peak KV is bounded (a budget or window) whatever the generation length are searched
     for dim in load_space("long").dimensions:
         if dim.name in ("kv_policy", "draft_kv_policy"):
@@ -405,3 +412,34 @@ def test_storage_password_never_written_or_passed_on_the_command_line(tmp_path, 
     assert len(started) == 2
     for cmd, env in started:
         assert not any("s3cret" in part for part in cmd) and env[S.STORAGE_ENV] == url
+
+
+def test_throughput_search_scores_batched_runs_and_writes_a_batched_recipe(tmp_path, tiny):
+    """The throughput scenario: batch size searched, trials scored on the batched run (HF batched AR reused across
+    trials), the memory bound on weights + the batch cache, the found recipe carries its batch size."""
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (9, 14, 11, 6)]
+    space = {"scenario": "throughput", "trials": 3,
+             "base": {"target": {"device": "cpu"}, "draft": None, "kv": {"policy": "none"}, "batch_size": 2,
+                      "spec": {"drafter": "lookup", "num_draft_tokens": 4, "adaptive": "cost"},
+                      "generation": {"max_new_tokens": 16}, "prompts": "short"},
+             "eval": {**EVAL, "baselines": ["hf-batch-ar"], "reuse_baselines": True, "max_new_tokens": 12},
+             "heldout": {"baselines": ["hf-batch-ar", "ours-single"]},
+             "seeds": {"b1": {"batch_size": 1, "drafter": "lookup"}},
+             "space": {"batch_size": {"path": "batch_size", "choices": [1, 2, 4]},
+                       "drafter": {"choices": {"lookup": {"spec": {"drafter": "lookup"}},
+                                               "none": {"spec": {"drafter": "none"}}}}}}
+    result = S.run_search("throughput", space=space, out=tmp_path / "found", progress=False, prompts=prompts,
+                          ppl_ids=torch.randint(3, 128, (64,), generator=g).tolist(), heldout_prompts=prompts[:3],
+                          models_fn=lambda r: {"target": tiny["target"], "tokenizer": None, "draft_model": None,
+                                               "reference_model": None})
+    assert result["trials"] == 3 and result["best"]["feasible"]
+    rows = json.loads((tmp_path / "found" / "throughput" / "trials.json").read_text())["rows"]
+    assert len(rows) == 3 and rows[0]["params"]["batch_size"] == 1  # the seed first
+    for row in rows:  # every trial scored on its batched run, next to HF batched AR at its batch size
+        assert "ours_batch_vs_hf_batch_ar" in row["summary"]["ratios"]
+    held = result["best"]["heldout"]["summary"]["ratios"]
+    assert {"ours_batch_vs_hf_batch_ar", "ours_batch_vs_ours_single"} <= set(held)
+    found = Recipe.load(tmp_path / "found" / "throughput.yaml")
+    assert found.batch_size == result["best"]["params"]["batch_size"]
+    assert "HF batched AR" in (tmp_path / "found" / "throughput" / "pareto.md").read_text()

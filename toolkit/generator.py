@@ -65,14 +65,20 @@ class Generator:
         self.calibrator = Calibrator()  # acceptance calibration (adaptive: cost), learned across calls
 
     # -------------------------------------------------------------------------------------------- preparation
-    def encode(self, prompt: str | list[dict], field: str = "prompt") -> torch.Tensor:
-        """Token ids ``(1, prompt_len)`` of a string, or of chat messages rendered with the chat template.
+    def encode(self, prompt: str | list[dict] | torch.Tensor, field: str = "prompt") -> torch.Tensor:
+        """Token ids ``(1, prompt_len)`` of a string, or of chat messages rendered with the chat template; token ids
+        ``(1, prompt_len)`` (an integer tensor) are taken as they are.
 
         Raises:
             ConfigError (``field``): an empty string, an empty message list, a message without a string ``role`` and
                 ``content``, messages whose contents are all empty, or messages for a tokenizer without a chat
                 template.
         """
+        if torch.is_tensor(prompt):
+            if prompt.dim() != 2 or prompt.shape[0] != 1 or prompt.dtype not in (torch.long, torch.int):
+                raise ConfigError(field, f"token ids must be an integer tensor of shape (1, prompt_len), got "
+                                  f"{prompt.dtype} {tuple(prompt.shape)}")
+            return prompt.long()
         if isinstance(prompt, str):
             if not prompt:
                 raise ConfigError(field, "is empty: give the text to continue")
@@ -85,7 +91,8 @@ class Generator:
                                   "or 'code' entry in a prompt suite)")
             ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt")
             return ids if torch.is_tensor(ids) else ids["input_ids"]
-        raise ConfigError(field, "must be a string or a list of {'role': ..., 'content': ...} messages")
+        raise ConfigError(field, "must be a string, a list of {'role': ..., 'content': ...} messages or token ids "
+                          "(1, prompt_len)")
 
     def check_request(self, input_ids: torch.Tensor, gen: GenerationSpec, field: str = "prompt") -> None:
         """Check one request against the models before any forward.
@@ -220,6 +227,8 @@ class Generator:
         return chunks, stats, input_ids[0].tolist(), gen
 
     def _text(self, ids: list[int], gen: GenerationSpec) -> str:
+        if self.tokenizer is None:  # built without a tokenizer (token-id prompts): ids only
+            return ""
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         for stop in gen.stop_strings:  # end right after the first stop string
             at = text.find(stop)
@@ -268,20 +277,24 @@ class Generator:
         spec = self.recipe.spec
         return spec.config.batch and self.target_policy is None and not spec.tree
 
-    def generate_batch(self, prompts: list, batch_size: int = 8, **overrides) -> list[GenerationResult]:
+    def generate_batch(self, prompts: list, batch_size: int | None = None, **overrides) -> list[GenerationResult]:
         """Generate a completion of every prompt, ``batch_size`` of them per target forward (continuous batching:
-        a finished row's place goes to the next prompt); results in input order.
+        a finished row's place goes to the next prompt); results in input order. ``batch_size`` ``None``: the
+        recipe's (:attr:`toolkit.recipe.Recipe.rows_per_forward`).
 
         Batched decoding (:mod:`toolkit.speculative.batch`) needs :attr:`batchable`; any other recipe runs the
         prompts one at a time (logged). Raises ConfigError for a bad ``batch_size`` or generation argument.
         """
         from toolkit.checks import check_int
+        from toolkit.recipe import BATCH_SIZE_MAX
         from toolkit.speculative.batch import BatchDecoder
 
-        check_int("batch_size", batch_size, low=1, high=256)
-        if not self.batchable:
-            log.info("recipe %s runs its prompts one at a time (batched decoding needs a model-free drafter, the "
-                     "uncompressed cache and chains)", self.recipe.name)
+        batch_size = self.recipe.rows_per_forward if batch_size is None else batch_size
+        check_int("batch_size", batch_size, low=1, high=BATCH_SIZE_MAX)
+        if not self.batchable or batch_size == 1:
+            if batch_size > 1:
+                log.info("recipe %s runs its prompts one at a time (batched decoding needs a model-free drafter, the "
+                         "uncompressed cache and chains)", self.recipe.name)
             return [self.generate(p, **overrides) for p in prompts]
         gen = self._generation_spec(overrides)
         inputs = [self.encode(p) for p in prompts]
@@ -300,7 +313,8 @@ class Generator:
 
 def _is_prompt_list(prompt) -> bool:
     """A list of prompts (strings or message lists), as opposed to one chat (a list of message dicts)."""
-    return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) or torch.is_tensor(p)
+                                                             for p in prompt)
 
 
 def _check_messages(messages: list[dict], field: str) -> None:

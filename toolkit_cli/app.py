@@ -105,8 +105,8 @@ def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped reci
         import dataclasses
 
         loaded = loaded.replace(generation=dataclasses.replace(loaded.generation, max_new_tokens=max_new_tokens))
-    if batch_size is not None or prompts is not None:
-        _run_batch(loaded, batch_size or 8, prompts, compare, repeats, num_prompts, out)
+    if batch_size is not None or prompts is not None or loaded.batch_size is not None:
+        _run_batch(loaded, batch_size or loaded.rows_per_forward, prompts, compare, repeats, num_prompts, out)
         return
     results = run_recipe(loaded, compare=compare, repeats=repeats, num_prompts=num_prompts)
     path = write_results(results, out)
@@ -118,15 +118,13 @@ def _run_batch(recipe, batch_size: int, prompt_file: Optional[Path], compare: bo
                num_prompts: Optional[int], out: Path) -> None:
     """``toolkit run --batch-size / --prompts``: see :mod:`eval.batch_run`."""
     import toolkit
-    from eval.batch_run import load_prompt_file, markdown, run_batch, write_batch_results
+    from eval.batch_run import markdown, run_batch, write_batch_results
     from toolkit.measure.harness import spread
     from toolkit.measure.prompts import load_suite
 
-    if prompt_file is not None and prompt_file.suffix == ".jsonl":
-        texts = load_prompt_file(prompt_file)[:num_prompts]
-    else:  # a prompt suite: the recipe's, or one named / given as YAML with --prompts
-        suite = str(prompt_file) if prompt_file is not None else recipe.prompts
-        texts = [p.prompt for p in spread(load_suite(suite), num_prompts)]
+    # the recipe's suite, or the one --prompts names (JSONL of prompts, a suite YAML or a shipped suite name)
+    suite = str(prompt_file) if prompt_file is not None else recipe.prompts
+    texts = [p.prompt for p in spread(load_suite(suite), num_prompts)]
     result = run_batch(toolkit.build(recipe), texts, batch_size, compare=compare, repeats=repeats if compare else 1)
     result["prompts_source"] = (prompt_file if prompt_file is not None else Path(recipe.prompts)).stem
     path = write_batch_results(result, out)
@@ -185,8 +183,9 @@ def eval_(recipe: str = typer.Argument(..., help="recipe YAML file or shipped re
 
 @app.command()
 @reported
-def search(scenario: str = typer.Option(..., help="short, long or memory"),
-           budget_mb: Optional[float] = typer.Option(None, help="memory budget in MiB (memory scenario)"),
+def search(scenario: str = typer.Option(..., help="short, long, memory or throughput"),
+           budget_mb: Optional[float] = typer.Option(None, help="memory budget in MiB: weights + peak KV (memory and "
+                                                     "throughput scenarios)"),
            trials: Optional[int] = typer.Option(None, min=1, help="completed trials the study should reach"),
            timeout: Optional[float] = typer.Option(None, min=1, help="wall-clock budget of this run in seconds "
                                                    "(default: the space file's timeout_s, <= 30 min)"),
@@ -205,13 +204,16 @@ def search(scenario: str = typer.Option(..., help="short, long or memory"),
            target: Optional[str] = typer.Option(None, help="search for your model: a local HF directory or a .gguf "
                                                 "file (the space adapts: no embedded-only EAGLE head, KV groups "
                                                 "that divide its head dimension)"),
-           draft: Optional[str] = typer.Option(None, help=DRAFT_HELP)):
+           draft: Optional[str] = typer.Option(None, help=DRAFT_HELP),
+           prompts: Optional[str] = typer.Option(None, help="the trials' prompts: a JSONL file ({\"prompt\": ...} or "
+                                                 "{\"messages\": [...]} per line), a suite YAML or a shipped suite")):
     """Search the configuration space of SCENARIO; writes <out>/<scenario>.yaml and a Pareto plot."""
     from eval.cli import search_command
 
     search_command(scenario, budget_mb=budget_mb, trials=trials, storage=storage, timeout=timeout,
                    out=_check_out(out), workers=workers, study_name=study_name, space=space, enable=enable,
-                   finalize_results=finalize, heartbeat_s=heartbeat, target=target, draft=draft)
+                   finalize_results=finalize, heartbeat_s=heartbeat, target=target, draft=draft,
+                   prompt_suite=prompts)
 
 
 def _register_distill() -> None:

@@ -25,7 +25,8 @@ def heldout_confirmation(sp: SearchSpace, settings, out_dir: Path, models_fn: Ca
     def confirm(recipe):
         inject = models_fn(recipe) if models_fn is not None else {}
         h_settings = dataclasses.replace(settings, reuse_baselines=False, mode="heldout",
-                                         num_prompts=sp.heldout.get("num_prompts", settings.num_prompts))
+                                         num_prompts=sp.heldout.get("num_prompts", settings.num_prompts),
+                                         baselines=sp.heldout.get("baselines", settings.baselines))
         if heldout_prompts is None and not sp.heldout.get("prompts"):
             raise ConfigError("search.heldout.prompts", "no held-out prompt suite in the space file")
         r = recipe if heldout_prompts is not None else recipe.replace(prompts=sp.heldout["prompts"])

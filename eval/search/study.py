@@ -195,7 +195,7 @@ def start_workers(count: int, args: dict, storage: str) -> list[subprocess.Popen
     for item in args["enable"]:
         cmd += ["--enable", item]
     for flag, key in (("--budget-mb", "budget_mb"), ("--heartbeat", "heartbeat_s"), ("--target", "target"),
-                      ("--draft", "draft")):
+                      ("--draft", "draft"), ("--prompts", "prompt_suite")):
         if args.get(key) is not None:
             cmd += [flag, str(args[key])]
     env = {**os.environ, STORAGE_ENV: storage,
@@ -227,12 +227,14 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
                heartbeat_s: float | None = None, models_fn: Callable | None = None, prompts=None, ppl_ids=None,
                heldout_prompts=None, progress: bool = True, eval_overrides: dict | None = None,
                study_name: str | None = None, heldout: bool = True, target: str | None = None,
-               draft: str | None = None) -> dict:
+               draft: str | None = None, prompt_suite: str | None = None) -> dict:
     """Run (or resume) the search of ``scenario``; returns a summary dict (best row, Pareto front, counts, files).
 
     Args:
         target / draft: a user's model (local directory or .gguf) and draft LM: the space is adapted to them
             (:meth:`eval.space.SearchSpace.for_model`) and the found recipe names them.
+        prompt_suite: the trials' prompts instead of the space's (``base.prompts``): a JSONL file of prompts, a
+            suite YAML or a shipped suite name (``--prompts``).
         space: the space file (default ``recipes/search/<scenario>.yaml``), a path or a dict.
         out: output directory (relative to the working directory): ``<out>/<scenario>.yaml`` and ``<out>/<scenario>/``.
         found_dir: where the found recipe goes (default ``out``); ``None`` writes none.
@@ -271,6 +273,12 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
         sp = dataclasses.replace(sp, scenario=scenario)
     sp.enable(list(enable or []))
     sp.for_model(target, draft)
+    if prompt_suite is not None:
+        from toolkit.measure.prompts import load_suite
+
+        load_suite(prompt_suite)  # a bad file fails here, before any model loads
+        local = Path(prompt_suite).expanduser()
+        sp.base["prompts"] = str(local.resolve()) if local.is_file() else prompt_suite
     settings = EvalSettings(**{"mode": "search", **sp.eval, **(eval_overrides or {})})
     out = Path(out)
     (out / scenario).mkdir(parents=True, exist_ok=True)
@@ -289,7 +297,8 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
                                                "trials": run.n_total, "out": out, "timeout": run.time_left(),
                                                "space": space, "enable": list(enable or []),
                                                "budget_mb": budget_mb, "heartbeat_s": heartbeat_s, "target": target,
-                                           "draft": draft}, storage)
+                                               "draft": draft, "prompt_suite": sp.base.get("prompts")
+                                               if prompt_suite is not None else None}, storage)
         run.optimize(study, finalize_results and heldout)
         for child in children:
             if child.wait() != 0:

@@ -12,6 +12,7 @@ file pins which lines, and its ``version`` changes whenever a prompt does, so re
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,7 +113,8 @@ def _build(entry: object, field: str) -> Prompt:
 
 
 def load_suite(name_or_path: str) -> list[Prompt]:
-    """Prompts of a shipped suite (``short``, ``long``, ``memory``: ``recipes/prompts/``) or of a suite YAML file.
+    """Prompts of a shipped suite (``short``, ``long``, ``memory``: ``recipes/prompts/``), of a suite YAML file, or
+    of a JSONL file of prompts (:func:`load_prompt_file`; ids ``prompt-N``, in file order).
 
     Raises:
         ConfigError: unknown suite name, a file that is not readable UTF-8 YAML, not a mapping or without a
@@ -121,6 +123,9 @@ def load_suite(name_or_path: str) -> list[Prompt]:
     from toolkit.recipe import load_yaml_text, read_text
     from toolkit.resources import resolve
 
+    if str(name_or_path).endswith(".jsonl"):
+        return [Prompt(f"prompt-{i + 1}", "chat" if isinstance(p, list) else "text", p)
+                for i, p in enumerate(load_prompt_file(name_or_path, "prompts"))]
     path = resolve(name_or_path, "prompts", "prompts")
     data = load_yaml_text(read_text(path, "prompts"), "prompts")
     if not isinstance(data, dict):
@@ -137,4 +142,35 @@ def load_suite(name_or_path: str) -> list[Prompt]:
         if prompt.id in seen:
             raise ConfigError(f"prompts[{i}].id", f"{prompt.id!r} repeats prompts[{seen[prompt.id]}].id")
         seen[prompt.id] = i
+    return prompts
+
+
+def load_prompt_file(path: str | Path, field: str = "--prompts") -> list:
+    """Prompts of a JSONL file: one per line, ``{"prompt": "text"}``, ``{"messages": [...]}`` or a JSON string.
+
+    Raises:
+        ConfigError: unreadable file, a line that is not JSON, or a line of another shape (the line is named).
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(field, f"cannot read {path}: {exc}") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{field}:{number}", f"not JSON: {exc.msg}") from None
+        if isinstance(item, dict) and isinstance(item.get("messages"), list):
+            item = item["messages"]
+        elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
+            item = item["prompt"]
+        if not (isinstance(item, str) and item) and not (isinstance(item, list) and item):
+            raise ConfigError(f"{field}:{number}", 'expected {"prompt": "text"}, {"messages": [...]} or a string')
+        prompts.append(item)
+    if not prompts:
+        raise ConfigError(field, f"{path} holds no prompt")
     return prompts

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from toolkit.checks import check_choice
+from toolkit.checks import check_choice, check_int
 from toolkit.errors import ConfigError
 from toolkit.recipe.sections import (
     ADAPTIVE,
@@ -54,6 +54,11 @@ from toolkit.recipe.yaml_io import load_yaml_text, read_text
 from toolkit.recipe.yaml_io import section as _section
 from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_UNUSED
 
+#: most requests per target forward (``batch_size``, ``--batch-size``)
+BATCH_SIZE_MAX = 256
+#: requests per target forward for a list of prompts when the recipe does not set ``batch_size``
+DEFAULT_BATCH_SIZE = 8
+
 __all__ = ["Recipe", "ModelSpec", "KVSpec", "SpecSpec", "GenerationSpec", "check_name", "read_text",
            "load_yaml_text", "LOOP_FIELDS", "ADAPTIVE", "ATTN_IMPLEMENTATIONS", "BACKENDS", "COMPUTE_DTYPES",
            "DEVICES", "DRAFTERS", "EAGLE_PRECISIONS", "NAME_PATTERN", "NAME_RULE", "PRECISIONS", "TEMPERATURE_MIN",
@@ -66,7 +71,10 @@ class Recipe:
 
     ``draft`` is used by the ``draft_model`` drafter (its source and precision) and by the ``self`` drafter (only its
     precision: the source is the target's). ``draft_kv`` is the draft cache's own compression policy.
-    ``prompts`` names a suite in ``recipes/prompts/`` (``short``, ``long``, ``memory``) or a path to a suite file.
+    ``prompts`` names a suite in ``recipes/prompts/`` (``short``, ``long``, ``memory``) or a path to a suite file
+    (YAML, or JSONL of prompts / chat messages). ``batch_size`` is how many requests share a target forward when the
+    recipe runs a list of prompts (:meth:`toolkit.generator.Generator.generate_batch`, ``toolkit run --prompts``;
+    ``None``: :data:`DEFAULT_BATCH_SIZE`, 1: one request at a time); it is written to YAML only when set.
     """
 
     name: str = "recipe"
@@ -78,6 +86,7 @@ class Recipe:
     spec: SpecSpec = field(default_factory=SpecSpec)
     generation: GenerationSpec = field(default_factory=GenerationSpec)
     prompts: str = "short"
+    batch_size: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -105,6 +114,8 @@ class Recipe:
         self.generation.validate("generation")
         if not isinstance(self.prompts, str) or not self.prompts:
             raise ConfigError("prompts", "must name a prompt suite (short, long, memory) or a suite file path")
+        if self.batch_size is not None:
+            check_int("batch_size", self.batch_size, low=1, high=BATCH_SIZE_MAX)
 
     # ----------------------------------------------------------------------------------------------- (de)serialize
     def to_dict(self) -> dict:
@@ -118,7 +129,7 @@ class Recipe:
             "spec": self.spec.to_dict(),
             "generation": dataclasses.asdict(self.generation),
             "prompts": self.prompts,
-        }
+        } | ({"batch_size": self.batch_size} if self.batch_size is not None else {})  # unset: hashes stay as they were
 
     @classmethod
     def from_dict(cls, data: dict) -> Recipe:
@@ -129,7 +140,7 @@ class Recipe:
         if unknown:
             raise ConfigError(unknown[0], "unknown recipe field", sorted(known))
         kwargs: dict[str, Any] = {}
-        for key in ("name", "description", "prompts"):
+        for key in ("name", "description", "prompts", "batch_size"):
             if key in data:
                 kwargs[key] = data[key]
         kwargs["target"] = _section(ModelSpec, data.get("target", {}), "target")
@@ -169,6 +180,11 @@ class Recipe:
     def replace(self, **sections: Any) -> Recipe:
         """A validated copy with whole sections or top-level fields replaced."""
         return dataclasses.replace(self, **sections)
+
+    @property
+    def rows_per_forward(self) -> int:
+        """``batch_size``, or :data:`DEFAULT_BATCH_SIZE` when the recipe leaves it unset."""
+        return self.batch_size if self.batch_size is not None else DEFAULT_BATCH_SIZE
 
     def config_hash(self) -> str:
         """Short stable hash of everything that affects results (name and description excluded)."""

@@ -162,6 +162,7 @@ class BatchDecoder:
         batch = BatchCache(DynamicCache(config=self.target.config), torch.zeros(0, 0, dtype=torch.bool),
                            torch.zeros(0, dtype=torch.long))
         done: dict[int, tuple[list[int], GenerationStats]] = {}
+        peak_kv = 0  # bytes of the batch cache (holes and padding included) after the largest verify forward
         while waiting or rows:
             while waiting and len(rows) < self.batch_size:
                 row, single = self._start(*waiting.pop(0), gen)
@@ -172,7 +173,7 @@ class BatchDecoder:
                 batch.join(single)
             if not rows:
                 continue
-            self._round(rows, batch, gen, limit)
+            peak_kv = max(peak_kv, self._round(rows, batch, gen, limit))
             finished = [i for i, r in enumerate(rows) if self._finished(r, limit, eos, should_stop)]
             if finished:
                 for i in finished:
@@ -180,15 +181,20 @@ class BatchDecoder:
                 keep = [i for i in range(len(rows)) if i not in finished]
                 rows = [rows[i] for i in keep]
                 batch.remove(keep)
+        for _, stats in done.values():
+            stats.batch_kv_peak_bytes = peak_kv
         return [done[i] for i in range(len(prompts))]
 
-    def _round(self, rows: list[Row], batch: BatchCache, gen, limit: int) -> None:
+    def _round(self, rows: list[Row], batch: BatchCache, gen, limit: int) -> int:
+        """Propose, verify, accept and commit once for every row; returns the cache's bytes after the verify forward
+        (before the rejected slots are cropped: the round's peak)."""
         started = time.perf_counter()
         self._propose(rows, limit)
         width = self._width(rows)
         drafted_at = time.perf_counter()
         results = self._verify(rows, batch, width, gen)
         verified_at = time.perf_counter()
+        peak_kv = batch.kv_bytes()
         batch.accept(torch.tensor([a + 1 for a, _ in results], device=self.device), width)
         for row, (accepted, nxt) in zip(rows, results):
             drafted = min(len(row.proposal), width - 1)
@@ -207,6 +213,7 @@ class BatchDecoder:
             row.stats.record_time((drafted_at - started) * 1000 * share, (verified_at - drafted_at) * 1000 * share,
                                   (time.perf_counter() - started) * 1000 * share, width)
         self.cost.observe(len(rows) * width, (verified_at - drafted_at) * 1000)
+        return peak_kv
 
     @staticmethod
     def _finished(row: Row, limit: int, eos: set[int], should_stop) -> bool:
