@@ -73,14 +73,16 @@ def _runners(generator, inputs, prompts, gen, batch_size: int, kv_peaks: list | 
 
 
 def run_batch(generator, prompts: list, batch_size: int, compare: bool = False, repeats: int = 3, gen=None,
-              methods: list[str] | None = None, reuse: dict | None = None) -> dict:
+              methods: list[str] | None = None, reuse: dict | None = None, deadline: float | None = None) -> dict:
     """Time the methods of the module docstring over ``prompts`` (strings, chat messages or ``(1, n)`` token ids);
     returns the JSON-able result.
 
     ``gen``: the generation settings (default the recipe's; only ``max_new_tokens`` and ``ignore_eos`` reach HF);
     ``methods``: which of :data:`METHODS` to time (default all with ``compare``, else ``ours-batch``); ``reuse``: a
     dict kept by the caller across calls — an ``hf-batch-ar`` measurement of the same model object, prompts, settings
-    and batch size is taken from it instead of timed again (the search's trials share it).
+    and batch size is taken from it instead of timed again (the search's trials share it); ``deadline``: a
+    ``time.monotonic()`` value after which no further repetition starts (at least one runs; ``repeats`` in the
+    result is the number that ran).
     """
     from eval.metrics import PeakMemory
 
@@ -101,7 +103,13 @@ def run_batch(generator, prompts: list, batch_size: int, compare: bool = False, 
         _runners(generator, inputs[:2], prompts[:2], gen, batch_size)[method]()
     times = {m: [] for m in timed}
     outputs, peaks = {}, {m: [] for m in timed}
+    rep_started = time.monotonic()
     for rep in range(repeats):
+        now = time.monotonic()
+        if rep and deadline is not None and now + (now - rep_started) > deadline:
+            repeats = rep  # a time budget: the repetitions that fit
+            break
+        rep_started = now
         for method in timed[rep % len(timed):] + timed[:rep % len(timed)]:
             generator.forget()
             synchronize(device)
@@ -172,7 +180,8 @@ def write_batch_results(result: dict, out_dir: Path) -> Path:
     return path
 
 
-def batch_section(generator, prompts: list, gen, repeats: int, baselines, reuse: dict | None) -> dict:
+def batch_section(generator, prompts: list, gen, repeats: int, baselines, reuse: dict | None,
+                  deadline: float | None = None) -> dict:
     """The ``batch`` section of an evaluation of a recipe that sets ``batch_size``: :func:`run_batch` over
     ``prompts`` (``(1, n)`` token ids) at the recipe's batch size.
 
@@ -183,7 +192,7 @@ def batch_section(generator, prompts: list, gen, repeats: int, baselines, reuse:
     wanted = {True: list(METHODS), False: ["ours-batch"]}.get(baselines) if isinstance(baselines, bool) else \
         ["ours-batch"] + [m for m in METHODS[1:] if m in baselines]
     result = run_batch(generator, prompts, generator.recipe.rows_per_forward, repeats=repeats, gen=gen,
-                       methods=wanted, reuse=reuse)
+                       methods=wanted, reuse=reuse, deadline=deadline)
     summary = result["summary"]
     ours = summary["ours-batch"]
     ratios = {f"ours_batch_vs_{m.replace('-', '_')}": ours[f"speedup_vs_{m}"] for m in summary if m != "ours-batch"}

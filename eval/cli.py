@@ -6,10 +6,15 @@ import sys
 from pathlib import Path
 
 
+#: ``toolkit eval --fast`` fits its measurement into this many seconds unless ``--time-budget`` says otherwise
+FAST_TIME_BUDGET_S = 150.0
+
+
 def eval_command(recipe, force: bool = False, fast: bool = False, results_root: str | Path = "results",
-                 **settings):
-    """``toolkit eval RECIPE [--force] [--fast]``: evaluate a recipe (a Recipe or a YAML path), write
-    ``<results_root>/<name>-<hash>/``.
+                 time_budget_s: float | None = None, **settings):
+    """``toolkit eval RECIPE [--force] [--fast] [--time-budget S]``: evaluate a recipe (a Recipe or a YAML path),
+    write ``<results_root>/<name>-<hash>/``. ``--fast`` has a time budget of :data:`FAST_TIME_BUDGET_S` unless
+    ``time_budget_s`` is given (:mod:`eval.budget`).
 
     Extra keyword arguments override :class:`eval.evaluate.EvalSettings` fields. Returns the metrics dict.
     Raises ConfigError / ModelLoadError for a bad recipe or unreadable model.
@@ -18,6 +23,8 @@ def eval_command(recipe, force: bool = False, fast: bool = False, results_root: 
     from toolkit.recipe import Recipe
 
     recipe = recipe if isinstance(recipe, Recipe) else Recipe.load(recipe)
+    if time_budget_s is not None or fast:
+        settings["time_budget_s"] = time_budget_s if time_budget_s is not None else FAST_TIME_BUDGET_S
     cfg = EvalSettings.fast(**settings) if fast else EvalSettings(**settings)
     out = results_dir(recipe, cfg, results_root)
     result = evaluate(recipe, settings=cfg, out_dir=out, force=force)

@@ -67,6 +67,10 @@ class EvalSettings:
         reference: load the fp32 uncompressed target as the quality reference when the target is not fp32.
         ignore_eos: fixed-length runs (EOS disabled) for every method.
         mode: label used in the results directory name (``full`` / ``fast`` / anything).
+        time_budget_s: fit the work into this many seconds (model loading excluded): the protocol is cut step by
+            step from an estimate on the target's measured cost curve (:mod:`eval.budget`: perplexity tokens, new
+            tokens, prompts, repetitions) and the timing loop starts no repetition that would overrun; the cuts are
+            in ``metrics.json`` ``budget`` and the report. ``None``: no budget.
         batch_prompts: prompts of the batch stage of a recipe that sets ``batch_size`` (:func:`eval.batch_run.
             batch_section`, the ``batch`` section of the metrics): N of the suite spread over its kinds, ``None`` =
             all; ``num_prompts`` cuts only the per-request stage.
@@ -86,6 +90,7 @@ class EvalSettings:
     ignore_eos: bool = True
     mode: str = "full"
     batch_prompts: int | None = None
+    time_budget_s: float | None = None
 
     def __post_init__(self) -> None:
         """Check every field; raises :class:`ConfigError` naming it (``repeats``, ``ppl_source`` ...)."""
@@ -108,9 +113,12 @@ class EvalSettings:
         for name in ("reuse_baselines", "reference", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
+        from toolkit.checks import check_float
         from toolkit.recipe import check_name
 
         check_name("mode", self.mode)  # part of a results directory name
+        if self.time_budget_s is not None:
+            check_float("time_budget_s", self.time_budget_s, low=0.0, low_open=True, high=7 * 24 * 3600.0)
 
     @classmethod
     def fast(cls, **overrides) -> EvalSettings:
@@ -122,8 +130,9 @@ class EvalSettings:
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
-        if data["batch_prompts"] is None:  # unset: earlier results (and their directory names) stay valid
-            del data["batch_prompts"]
+        for name in ("batch_prompts", "time_budget_s"):
+            if data[name] is None:  # unset: earlier results (and their directory names) stay valid
+                del data[name]
         return data
 
     def key(self) -> str:
@@ -280,6 +289,9 @@ class _Run:
     gen: object
     progress: bool
     batch_items: list  # prompts of the batch stage (empty: the recipe runs one request at a time)
+    requested: EvalSettings  # the settings asked for (``settings``: what runs, cut to fit a time budget)
+    budget: object = None  # eval.budget.Fitted, when the settings have a time budget
+    deadline: float | None = None  # time.monotonic() by which the work should be done
 
     @classmethod
     def start(cls, recipe, settings, prompts, progress, target, tokenizer, draft_model, reference_model) -> _Run:
@@ -291,9 +303,15 @@ class _Run:
         generator = build(recipe, target=target, tokenizer=tokenizer, draft_model=draft_model)
         if reference_model is None and recipe.target.precision == "fp32":
             reference_model = target
-        items = _prompts(recipe, prompts, generator, settings.num_prompts)
+        requested, started = settings, time.monotonic()
+        every = _prompts(recipe, prompts, generator, None)
         batched = recipe.batch_size is not None  # scored as it runs: a list of prompts at its batch size
-        batch_items = _prompts(recipe, prompts, generator, settings.batch_prompts) if batched else []
+        batch_items = spread(every, settings.batch_prompts) if batched else []
+        budget = None
+        if settings.time_budget_s is not None:
+            budget = _fit_budget(recipe, settings, generator, every, batch_items, reference_model)
+            settings = budget.settings
+        items = spread(every, settings.num_prompts)
         max_new = recipe.generation.max_new_tokens
         if settings.max_new_tokens is not None:
             max_new = min(max_new, settings.max_new_tokens)
@@ -302,7 +320,9 @@ class _Run:
         gen.validate("generation")
         for item in items + batch_items:  # before any forward: empty prompts, prompts past the context, bad EOS ids
             generator.check_request(item.input_ids, gen, f"prompts.{item.id}")
-        return cls(recipe, settings, generator, reference_model, items, gen, progress, batch_items)
+        deadline = started + settings.time_budget_s if settings.time_budget_s is not None else None
+        return cls(recipe, settings, generator, reference_model, items, gen, progress, batch_items, requested,
+                   budget, deadline)
 
     @property
     def target(self):
@@ -311,6 +331,34 @@ class _Run:
     @property
     def separate_reference(self) -> bool:
         return self.reference_model is not None and self.reference_model is not self.target
+
+
+def _fit_budget(recipe: Recipe, settings: EvalSettings, generator, every: list, batch_items: list,
+                reference_model):
+    """:func:`eval.budget.fit` for this evaluation: its methods, prompts and the target's verify cost curve."""
+    from eval.batch_run import METHODS as BATCH_METHODS
+    from eval.budget import Workload, fit
+
+    separate = reference_model is not None and reference_model is not generator.target
+    methods = baseline_methods(recipe, separate) if settings.baselines else []
+    if isinstance(settings.baselines, (list, tuple)):
+        methods = [m for m in methods if m in settings.baselines]
+    batch_methods = 0
+    if batch_items:
+        baselines = settings.baselines
+        batch_methods = 1 + (len(BATCH_METHODS) - 1 if baselines is True else
+                             sum(m in baselines for m in BATCH_METHODS[1:]) if baselines else 0)
+    max_new = min(recipe.generation.max_new_tokens, settings.max_new_tokens or recipe.generation.max_new_tokens)
+    work = Workload([int(it.input_ids.shape[1]) for it in every], 1 + len(methods), recipe.spec.num_draft_tokens + 1,
+                    separate, [int(it.input_ids.shape[1]) for it in batch_items], batch_methods,
+                    recipe.batch_size or 1)
+    fitted = fit(dataclasses.replace(settings, max_new_tokens=max_new), work, generator.verify_cost.ms,
+                 settings.time_budget_s)
+    if fitted.cuts:
+        log.warning("eval %s: cut to fit the %.0f s budget (estimate %.0f s -> %.0f s): %s", recipe.name,
+                    settings.time_budget_s, fitted.requested_estimate_s, fitted.estimate_s,
+                    ", ".join(f"{k} {a} -> {b}" for k, (a, b) in fitted.cuts.items()))
+    return fitted
 
 
 def _perplexity(run: _Run, ppl_ids: list[int] | None) -> dict:
@@ -329,6 +377,8 @@ def _perplexity(run: _Run, ppl_ids: list[int] | None) -> dict:
         text_desc = describe(settings.ppl_source)
     else:
         text_desc = "injected token ids"
+        if run.budget is not None and "ppl_tokens" in run.budget.cuts:  # a time budget cut the text too
+            ppl_ids = ppl_ids[:settings.ppl_tokens]
     ppl_ids = list(ppl_ids)
     ppl_conf = M.perplexity_through_cache(target, ppl_ids, run.generator.target_policy,
                                           chunk=run.recipe.spec.num_draft_tokens + 1, progress=run.progress)
@@ -370,7 +420,8 @@ def _timed(run: _Run) -> tuple:
                                    trajectory=True), run.items, gen, repeats=settings.repeats, warmup=settings.warmup,
                        warm_gen=dataclasses.replace(gen, max_new_tokens=min(16, gen.max_new_tokens)),
                        meter=lambda: M.PeakMemory(str(device)), progress=run.progress, desc=f"eval {recipe.name}",
-                       before_repetition=lambda rep: generator.forget())  # no repetition sees another's prompts
+                       before_repetition=lambda rep: generator.forget(),  # no repetition sees another's prompts
+                       deadline=_stage_deadline(run))
     for m in timed:
         if m != OURS and settings.reuse_baselines:
             _BASELINES[key(m)] = measured.calls[m]
@@ -387,9 +438,25 @@ def _batched(run: _Run) -> dict:
     if run.progress:
         log.info("batch stage: %d prompts, batch size %d", len(run.batch_items), run.recipe.batch_size)
     section = batch_section(run.generator, [it.input_ids for it in run.batch_items], run.gen, run.settings.repeats,
-                            run.settings.baselines, _BATCH_BASELINES if run.settings.reuse_baselines else None)
+                            run.settings.baselines, _BATCH_BASELINES if run.settings.reuse_baselines else None,
+                            deadline=run.deadline)
     section["prompts"] = [it.id for it in run.batch_items]
     return section
+
+
+def _stage_deadline(run: _Run) -> float | None:
+    """When the timing loop must stop starting repetitions: the budget's end less the batch stage still to come
+    (its share of the estimate)."""
+    if run.deadline is None:
+        return None
+    from eval.budget import estimate_s
+
+    if not run.batch_items:
+        return run.deadline
+    full = estimate_s(run.settings, run.budget.work, run.generator.verify_cost.ms)
+    without_batch = estimate_s(run.settings, dataclasses.replace(run.budget.work, batch_methods=0),
+                               run.generator.verify_cost.ms)
+    return run.deadline - (full - without_batch)
 
 
 def _method_metrics(measured, reused: dict, first: dict) -> dict:
@@ -470,11 +537,12 @@ def _document(run: _Run, measured, reused: dict, perplexity: dict, started: floa
     return {
         "schema_version": SCHEMA_VERSION,
         "recipe": {"name": recipe.name, "config_hash": recipe.config_hash(), "config": recipe.to_dict()},
-        "settings": settings.to_dict(),
+        "settings": run.requested.to_dict(),
+        **({"budget": run.budget.to_dict() | {"repeats_done": len(measured.calls[OURS])}} if run.budget else {}),
         "environment": environment(),
         "protocol": {
             "max_new_tokens": gen.max_new_tokens, "ignore_eos": gen.ignore_eos, "do_sample": gen.do_sample,
-            "warmup": settings.warmup, "repeats": settings.repeats, "num_prompts": len(items),
+            "warmup": settings.warmup, "repeats": len(measured.calls[OURS]), "num_prompts": len(items),
             "timing": "wall clock with device synchronization; per repetition: throughput = new tokens / time over "
                       "all prompts, TTFT/TPOT = mean over prompts; median [min-max] over repetitions",
         },

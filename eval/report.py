@@ -24,6 +24,18 @@ def _mb(n: int | None) -> str:
     return "–" if n is None else f"{n / MB:.2f} MiB"
 
 
+def _budget_lines(budget: dict | None, settings: dict) -> list[str]:
+    """What a time budget cut (``metrics.json`` ``budget``), before the results it qualifies."""
+    if budget is None:
+        return []
+    cuts = ", ".join(f"{k} {a} → {b}" for k, (a, b) in budget["cuts"].items()) or "nothing"
+    planned = budget["cuts"].get("repeats", [None, settings["repeats"]])[1]
+    return [f"**Time budget {budget['time_budget_s']:.0f} s**: the protocol asked for needs about "
+            f"{budget['requested_estimate_s']:.0f} s on this machine (estimated from the target's cost curve); cut: "
+            f"{cuts} (estimate {budget['estimate_s']:.0f} s{'' if budget['fits'] else ', still over the budget'}); "
+            f"{budget['repeats_done']} of {planned} timed repetitions ran.", ""]
+
+
 def _batch_lines(batch: dict | None) -> list[str]:
     """The batch stage's table (recipes that set ``batch_size``)."""
     if batch is None:
@@ -56,6 +68,7 @@ def markdown(m: dict) -> str:
               + f", K={cfg['spec']['num_draft_tokens']} ({cfg['spec']['adaptive']}), KV {cfg['kv']}", "",
               f"Hardware: {env['hardware']} · torch {env['torch']} · transformers {env['transformers']} · "
               f"{env['date']} · settings: {m['settings']['mode']}", ""]
+    lines += _budget_lines(m.get("budget"), m["settings"])
     lines += ["## Perplexity", "", f"Text: {p['text']}", "",
               "| measure | PPL | protocol |", "|---|---|---|"]
     c = p["configured"]

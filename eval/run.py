@@ -11,6 +11,8 @@ Results are a :class:`RunResult`; ``to_dict()`` is the on-disk JSON contract (``
 from __future__ import annotations
 
 import dataclasses
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,6 +77,7 @@ class RunResult:
     rows: list[Row]
     summary: dict[str, dict]
     environment: dict = field(default_factory=environment)
+    repeats_done: int = 1  # timed repetitions that ran (fewer than asked when a time budget ended them)
 
     def speedup(self, baseline: str) -> float | None:
         """Our throughput over ``baseline``'s (tokens over the sum of per-prompt median times)."""
@@ -83,14 +86,19 @@ class RunResult:
     def to_dict(self) -> dict:
         return {"recipe": self.recipe.to_dict(), "config_hash": self.recipe.config_hash(), "compare": self.compare,
                 "weight_bytes": self.weight_bytes, "summary": self.summary,
-                "rows": [r.to_dict() for r in self.rows], "environment": self.environment}
+                "rows": [r.to_dict() for r in self.rows], "repeats_done": self.repeats_done,
+                "environment": self.environment}
 
 
 def run_recipe(recipe: Recipe, compare: bool = False, repeats: int = 3, prompts: list[SuitePrompt] | None = None,
                generator: Generator | None = None, progress: bool = True, num_prompts: int | None = None,
-               ) -> RunResult:
+               time_budget_s: float | None = None) -> RunResult:
     """Run ``recipe`` (and, with ``compare``, its HF baselines) over its prompt suite (``num_prompts`` of them,
-    spread over the suite's kinds, or all)."""
+    spread over the suite's kinds, or all).
+
+    Before timing, the work is estimated from the target's verify cost curve and logged (``progress``); with
+    ``time_budget_s`` no repetition starts that would end past the budget (at least one runs; the result's
+    ``repeats_done`` says how many did)."""
     prompts = prompts if prompts is not None else load_suite(recipe.prompts)  # fail fast, before loading models
     prompts = spread(prompts, num_prompts)
     generator = generator or build(recipe, pool=SHARED_POOL)
@@ -103,12 +111,23 @@ def run_recipe(recipe: Recipe, compare: bool = False, repeats: int = 3, prompts:
     items = [Prompt(p.id, p.kind, generator.encode(p.prompt, f"prompts.{p.id}")) for p in prompts]
     for item in items:  # before any forward: empty prompts, prompts past the context, EOS ids outside the vocab
         generator.check_request(item.input_ids, gen, f"prompts.{item.id}")
+    started = time.monotonic()
+    if progress:
+        from eval.budget import timing_s
+
+        n = repeats if compare else 1
+        ms = generator.verify_cost.ms
+        estimate = timing_s([int(i.input_ids.shape[1]) for i in items], len(methods), gen.max_new_tokens, n, 1, ms)
+        print(f"run {recipe.name}: {len(methods)} method(s) x {len(items)} prompt(s) x {n} repetition(s) of "
+              f"{gen.max_new_tokens} tokens: about {estimate:.0f} s on this machine (estimated from the target's "
+              f"cost curve){f'; time budget {time_budget_s:.0f} s' if time_budget_s else ''}", file=sys.stderr)
     # every repetition starts from the same drafter state: memory across requests holds only the earlier prompts of
     # the same repetition, never an earlier repetition of the same prompt
     measured = measure(runners_for(generator, methods, eos, reference), items, gen,
                        repeats=repeats if compare else 1, warmup=1, progress=progress, desc=f"run {recipe.name}",
                        warm_gen=dataclasses.replace(gen, max_new_tokens=min(16, gen.max_new_tokens)),
-                       before_repetition=lambda rep: generator.forget())
+                       before_repetition=lambda rep: generator.forget(),
+                       deadline=started + time_budget_s if time_budget_s else None)
     return _result(recipe, generator, measured, compare)
 
 
@@ -160,7 +179,8 @@ def _result(recipe: Recipe, generator: Generator, measured: Measurement, compare
         summary[OURS]["identical_to_ar"] = all(r.identical_to_ar for r in mine)
         summary[OURS]["agreement"] = agreement([{"identical": r.identical_to_ar, "divergence": r.divergence}
                                                  for r in mine])
-    return RunResult(recipe, compare, generator.weight_bytes, rows, summary)
+    return RunResult(recipe, compare, generator.weight_bytes, rows, summary,
+                     repeats_done=len(measured.calls[measured.methods[0]]))
 
 
 def _round_ms(stats: list) -> dict:
@@ -216,7 +236,8 @@ def markdown_table(results: RunResult | dict) -> str:
         lines += ["", "(= AR compares with uncompressed HF AR greedy; under a KV policy the text may legitimately "
                   "differ — window-exactness against AR under the same policy is a test, not this column.)"]
     lines += ["", f"weights: target {fmt_bytes(wb['target'])}, draft {fmt_bytes(wb['draft'])}; "
-              f"device: {results['environment']['hardware']} ({results['environment']['torch_threads']} torch threads)"]
+              f"device: {results['environment']['hardware']} ({results['environment']['torch_threads']} torch threads); "
+              f"{results.get('repeats_done', 1)} timed repetition(s)"]
     return "\n".join(lines) + "\n"
 
 

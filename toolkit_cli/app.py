@@ -87,6 +87,8 @@ def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped reci
         repeats: int = typer.Option(3, min=1, help="timed repetitions per prompt and method (with --compare)"),
         max_new_tokens: Optional[int] = typer.Option(None, min=1, help="override generation.max_new_tokens"),
         num_prompts: Optional[int] = typer.Option(None, min=1, help="use N prompts of the suite, spread over kinds"),
+        time_budget: Optional[float] = typer.Option(None, min=1, help="seconds: start no timed repetition that would "
+                                                    "end later (at least one runs; the table says how many did)"),
         batch_size: Optional[int] = typer.Option(None, min=1, max=256, help="batched speculative decoding: N rows "
                                                  "per forward over all the prompts (with --compare: vs HF batched AR "
                                                  "and our single-row decoder)"),
@@ -108,7 +110,7 @@ def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped reci
     if batch_size is not None or prompts is not None or loaded.batch_size is not None:
         _run_batch(loaded, batch_size or loaded.rows_per_forward, prompts, compare, repeats, num_prompts, out)
         return
-    results = run_recipe(loaded, compare=compare, repeats=repeats, num_prompts=num_prompts)
+    results = run_recipe(loaded, compare=compare, repeats=repeats, num_prompts=num_prompts, time_budget_s=time_budget)
     path = write_results(results, out)
     typer.echo(markdown_table(results))
     typer.echo(f"results: {path}")
@@ -171,14 +173,19 @@ def generate(prompt: str = typer.Argument(..., help="prompt text ('-' reads stdi
 @reported
 def eval_(recipe: str = typer.Argument(..., help="recipe YAML file or shipped recipe name"),
           force: bool = typer.Option(False, "--force", help="recompute even if results exist"),
-          fast: bool = typer.Option(False, "--fast", help="fewer prompts, tokens and repetitions"),
+          fast: bool = typer.Option(False, "--fast", help="fewer prompts, tokens and repetitions, within a time "
+                                    "budget (default 150 s)"),
+          time_budget: Optional[float] = typer.Option(None, min=1, help="seconds for the measurement (model loading "
+                                                      "excluded): the protocol is cut to fit, the report says what "
+                                                      "was cut"),
           target: Optional[str] = typer.Option(None, help=TARGET_HELP),
           draft: Optional[str] = typer.Option(None, help=DRAFT_HELP),
           out: Path = typer.Option(Path("results"), help="directory under which results/<name>-<hash>/ is written")):
     """Evaluate RECIPE: perplexity, acceptance, memory, latency, fidelity, baselines (results/<name>-<hash>/)."""
     from eval.cli import eval_command
 
-    eval_command(_retarget(_load(recipe), target, draft), force=force, fast=fast, results_root=_check_out(out))
+    eval_command(_retarget(_load(recipe), target, draft), force=force, fast=fast, results_root=_check_out(out),
+                 time_budget_s=time_budget)
 
 
 @app.command()

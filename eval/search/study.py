@@ -34,6 +34,8 @@ from toolkit.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = Path("found")
 DEFAULT_TIMEOUT_S = 1800.0
+#: a trial's time budget is the space's timeout_s over this (unless its eval section sets time_budget_s)
+TRIALS_PER_BUDGET = 10
 #: environment variable that carries the storage URL to worker processes (never their command line)
 STORAGE_ENV = "TOOLKIT_SEARCH_STORAGE"
 _SAME_DIR = object()  # found_dir default: the --out directory
@@ -249,6 +251,10 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
             ``target``, ``tokenizer``, ``draft_model``, ``reference_model``; prompts as in :func:`eval.evaluate.evaluate`).
         heldout: confirm the winner on the held-out prompts (and the shipped recipes of ``heldout.compare``).
 
+    A trial's evaluation has a time budget (``EvalSettings.time_budget_s``): the space's ``eval.time_budget_s``, else
+    its ``timeout_s`` / :data:`TRIALS_PER_BUDGET` (at least 30 s), so a larger model's trials are cut (fewer tokens,
+    prompts, repetitions; recorded in each trial's metrics) instead of one trial eating the search's budget.
+
     Raises:
         ConfigError: unknown scenario, malformed space file, a bad ``--enable`` name, another search on ``--out``,
             or a resumed study whose configuration differs.
@@ -279,7 +285,8 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
         load_suite(prompt_suite)  # a bad file fails here, before any model loads
         local = Path(prompt_suite).expanduser()
         sp.base["prompts"] = str(local.resolve()) if local.is_file() else prompt_suite
-    settings = EvalSettings(**{"mode": "search", **sp.eval, **(eval_overrides or {})})
+    trial_budget = {"time_budget_s": max(30.0, sp.timeout_s / TRIALS_PER_BUDGET)} if sp.timeout_s else {}
+    settings = EvalSettings(**{"mode": "search", **trial_budget, **sp.eval, **(eval_overrides or {})})
     out = Path(out)
     (out / scenario).mkdir(parents=True, exist_ok=True)
     storage = storage or os.environ.get(STORAGE_ENV)

@@ -22,6 +22,7 @@ import datetime
 import os
 import platform
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -149,7 +150,7 @@ def _tau(calls: list[Call]) -> float:
 def measure(runners: dict[str, Runner], prompts: list[Prompt], gen: GenerationSpec, *, repeats: int = 3,
             warmup: int = 1, warm_gen: GenerationSpec | None = None, meter: Callable | None = None,
             progress: bool = True, desc: str = "measure", rotate: bool = False,
-            before_repetition: Callable[[int], None] | None = None) -> Measurement:
+            before_repetition: Callable[[int], None] | None = None, deadline: float | None = None) -> Measurement:
     """Time every runner on every prompt with the protocol above; returns all calls.
 
     Args:
@@ -165,6 +166,8 @@ def measure(runners: dict[str, Runner], prompts: list[Prompt], gen: GenerationSp
         before_repetition: called with the repetition index (0-based) before each timed repetition, after the
             warm-up: e.g. fresh drafter state, so cross-request memory holds only the earlier prompts of this
             repetition and never an earlier repetition of the same prompt.
+        deadline: a ``time.monotonic()`` value: after the first repetition, none starts that would end after it (at
+            the last repetition's duration); fewer repetitions are then returned (a time budget, :mod:`eval.budget`).
 
     Raises:
         ValueError: no prompts, no runners, ``repeats < 1`` or ``warmup < 0``.
@@ -183,7 +186,13 @@ def measure(runners: dict[str, Runner], prompts: list[Prompt], gen: GenerationSp
         for _ in range(warmup):
             runners[method](prompts[0].input_ids, warm_gen or gen)
             bar.update()
+    rep_started = time.monotonic()
     for rep in range(repeats):
+        now = time.monotonic()
+        if rep and deadline is not None and now + (now - rep_started) > deadline:
+            bar.set_postfix_str(f"time budget: stopped after {rep} of {repeats} repetitions")
+            break
+        rep_started = now
         if before_repetition is not None:
             before_repetition(rep)
         order = methods[rep % len(methods):] + methods[: rep % len(methods)] if rotate else methods

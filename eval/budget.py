@@ -1,0 +1,102 @@
+"""Fitting a measurement into a time budget, whatever the model's size.
+
+An evaluation's work grows with the model: on a 2-core CPU a 0.5B target decodes ~10x slower than the embedded
+135M one, and the fast protocol (2 prompts x 48 tokens x 3 repetitions x every baseline, 512 perplexity tokens) that
+takes a minute there takes ten here. :func:`fit` estimates the work of a protocol from the target's measured verify
+cost curve (:mod:`toolkit.speculative.cost_model`: milliseconds of a forward over ``n`` new tokens) and cuts it, one
+step at a time in a fixed order, until the estimate fits the budget:
+
+    perplexity tokens 512 -> 256, new tokens -> 32, per-request prompts -> 1, new tokens -> 24, perplexity tokens ->
+    128, repetitions -> 2, new tokens -> 16, repetitions -> 1
+
+The estimate counts every call a protocol makes: per method and prompt a prefill of the prompt plus one forward per
+new token (an upper bound for speculative methods, exact for AR), the warm-up calls, the perplexity passes (through
+the cache in chunks of K + 1, the sliding window, the fp32 reference) and the batch stage. What was cut, the estimate
+and the budget go into the results (``metrics.json`` ``budget``) and the report, so a cut protocol is never mistaken
+for the full one. The timing loop also stops starting repetitions when the next would overrun
+(:func:`toolkit.measure.harness.measure`, ``deadline``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+#: the cuts, in the order they are made: (setting, value after the cut)
+STEPS = (("ppl_tokens", 256), ("max_new_tokens", 32), ("num_prompts", 1), ("max_new_tokens", 24),
+         ("ppl_tokens", 128), ("repeats", 2), ("max_new_tokens", 16), ("repeats", 1))
+
+
+@dataclass
+class Workload:
+    """What a protocol runs, besides its settings: prompt lengths (tokens) of the per-request and batch stages, the
+    timed methods of each, the perplexity chunk (K + 1) and whether a separate fp32 reference is scored."""
+
+    prompt_lens: list[int]
+    methods: int
+    chunk: int
+    reference: bool = False
+    batch_prompt_lens: list[int] = field(default_factory=list)
+    batch_methods: int = 0
+    batch_size: int = 1
+
+
+@dataclass
+class Fitted:
+    """The settings to run, the estimate (s) of their work and of the requested protocol's, and the cuts made
+    (``{setting: [requested, used]}``)."""
+
+    settings: object
+    estimate_s: float
+    requested_estimate_s: float
+    budget_s: float
+    cuts: dict[str, list]
+    work: Workload
+
+    def to_dict(self) -> dict:
+        return {"time_budget_s": self.budget_s, "estimate_s": round(self.estimate_s, 1),
+                "requested_estimate_s": round(self.requested_estimate_s, 1), "cuts": self.cuts,
+                "fits": self.estimate_s <= self.budget_s}
+
+
+def timing_s(prompt_lens: list[int], methods: int, new_tokens: int, repeats: int, warmup: int, ms) -> float:
+    """Seconds of timing ``methods`` over prompts of ``prompt_lens`` tokens: a prefill and one forward per new token
+    per call (AR; speculative methods take fewer forwards, so this bounds them), ``warmup`` 16-token calls first."""
+    def call(prompt_len: int, tokens: int) -> float:
+        return ms(prompt_len) + tokens * ms(1)
+
+    return methods * (warmup * call(prompt_lens[0], min(16, new_tokens))
+                      + repeats * sum(call(n, new_tokens) for n in prompt_lens)) / 1000.0
+
+
+def estimate_s(settings, work: Workload, ms) -> float:
+    """Seconds the protocol ``settings`` needs for ``work`` at ``ms(n)`` milliseconds per forward of n tokens."""
+    prompts = work.prompt_lens[: settings.num_prompts] if settings.num_prompts else work.prompt_lens
+    new = settings.max_new_tokens or 128
+    timing = 1000.0 * timing_s(prompts, work.methods, new, settings.repeats, settings.warmup, ms)
+    ppl = settings.ppl_tokens
+    window = min(settings.ppl_window, ppl)
+    windows = max(1, -(-(ppl - window) // max(1, settings.ppl_stride)) + 1)
+    perplexity = (ppl / work.chunk) * ms(work.chunk) + windows * ms(window) + (ms(ppl) if work.reference else 0.0)
+    batch = 0.0
+    if work.batch_methods:  # every row's forwards are shared: ~ rows x tokens per forward of the batch
+        rows = min(work.batch_size, len(work.batch_prompt_lens))
+        per_call = sum(ms(n) for n in work.batch_prompt_lens) + len(work.batch_prompt_lens) / rows * new * ms(rows)
+        batch = work.batch_methods * (settings.repeats + 1) * per_call
+    return (timing + perplexity + batch) / 1000.0
+
+
+def fit(settings, work: Workload, ms, budget_s: float) -> Fitted:
+    """Cut ``settings`` (an :class:`eval.evaluate.EvalSettings`) step by step (:data:`STEPS`) until its estimate is
+    at most ``budget_s`` seconds, or every step is taken; returns the settings to run and what was cut."""
+    requested = estimate_s(settings, work, ms)
+    current, cuts = settings, {}
+    for name, value in STEPS:
+        if estimate_s(current, work, ms) <= budget_s:
+            break
+        before = getattr(current, name)
+        if before is not None and before <= value:
+            continue
+        current = dataclasses.replace(current, **{name: value})
+        cuts[name] = [cuts.get(name, [before])[0], value]
+    return Fitted(current, estimate_s(current, work, ms), requested, budget_s, cuts, work)
