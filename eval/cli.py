@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-
 #: ``toolkit eval --fast`` fits its measurement into this many seconds unless ``--time-budget`` says otherwise
 FAST_TIME_BUDGET_S = 150.0
 
