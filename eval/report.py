@@ -112,7 +112,7 @@ def markdown(m: dict) -> str:
               f"| KV target peak / final (exact) | {_mb(kv['target_peak'])} / {_mb(kv['target_final'])} |",
               f"| KV draft peak / final (exact) | {_mb(kv['draft_peak'])} / {_mb(kv['draft_final'])} |",
               f"| KV target uncompressed at the same length (computed) | {_mb(kv['uncompressed_target_peak'])} |",
-              *([f"| KV batch cache peak (exact; holes and padding included) | {_mb(kv['batch_peak'])} |"]
+              *([f"| KV batch cache peak (exact bytes of its allocated buffers) | {_mb(kv['batch_peak'])} |"]
                 if "batch_peak" in kv else []),
               f"| weights + peak KV | {_mb(mem['total_peak_bytes'])} |",
               f"| compressions target / draft | {mem['compressions']['target']} / {mem['compressions']['draft']} |"]

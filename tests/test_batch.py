@@ -71,28 +71,37 @@ def test_rows_stop_on_their_own_eos_and_limits():
         assert ids == ref[:cut] and stats.finish_reason == ("eos" if eos in ref else "length")
 
 
-def test_batch_cache_keeps_accepted_slots_masks_holes_and_compacts():
+def test_batch_cache_writes_each_row_at_its_own_offset_and_overwrites_what_it_rejected():
     from transformers import DynamicCache
 
     def filled(rows: int, slots: int, start: float) -> torch.Tensor:  # (rows, 1 head, slots, 1): slot ids
         return (torch.arange(slots, dtype=torch.float32) + start).view(1, 1, -1, 1).repeat(rows, 1, 1, 1)
 
-    cache = DynamicCache()
-    cache.update(filled(2, 5, 0), filled(2, 5, 0), 0)
-    batch = BatchCache(cache, torch.tensor([[False, False, True, True, True], [True] * 5]), torch.tensor([4, 6]))
+    batch = BatchCache(num_layers=1, device=torch.device("cpu"))
+    for prompt_len, start in ((3, 0), (5, 10)):  # two requests prefilled alone join: 3 and 5 prompt slots
+        prefill = DynamicCache()
+        prefill.update(filled(1, prompt_len, start), filled(1, prompt_len, start), 0)
+        batch.join(prefill, prompt_len + 1)  # + its first generated token, not in the cache yet
+    layer = batch.cache.layers[0]
+    assert batch.committed.tolist() == [4, 6] and layer.keys[:, 0, :5, 0].tolist() == [[0, 1, 2, 0, 0],
+                                                                                     [10, 11, 12, 13, 14]]
     inputs = batch.forward_inputs(3, torch.float32)
-    assert inputs["position_ids"].tolist() == [[3, 4, 5], [5, 6, 7]]
-    mask = inputs["attention_mask"][:, 0] == 0  # (2, 3, 8) visible
-    assert mask[0, 0].tolist() == [False, False, True, True, True, True, False, False]  # no padding, causal
-    cache.update(filled(2, 3, 100), filled(2, 3, 100), 0)  # the forward appends 3 slots per row
-    batch.accept(torch.tensor([1, 2]), width=3)  # row 0 keeps 1 new slot, row 1 keeps 2: cropped to 7 slots
-    assert cache.layers[0].keys.shape[2] == 7 and batch.committed.tolist() == [5, 8]
-    assert batch.valid.tolist() == [[False, False, True, True, True, True, False], [True] * 7]
-    batch.compact()
-    assert batch.valid.tolist() == [[False, False, False, True, True, True, True], [True] * 7]
-    assert cache.layers[0].keys[0, 0, 3:, 0].tolist() == [2.0, 3.0, 4.0, 100.0]  # row 0's entries, in order
+    assert inputs["position_ids"].tolist() == [[3, 4, 5], [5, 6, 7]]  # position = slot
+    visible = (inputs["attention_mask"][:, 0] == 0).int().tolist()  # (2 rows, 3 queries, 5 + 3 slots)
+    assert visible[0] == [[1, 1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0]]
+    assert visible[1][0] == [1, 1, 1, 1, 1, 1, 0, 0]
+    keys, _ = batch.cache.update(filled(2, 3, 100), filled(2, 3, 100), 0)  # the forward: 3 new slots per row
+    assert keys.shape[2] == 8 and keys[:, 0, :, 0].tolist() == [[0, 1, 2, 100, 101, 102, 0, 0],
+                                                                [10, 11, 12, 13, 14, 100, 101, 102]]
+    batch.accept(torch.tensor([1, 3]), width=3)  # row 0 keeps 1 of its 3 new slots, row 1 all 3
+    assert batch.committed.tolist() == [5, 9] and batch.lengths.tolist() == [4, 8]
+    batch.forward_inputs(1, torch.float32)
+    keys, _ = batch.cache.update(filled(2, 1, 200), filled(2, 1, 200), 0)  # row 0 overwrites a rejected slot
+    assert keys[0, 0, :5, 0].tolist() == [0, 1, 2, 100, 200] and keys[1, 0, 8, 0] == 200
+    held = batch.kv_bytes()
     batch.remove([1])
-    assert batch.rows == 1 and cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 100, 101]
+    assert batch.rows == 1 and batch.committed.tolist() == [9] and batch.kv_bytes() == held // 2
+    assert batch.cache.layers[0].keys[0, 0, :9, 0].tolist() == [10, 11, 12, 13, 14, 100, 101, 102, 200]
 
 
 def test_generator_generate_batch_matches_single_calls_and_falls_back():

@@ -62,6 +62,7 @@ class Generator:
                 check_tree_support(draft_model, "draft")
         self._persistent_drafter = None  # a drafter whose config is `persistent` (memory across requests): ONE
         self._verify_cost = None  # the target's verify cost curve (adaptive: cost), measured or read once
+        self._batch_cost = None  # what batched forwards cost (toolkit.speculative.batch.BatchCost), learned online
         self.calibrator = Calibrator()  # acceptance calibration (adaptive: cost), learned across calls
 
     # -------------------------------------------------------------------------------------------- preparation
@@ -287,7 +288,7 @@ class Generator:
         """
         from toolkit.checks import check_int
         from toolkit.recipe import BATCH_SIZE_MAX
-        from toolkit.speculative.batch import BatchDecoder
+        from toolkit.speculative.batch import BatchCost, BatchDecoder
 
         batch_size = self.recipe.rows_per_forward if batch_size is None else batch_size
         check_int("batch_size", batch_size, low=1, high=BATCH_SIZE_MAX)
@@ -304,8 +305,11 @@ class Generator:
         root = self._drafter(gen)
         make = (lambda: root.fork()) if spec.config.persistent else (lambda: self._drafter(gen))  # noqa: E731
         k = spec.num_draft_tokens if spec.config.speculates else 0
-        decoder = BatchDecoder(self.target, make if spec.config.speculates else (lambda: None),
-                               self.verify_cost_for(batch_size * (k + 1)), self.calibrator, max(k, 1), batch_size)
+        curve = self.verify_cost_for(batch_size * (k + 1))
+        if self._batch_cost is None or self._batch_cost.curve is not curve:  # learned batched costs, kept per curve
+            self._batch_cost = BatchCost(curve)
+        decoder = BatchDecoder(self.target, make if spec.config.speculates else (lambda: None), self._batch_cost,
+                               self.calibrator, max(k, 1), batch_size)
         rows = decoder.decode(inputs, gen, self.eos_token_ids(gen), self._stop_check(gen))
         return [GenerationResult(self._text(ids, gen), ids, x[0].tolist(), stats)
                 for (ids, stats), x in zip(rows, inputs)]

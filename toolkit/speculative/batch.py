@@ -8,7 +8,8 @@ One round over the ``B`` active rows::
                  committed tokens (summed over rows, calibrated confidences) per millisecond of a forward over B x W
                  tokens (the target's verify cost curve); W = 1 is a batched plain step
     verify       ONE target forward over (B, W): row r = [its last token, its drafts, padding] at its own positions,
-                 attending to its own valid cache slots (:class:`~toolkit.speculative.batch_cache.BatchCache`)
+                 attending to its own cache slots (:class:`~toolkit.speculative.batch_cache.BatchCache`: written at
+                 each row's own offset, no holes)
     accept       greedy: the longest prefix each row's target agrees with; sampling: lossless rejection sampling per row
     commit       every row keeps 1 + accepted of its W new slots; rows that hit EOS / a stop string / their token
                  limit leave, the next waiting requests are prefilled and join
@@ -36,6 +37,42 @@ from toolkit.speculative.verify import process_logits, sample_token, speculative
 from toolkit.speculative.verify_length import Calibrator
 
 
+#: weight of a new observation in :class:`BatchCost`'s moving averages
+BATCH_OBSERVE_WEIGHT = 0.3
+
+
+@dataclass
+class BatchCost:
+    """Milliseconds of one batched verify forward over ``rows x width`` tokens, learned online.
+
+    Starts from the target's single-sequence curve (``curve.ms(rows * width)``, :mod:`toolkit.speculative.cost_model`)
+    and corrects it by what batched forwards really take: a forward of ``(rows, width)`` once seen is predicted by
+    its own moving average, an unseen one by the curve times the observed/predicted ratio of the nearest narrower
+    width seen (wide batched forwards cost more than a single sequence of as many tokens: every row attends to its
+    own history). Kept apart from ``curve``, which the single-sequence decoder goes on using.
+    """
+
+    curve: VerifyCost
+    seen: dict = field(default_factory=dict)  # (rows, width) -> ms, moving average
+    ratio: dict = field(default_factory=dict)  # width -> observed / curve, moving average
+
+    def ms(self, rows: int, width: int) -> float:
+        if (rows, width) in self.seen:
+            return self.seen[(rows, width)]
+        narrower = [w for w in self.ratio if w <= width]
+        return self.curve.ms(rows * width) * (self.ratio[max(narrower)] if narrower else 1.0)
+
+    def observe(self, rows: int, width: int, ms: float) -> None:
+        """Blend a batched forward that took ``ms`` in (nothing when the curve is fixed: ``curve.learn`` false)."""
+        if not self.curve.learn or ms <= 0:
+            return
+        old = self.seen.get((rows, width))
+        self.seen[(rows, width)] = ms if old is None else old + BATCH_OBSERVE_WEIGHT * (ms - old)
+        ratio = ms / self.curve.ms(rows * width)
+        self.ratio[width] = ratio if width not in self.ratio else \
+            self.ratio[width] + BATCH_OBSERVE_WEIGHT * (ratio - self.ratio[width])
+
+
 @dataclass
 class Row:
     """One request in flight: its index in the input order, committed ids, drafter, stats and generator."""
@@ -59,15 +96,18 @@ class BatchDecoder:
     Args:
         target: the HF causal LM (batch dimension used; uncompressed cache).
         make_drafter: ``() -> drafter`` for a new request (``None`` for AR); a model-free drafter.
-        cost: the target's verify cost curve (milliseconds of a forward over n tokens).
+        cost: the target's verify cost curve (milliseconds of a forward over n tokens), or a :class:`BatchCost`
+            kept across calls (learned batched costs).
         calibrator: shared acceptance calibration of the drafters' confidences.
         num_draft_tokens: most draft tokens per row per round (K).
         batch_size: most rows per forward.
     """
 
-    def __init__(self, target, make_drafter: Callable, cost: VerifyCost, calibrator: Calibrator | None = None,
+    def __init__(self, target, make_drafter: Callable, cost: VerifyCost | BatchCost,
+                 calibrator: Calibrator | None = None,
                  num_draft_tokens: int = 8, batch_size: int = 8):
-        self.target, self.make_drafter, self.cost = target, make_drafter, cost
+        self.target, self.make_drafter = target, make_drafter
+        self.cost = cost if isinstance(cost, BatchCost) else BatchCost(cost)
         self.calibrator = calibrator or Calibrator()
         self.k, self.batch_size = num_draft_tokens, batch_size
         self.device = next(target.parameters()).device
@@ -75,11 +115,12 @@ class BatchDecoder:
         self.dtype = dtype if dtype.is_floating_point else torch.float32
 
     # ------------------------------------------------------------------------------------------------ requests
-    def _start(self, index: int, input_ids: torch.Tensor, gen) -> tuple[Row, BatchCache]:
-        """Prefill one request alone; its first token comes from the target (the prompt's last position)."""
+    def _start(self, index: int, input_ids: torch.Tensor, gen) -> tuple[Row, DynamicCache]:
+        """Prefill one request alone (every layer's full prompt: a plain ``DynamicCache``); its first token comes
+        from the target (the prompt's last position)."""
         started = time.perf_counter()
         ids = input_ids[0].tolist()
-        cache = DynamicCache(config=self.target.config)
+        cache = DynamicCache()
         generator = torch.Generator(device=self.device).manual_seed(gen.seed + index) if gen.do_sample else None
         logits = self.target(input_ids=input_ids.to(self.device), past_key_values=cache, use_cache=True,
                              logits_to_keep=1).logits[0, -1]
@@ -89,9 +130,7 @@ class BatchDecoder:
             drafter.reset()
         stats = GenerationStats(prompt_tokens=len(ids), target_forwards=1)
         stats.ttft_ms = (time.perf_counter() - started) * 1000
-        row = Row(index, len(ids), ids + [first], drafter, stats, generator, started, [first])
-        valid = torch.ones(1, len(ids), dtype=torch.bool, device=self.device)
-        return row, BatchCache(cache, valid, torch.tensor([len(ids) + 1], device=self.device))
+        return Row(index, len(ids), ids + [first], drafter, stats, generator, started, [first]), cache
 
     @staticmethod
     def _choose(logits: torch.Tensor, gen, generator) -> torch.Tensor:
@@ -110,18 +149,26 @@ class BatchDecoder:
                 row.proposal = tokens[0].tolist()
                 row.confidence = row.drafter.confidence()
 
-    def _width(self, rows: list[Row]) -> int:
-        """The verify width with the most expected committed tokens per ms over the batch (1 = a plain step)."""
-        best_width, best_rate = 1, len(rows) / self.cost.ms(len(rows))
+    def _width(self, rows: list[Row], limit: int, draining: bool) -> int:
+        """The verify width with the most expected committed tokens per ms over the batch (1 = a plain step).
+
+        While requests wait, every row's tokens count alike (a row that finishes early frees its place). Once
+        none waits (``draining``), the batch ends with its longest row, so a row's tokens count in proportion to
+        the work it has left against the most any row has left: speculating on rows far ahead of the others would
+        shorten nothing.
+        """
+        left = [limit - len(r.new_ids) for r in rows]
+        weight = [x / max(left) for x in left] if draining else [1.0] * len(rows)
+        best_width, best_rate = 1, sum(weight) / self.cost.ms(len(rows), 1)
         chains = [1.0] * len(rows)
-        expected = float(len(rows))
+        expected = sum(weight)
         for j in range(1, max((len(r.proposal) for r in rows), default=0) + 1):
             for i, row in enumerate(rows):
                 if j <= len(row.proposal):
                     conf = None if row.confidence is None else row.confidence[j - 1]
                     chains[i] *= self.calibrator.prob(conf, j)
-                    expected += chains[i]
-            rate = expected / self.cost.ms(len(rows) * (j + 1))
+                    expected += weight[i] * chains[i]
+            rate = expected / self.cost.ms(len(rows), j + 1)
             if rate > best_rate:
                 best_width, best_rate = j + 1, rate
         return best_width
@@ -159,21 +206,20 @@ class BatchDecoder:
         limit = gen.max_new_tokens
         waiting = list(enumerate(prompts))
         rows: list[Row] = []
-        batch = BatchCache(DynamicCache(config=self.target.config), torch.zeros(0, 0, dtype=torch.bool),
-                           torch.zeros(0, dtype=torch.long))
+        batch = BatchCache(self.target.config.get_text_config(decoder=True).num_hidden_layers, self.device)
         done: dict[int, tuple[list[int], GenerationStats]] = {}
-        peak_kv = 0  # bytes of the batch cache (holes and padding included) after the largest verify forward
+        peak_kv = 0  # bytes of the batch cache's buffers (allocated capacity) after the largest verify forward
         while waiting or rows:
             while waiting and len(rows) < self.batch_size:
-                row, single = self._start(*waiting.pop(0), gen)
+                row, prefill = self._start(*waiting.pop(0), gen)
                 if SpeculativeDecoder._finish(row.new_ids, 0, limit, eos, should_stop, row.stats):
                     done[row.index] = self._close(row)
                     continue
                 rows.append(row)
-                batch.join(single)
+                batch.join(prefill, len(row.ids))
             if not rows:
                 continue
-            peak_kv = max(peak_kv, self._round(rows, batch, gen, limit))
+            peak_kv = max(peak_kv, self._round(rows, batch, gen, limit, draining=not waiting))
             finished = [i for i, r in enumerate(rows) if self._finished(r, limit, eos, should_stop)]
             if finished:
                 for i in finished:
@@ -185,12 +231,12 @@ class BatchDecoder:
             stats.batch_kv_peak_bytes = peak_kv
         return [done[i] for i in range(len(prompts))]
 
-    def _round(self, rows: list[Row], batch: BatchCache, gen, limit: int) -> int:
+    def _round(self, rows: list[Row], batch: BatchCache, gen, limit: int, draining: bool = False) -> int:
         """Propose, verify, accept and commit once for every row; returns the cache's bytes after the verify forward
         (before the rejected slots are cropped: the round's peak)."""
         started = time.perf_counter()
         self._propose(rows, limit)
-        width = self._width(rows)
+        width = self._width(rows, limit, draining)
         drafted_at = time.perf_counter()
         results = self._verify(rows, batch, width, gen)
         verified_at = time.perf_counter()
@@ -212,7 +258,7 @@ class BatchDecoder:
         for row in rows:
             row.stats.record_time((drafted_at - started) * 1000 * share, (verified_at - drafted_at) * 1000 * share,
                                   (time.perf_counter() - started) * 1000 * share, width)
-        self.cost.observe(len(rows) * width, (verified_at - drafted_at) * 1000)
+        self.cost.observe(len(rows), width, (verified_at - drafted_at) * 1000)
         return peak_kv
 
     @staticmethod

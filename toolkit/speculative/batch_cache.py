@@ -1,119 +1,140 @@
 """The KV cache of a batch of sequences that each accept their own number of draft tokens per round.
 
-One ``transformers.DynamicCache`` holds every active row: per layer keys / values ``(B, kv_heads, S, head_dim)``, and
-``valid`` ``(B, S)`` says which slots hold an entry of that row. A row's entries are in order of position but need not
-be contiguous: a round appends ``W`` slots to every row (its last committed token, its drafts, padding), after
-verification only the row's first ``1 + accepted`` of them stay valid, and the cache is cropped to the longest kept
-block. The rejected slots of rows that accepted less are *holes*: masked out of every later forward, and squeezed out
-by :meth:`BatchCache.compact` once they are a fixed share of the cache. Rows leave (:meth:`remove`) and join
-(:meth:`join`, left-padded to the common length) between rounds.
+Every row owns the first ``length[r]`` slots of a preallocated per-layer buffer ``(B, kv_heads, capacity, head_dim)``
+(:class:`RaggedLayer`, a ``transformers`` cache layer): slot ``s`` of row ``r`` holds position ``s``. A forward
+appending ``W`` tokens per row writes them at each row's own offset (slots ``length[r] .. length[r] + W - 1``, a
+scatter) and the model attends to the first ``max(length) + W`` slots through a per-row causal mask
+(:meth:`BatchCache.forward_inputs`). Verification then just advances each row's length by what it kept
+(:meth:`BatchCache.accept`): the rejected slots lie past the row's length and are overwritten by its next forward.
+So ragged acceptance leaves no holes and needs no compaction, and a forward copies only its new keys and values (a
+``DynamicCache`` concatenates the whole cache every forward). This is the layout of gpt-fast's static cache and
+vLLM's per-sequence slots, with one buffer per layer. Rows leave (:meth:`remove`) and join (:meth:`join`: a
+request prefilled alone) between rounds; the buffer grows by doubling when a row would run past it.
 
-Invariant between rounds, per row ``r``: ``committed[r]`` tokens are committed and the valid slots hold the first
-``committed[r] - 1`` of them (the last one is the next forward's first input), at positions ``0 .. committed[r] - 2``.
+Invariant between rounds, per row ``r``: ``committed[r]`` tokens are committed and slots ``0 .. committed[r] - 2``
+hold the first ``committed[r] - 1`` of them (the last one is the next forward's first input).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
 
-#: compact when the holes and the left padding are more than this share of the slots
-HOLE_SHARE = 0.25
+#: slots allocated beyond the longest row when the buffer grows (then doubling)
+GROW_MIN = 64
+
+
+class RaggedLayer(DynamicLayer):
+    """One layer's keys and values, written at per-row offsets (see the module docstring).
+
+    ``keys`` / ``values`` are ``(B, kv_heads, capacity, head_dim)``; before a forward the owning
+    :class:`BatchCache` sets ``write_at`` ``(B,)`` (each row's first new slot) and ``span`` (slots the forward
+    attends to).
+    """
+
+    def __init__(self, owner: BatchCache):
+        super().__init__()
+        self.owner = owner
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write ``(B, kv_heads, W, head_dim)`` new states at each row's offset; returns the first ``span`` slots."""
+        width = key_states.shape[-2]
+        need = self.owner.span
+        if not self.is_initialized or self.keys.shape[-2] < need:
+            self.reserve(need, key_states)
+        index = (self.owner.write_at.view(-1, 1) + torch.arange(width, device=key_states.device).view(1, -1))
+        index = index[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[-1])
+        self.keys.scatter_(2, index, key_states)
+        self.values.scatter_(2, index, value_states)
+        return self.keys[:, :, :need], self.values[:, :, :need]
+
+    def reserve(self, slots: int, like: torch.Tensor) -> None:
+        """Grow the buffer to at least ``slots`` (doubling, at least :data:`GROW_MIN` more), keeping what it holds."""
+        held = self.keys.shape[-2] if self.is_initialized else 0
+        capacity = max(slots, 2 * held, held + GROW_MIN)
+        shape = (like.shape[0], like.shape[1], capacity, like.shape[-1])
+        keys, values = like.new_zeros(shape), like.new_zeros(shape)
+        if held:
+            keys[:, :, :held], values[:, :, :held] = self.keys, self.values
+        self.keys, self.values = keys, values
+        self.dtype, self.device, self.is_initialized = like.dtype, like.device, True
+
+    def get_seq_length(self) -> int:
+        return self.owner.span - self.owner.width if self.is_initialized else 0
 
 
 class BatchCache:
-    """A batch's cache with per-row validity (see the module docstring).
+    """A batch's cache with per-row lengths (see the module docstring).
 
     Attributes:
-        cache: the ``DynamicCache`` passed to the model.
-        valid: ``(B, S)`` bool, slot ``s`` of row ``r`` holds an entry of row ``r``.
+        cache: the ``transformers`` cache passed to the model (one :class:`RaggedLayer` per decoder layer).
         committed: ``(B,)`` long, tokens committed per row (prompt included).
     """
 
-    def __init__(self, cache: DynamicCache, valid: torch.Tensor, committed: torch.Tensor):
-        self.cache, self.valid, self.committed = cache, valid, committed
+    def __init__(self, num_layers: int, device: torch.device):
+        self.cache = Cache(layers=[RaggedLayer(self) for _ in range(num_layers)])
+        self.committed = torch.zeros(0, dtype=torch.long, device=device)
+        self.write_at = self.committed
+        self.span = self.width = 0
 
     @property
     def rows(self) -> int:
-        return self.valid.shape[0]
+        return self.committed.shape[0]
 
     @property
-    def slots(self) -> int:
-        return self.valid.shape[1]
+    def lengths(self) -> torch.Tensor:
+        """``(B,)`` slots each row holds (its committed tokens but the last)."""
+        return self.committed - 1
 
-    def _layers(self):
+    def _layers(self) -> list[RaggedLayer]:
         return [layer for layer in self.cache.layers if layer.is_initialized]
 
     # ------------------------------------------------------------------------------------------------ a forward
     def forward_inputs(self, width: int, dtype: torch.dtype) -> dict:
-        """``position_ids`` ``(B, width)`` and the additive ``attention_mask`` ``(B, 1, width, S + width)`` of a
-        forward appending ``width`` tokens per row: each query sees its row's valid slots and the new block causally."""
-        device = self.valid.device
-        positions = (self.committed - 1).view(-1, 1) + torch.arange(width, device=device).view(1, -1)
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        visible = torch.cat([self.valid[:, None, :].expand(-1, width, -1),
-                             causal[None].expand(self.rows, -1, -1)], dim=2)
-        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, torch.finfo(dtype).min)
+        """``position_ids`` ``(B, width)`` and the additive ``attention_mask`` ``(B, 1, width, max(length) + width)``
+        of a forward appending ``width`` tokens per row: query ``i`` of row ``r`` sees slots ``0 .. length[r] + i``
+        (its own history and the new block causally). Sets where the layers write (:class:`RaggedLayer`)."""
+        lengths = self.lengths
+        self.write_at, self.width = lengths, width
+        self.span = int(lengths.max()) + width
+        positions = lengths.view(-1, 1) + torch.arange(width, device=lengths.device).view(1, -1)
+        slots = torch.arange(self.span, device=lengths.device).view(1, 1, -1)
+        visible = slots <= positions[:, :, None]
+        mask = torch.zeros(visible.shape, dtype=dtype, device=lengths.device).masked_fill(~visible,
+                                                                                           torch.finfo(dtype).min)
         return {"position_ids": positions, "attention_mask": mask[:, None]}
 
     def accept(self, kept: torch.Tensor, width: int) -> None:
         """After a forward of ``width`` slots: row ``r`` keeps its first ``kept[r]`` new slots (``1 + accepted``);
-        the cache is cropped to the longest kept block and ``committed`` advances by ``kept``."""
-        device = self.valid.device
-        new = torch.arange(width, device=device).view(1, -1) < kept.view(-1, 1)
-        longest = int(kept.max())
-        if width > longest:
-            self.cache.crop(longest - width)
-        self.valid = torch.cat([self.valid, new[:, :longest]], dim=1)
+        the rest lie past its length and are overwritten by its next forward."""
         self.committed = self.committed + kept
-        if self.slots > 8 and self.valid.sum(1).max() < (1 - HOLE_SHARE) * self.slots:
-            self.compact()
 
     # ------------------------------------------------------------------------------------------------ layout
-    def compact(self) -> None:
-        """Squeeze out holes: every row's valid slots, in order, right-aligned in ``max(valid per row)`` slots."""
-        counts = self.valid.sum(1)
-        width = int(counts.max())
-        order = torch.sort(self.valid.long(), dim=1, stable=True).indices  # invalid slots first, then valid in order
-        index = order[:, self.slots - width:]
-        for layer in self._layers():
-            gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            layer.keys = layer.keys.gather(2, gather)
-            layer.values = layer.values.gather(2, gather)
-        self.valid = torch.arange(width, device=self.valid.device).view(1, -1) >= (width - counts).view(-1, 1)
-
     def remove(self, keep: list[int]) -> None:
         """Keep only the rows ``keep`` (indices, in the new order)."""
-        index = torch.tensor(keep, dtype=torch.long, device=self.valid.device)
+        index = torch.tensor(keep, dtype=torch.long, device=self.committed.device)
         for layer in self._layers():
             layer.keys = layer.keys.index_select(0, index)
             layer.values = layer.values.index_select(0, index)
-        self.valid, self.committed = self.valid.index_select(0, index), self.committed.index_select(0, index)
-        if self.rows and self.valid.sum(1).max() < (1 - HOLE_SHARE) * self.slots:
-            self.compact()
+        self.committed = self.committed.index_select(0, index)
 
-    def join(self, other: BatchCache) -> None:
-        """Append ``other``'s rows (a freshly prefilled request), both left-padded to the longer slot count."""
-        if self.rows == 0:
-            self.cache, self.valid, self.committed = other.cache, other.valid, other.committed
-            return
-        slots = max(self.slots, other.slots)
-        mine, theirs = self._layers(), other._layers()
-        for a, b in zip(mine, theirs):
-            a.keys = torch.cat([_left_pad(a.keys, slots), _left_pad(b.keys, slots)], dim=0)
-            a.values = torch.cat([_left_pad(a.values, slots), _left_pad(b.values, slots)], dim=0)
-        pad = lambda v: torch.cat([v.new_zeros(v.shape[0], slots - v.shape[1]), v], dim=1)  # noqa: E731
-        self.valid = torch.cat([pad(self.valid), pad(other.valid)], dim=0)
-        self.committed = torch.cat([self.committed, other.committed])
+    def join(self, prefill: Cache, committed: int) -> None:
+        """Append a request prefilled alone: ``prefill`` holds its ``committed - 1`` prompt slots (a
+        ``DynamicCache`` of batch 1); its first generated token is committed and not yet in the cache."""
+        held = committed - 1
+        for layer, single in zip(self.cache.layers, prefill.layers):
+            keys, values = single.keys[:, :, :held], single.values[:, :, :held]
+            if not layer.is_initialized:
+                layer.reserve(held + GROW_MIN, keys[:0])
+            elif layer.keys.shape[-2] < held:
+                layer.reserve(held, layer.keys)
+            row_k = keys.new_zeros(1, *layer.keys.shape[1:])
+            row_v = values.new_zeros(1, *layer.values.shape[1:])
+            row_k[:, :, :held], row_v[:, :, :held] = keys, values
+            layer.keys = torch.cat([layer.keys, row_k], dim=0)
+            layer.values = torch.cat([layer.values, row_v], dim=0)
+        self.committed = torch.cat([self.committed, self.committed.new_tensor([committed])])
 
     def kv_bytes(self) -> int:
-        """Bytes of the batch's keys and values (holes and padding included: they are held)."""
+        """Bytes of the batch's key and value buffers (allocated capacity: what is held)."""
         return sum(layer.keys.nbytes + layer.values.nbytes for layer in self._layers())
-
-
-def _left_pad(tensor: torch.Tensor, slots: int) -> torch.Tensor:
-    """``(B, H, S, D)`` -> ``(B, H, slots, D)`` with zeros before the existing slots."""
-    missing = slots - tensor.shape[2]
-    if missing == 0:
-        return tensor
-    return torch.cat([tensor.new_zeros(tensor.shape[0], tensor.shape[1], missing, tensor.shape[3]), tensor], dim=2)
