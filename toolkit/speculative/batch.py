@@ -36,7 +36,6 @@ from toolkit.speculative.stats import GenerationStats
 from toolkit.speculative.verify import process_logits, sample_token, speculative_sample
 from toolkit.speculative.verify_length import Calibrator
 
-
 #: weight of a new observation in :class:`BatchCost`'s moving averages
 BATCH_OBSERVE_WEIGHT = 0.3
 
