@@ -73,7 +73,8 @@ def _runners(generator, inputs, prompts, gen, batch_size: int, kv_peaks: list | 
 
 
 def run_batch(generator, prompts: list, batch_size: int, compare: bool = False, repeats: int = 3, gen=None,
-              methods: list[str] | None = None, reuse: dict | None = None, deadline: float | None = None) -> dict:
+              methods: list[str] | None = None, reuse: dict | None = None, deadline: float | None = None,
+              progress: bool = False) -> dict:
     """Time the methods of the module docstring over ``prompts`` (strings, chat messages or ``(1, n)`` token ids);
     returns the JSON-able result.
 
@@ -82,8 +83,10 @@ def run_batch(generator, prompts: list, batch_size: int, compare: bool = False, 
     dict kept by the caller across calls — an ``hf-batch-ar`` measurement of the same model object, prompts, settings
     and batch size is taken from it instead of timed again (the search's trials share it); ``deadline``: a
     ``time.monotonic()`` value after which no further repetition starts (at least one runs; ``repeats`` in the
-    result is the number that ran).
+    result is the number that ran); ``progress``: a progress bar over the timed calls (with the time left).
     """
+    from tqdm.auto import tqdm
+
     from eval.metrics import PeakMemory
 
     gen = gen or generator.recipe.generation
@@ -103,6 +106,8 @@ def run_batch(generator, prompts: list, batch_size: int, compare: bool = False, 
         _runners(generator, inputs[:2], prompts[:2], gen, batch_size)[method]()
     times = {m: [] for m in timed}
     outputs, peaks = {}, {m: [] for m in timed}
+    bar = tqdm(total=repeats * len(timed), desc=f"batch {generator.recipe.name} (B={batch_size})", unit="run",
+               disable=not progress)
     rep_started = time.monotonic()
     for rep in range(repeats):
         now = time.monotonic()
@@ -119,6 +124,9 @@ def run_batch(generator, prompts: list, batch_size: int, compare: bool = False, 
                 synchronize(device)
                 times[method].append(time.perf_counter() - start)
             peaks[method].append(meter.result)
+            bar.set_postfix(method=method, tok_s=f"{sum(map(len, outputs[method])) / times[method][-1]:.1f}")
+            bar.update()
+    bar.close()
     if reused:
         times["hf-batch-ar"], outputs["hf-batch-ar"], peaks["hf-batch-ar"] = reused
     elif reuse is not None and "hf-batch-ar" in timed:
@@ -181,7 +189,7 @@ def write_batch_results(result: dict, out_dir: Path) -> Path:
 
 
 def batch_section(generator, prompts: list, gen, repeats: int, baselines, reuse: dict | None,
-                  deadline: float | None = None) -> dict:
+                  deadline: float | None = None, progress: bool = False) -> dict:
     """The ``batch`` section of an evaluation of a recipe that sets ``batch_size``: :func:`run_batch` over
     ``prompts`` (``(1, n)`` token ids) at the recipe's batch size.
 
@@ -192,7 +200,7 @@ def batch_section(generator, prompts: list, gen, repeats: int, baselines, reuse:
     wanted = {True: list(METHODS), False: ["ours-batch"]}.get(baselines) if isinstance(baselines, bool) else \
         ["ours-batch"] + [m for m in METHODS[1:] if m in baselines]
     result = run_batch(generator, prompts, generator.recipe.rows_per_forward, repeats=repeats, gen=gen,
-                       methods=wanted, reuse=reuse, deadline=deadline)
+                       methods=wanted, reuse=reuse, deadline=deadline, progress=progress)
     summary = result["summary"]
     ours = summary["ours-batch"]
     ratios = {f"ours_batch_vs_{m.replace('-', '_')}": ours[f"speedup_vs_{m}"] for m in summary if m != "ours-batch"}

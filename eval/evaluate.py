@@ -439,7 +439,7 @@ def _batched(run: _Run) -> dict:
         log.info("batch stage: %d prompts, batch size %d", len(run.batch_items), run.recipe.batch_size)
     section = batch_section(run.generator, [it.input_ids for it in run.batch_items], run.gen, run.settings.repeats,
                             run.settings.baselines, _BATCH_BASELINES if run.settings.reuse_baselines else None,
-                            deadline=run.deadline)
+                            deadline=run.deadline, progress=run.progress)
     section["prompts"] = [it.id for it in run.batch_items]
     return section
 

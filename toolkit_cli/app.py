@@ -127,7 +127,8 @@ def _run_batch(recipe, batch_size: int, prompt_file: Optional[Path], compare: bo
     # the recipe's suite, or the one --prompts names (JSONL of prompts, a suite YAML or a shipped suite name)
     suite = str(prompt_file) if prompt_file is not None else recipe.prompts
     texts = [p.prompt for p in spread(load_suite(suite), num_prompts)]
-    result = run_batch(toolkit.build(recipe), texts, batch_size, compare=compare, repeats=repeats if compare else 1)
+    result = run_batch(toolkit.build(recipe), texts, batch_size, compare=compare, repeats=repeats if compare else 1,
+                       progress=True)
     result["prompts_source"] = (prompt_file if prompt_file is not None else Path(recipe.prompts)).stem
     path = write_batch_results(result, out)
     typer.echo(markdown(result))
