@@ -20,7 +20,11 @@ for the full one. The timing loop also stops starting repetitions when the next 
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 #: the cuts, in the order they are made: (setting, value after the cut)
 STEPS = (("ppl_tokens", 256), ("max_new_tokens", 32), ("num_prompts", 1), ("max_new_tokens", 24),
@@ -57,6 +61,15 @@ class Fitted:
         return {"time_budget_s": self.budget_s, "estimate_s": round(self.estimate_s, 1),
                 "requested_estimate_s": round(self.requested_estimate_s, 1), "cuts": self.cuts,
                 "fits": self.estimate_s <= self.budget_s}
+
+
+def forward_ms(cost) -> Callable[[int], float]:
+    """``ms(n)`` of a cost curve for any ``n``: the curve where it was measured, past it proportional to its last
+    point (a curve learned online can dip at its end, and extrapolating that slope would go negative)."""
+    def ms(n: int) -> float:
+        return cost.ms(n) if n <= cost.max_tokens else cost.step_ms[-1] * n / cost.max_tokens
+
+    return ms
 
 
 def timing_s(prompt_lens: list[int], methods: int, new_tokens: int, repeats: int, warmup: int, ms) -> float:
@@ -100,3 +113,41 @@ def fit(settings, work: Workload, ms, budget_s: float) -> Fitted:
         current = dataclasses.replace(current, **{name: value})
         cuts[name] = [cuts.get(name, [before])[0], value]
     return Fitted(current, estimate_s(current, work, ms), requested, budget_s, cuts, work)
+
+
+def fit_evaluation(recipe, settings, generator, prompts: list, batch_prompts: list, reference_model) -> Fitted:
+    """:func:`fit` for one evaluation (:func:`eval.evaluate.evaluate`): its timed methods (ours + the applicable
+    baselines), its prompts (``(1, n)`` token ids in ``.input_ids``), its batch stage and the target's cost curve
+    (``generator.verify_cost``); logs what was cut."""
+    from eval.batch_run import METHODS as BATCH_METHODS
+    from eval.runners import baseline_methods
+
+    separate = reference_model is not None and reference_model is not generator.target
+    methods = baseline_methods(recipe, separate) if settings.baselines else []
+    if isinstance(settings.baselines, (list, tuple)):
+        methods = [m for m in methods if m in settings.baselines]
+    batch_methods = 0
+    if batch_prompts:
+        wanted = settings.baselines
+        batch_methods = 1 + (len(BATCH_METHODS) - 1 if wanted is True else
+                             sum(m in wanted for m in BATCH_METHODS[1:]) if wanted else 0)
+    longest = recipe.generation.max_new_tokens
+    work = Workload([int(p.input_ids.shape[1]) for p in prompts], 1 + len(methods), recipe.spec.num_draft_tokens + 1,
+                    separate, [int(p.input_ids.shape[1]) for p in batch_prompts], batch_methods,
+                    recipe.batch_size or 1)
+    fitted = fit(dataclasses.replace(settings, max_new_tokens=min(longest, settings.max_new_tokens or longest)),
+                 work, forward_ms(generator.verify_cost), settings.time_budget_s)
+    if fitted.cuts:
+        log.warning("eval %s: cut to fit the %.0f s budget (estimate %.0f s -> %.0f s): %s", recipe.name,
+                    settings.time_budget_s, fitted.requested_estimate_s, fitted.estimate_s,
+                    ", ".join(f"{k} {a} -> {b}" for k, (a, b) in fitted.cuts.items()))
+    return fitted
+
+
+def timing_deadline(deadline: float | None, fitted: Fitted | None, settings, ms) -> float | None:
+    """When the per-request timing loop must stop starting repetitions: the budget's end less the batch stage still
+    to come (its share of the estimate)."""
+    if deadline is None or fitted is None or not fitted.work.batch_methods:
+        return deadline
+    without_batch = estimate_s(settings, dataclasses.replace(fitted.work, batch_methods=0), ms)
+    return deadline - (estimate_s(settings, fitted.work, ms) - without_batch)

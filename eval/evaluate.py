@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from eval import metrics as M
+from eval.budget import fit_evaluation, forward_ms, timing_deadline
 from eval.results import EvalResult
 from eval.runners import OURS, PROMPT_LOOKUP_NGRAM, PROMPT_LOOKUPS, baseline_methods, prompt_lookup_tokens, runners_for
 from toolkit.io import atomic_write_json, atomic_write_text
@@ -309,7 +310,7 @@ class _Run:
         batch_items = spread(every, settings.batch_prompts) if batched else []
         budget = None
         if settings.time_budget_s is not None:
-            budget = _fit_budget(recipe, settings, generator, every, batch_items, reference_model)
+            budget = fit_evaluation(recipe, settings, generator, every, batch_items, reference_model)
             settings = budget.settings
         items = spread(every, settings.num_prompts)
         max_new = recipe.generation.max_new_tokens
@@ -331,34 +332,6 @@ class _Run:
     @property
     def separate_reference(self) -> bool:
         return self.reference_model is not None and self.reference_model is not self.target
-
-
-def _fit_budget(recipe: Recipe, settings: EvalSettings, generator, every: list, batch_items: list,
-                reference_model):
-    """:func:`eval.budget.fit` for this evaluation: its methods, prompts and the target's verify cost curve."""
-    from eval.batch_run import METHODS as BATCH_METHODS
-    from eval.budget import Workload, fit
-
-    separate = reference_model is not None and reference_model is not generator.target
-    methods = baseline_methods(recipe, separate) if settings.baselines else []
-    if isinstance(settings.baselines, (list, tuple)):
-        methods = [m for m in methods if m in settings.baselines]
-    batch_methods = 0
-    if batch_items:
-        baselines = settings.baselines
-        batch_methods = 1 + (len(BATCH_METHODS) - 1 if baselines is True else
-                             sum(m in baselines for m in BATCH_METHODS[1:]) if baselines else 0)
-    max_new = min(recipe.generation.max_new_tokens, settings.max_new_tokens or recipe.generation.max_new_tokens)
-    work = Workload([int(it.input_ids.shape[1]) for it in every], 1 + len(methods), recipe.spec.num_draft_tokens + 1,
-                    separate, [int(it.input_ids.shape[1]) for it in batch_items], batch_methods,
-                    recipe.batch_size or 1)
-    fitted = fit(dataclasses.replace(settings, max_new_tokens=max_new), work, generator.verify_cost.ms,
-                 settings.time_budget_s)
-    if fitted.cuts:
-        log.warning("eval %s: cut to fit the %.0f s budget (estimate %.0f s -> %.0f s): %s", recipe.name,
-                    settings.time_budget_s, fitted.requested_estimate_s, fitted.estimate_s,
-                    ", ".join(f"{k} {a} -> {b}" for k, (a, b) in fitted.cuts.items()))
-    return fitted
 
 
 def _perplexity(run: _Run, ppl_ids: list[int] | None) -> dict:
@@ -421,7 +394,8 @@ def _timed(run: _Run) -> tuple:
                        warm_gen=dataclasses.replace(gen, max_new_tokens=min(16, gen.max_new_tokens)),
                        meter=lambda: M.PeakMemory(str(device)), progress=run.progress, desc=f"eval {recipe.name}",
                        before_repetition=lambda rep: generator.forget(),  # no repetition sees another's prompts
-                       deadline=_stage_deadline(run))
+                       deadline=timing_deadline(run.deadline, run.budget, run.settings,
+                                                                  forward_ms(run.generator.verify_cost)))
     for m in timed:
         if m != OURS and settings.reuse_baselines:
             _BASELINES[key(m)] = measured.calls[m]
@@ -442,21 +416,6 @@ def _batched(run: _Run) -> dict:
                             deadline=run.deadline, progress=run.progress)
     section["prompts"] = [it.id for it in run.batch_items]
     return section
-
-
-def _stage_deadline(run: _Run) -> float | None:
-    """When the timing loop must stop starting repetitions: the budget's end less the batch stage still to come
-    (its share of the estimate)."""
-    if run.deadline is None:
-        return None
-    from eval.budget import estimate_s
-
-    if not run.batch_items:
-        return run.deadline
-    full = estimate_s(run.settings, run.budget.work, run.generator.verify_cost.ms)
-    without_batch = estimate_s(run.settings, dataclasses.replace(run.budget.work, batch_methods=0),
-                               run.generator.verify_cost.ms)
-    return run.deadline - (full - without_batch)
 
 
 def _method_metrics(measured, reused: dict, first: dict) -> dict:

@@ -113,10 +113,10 @@ def run_recipe(recipe: Recipe, compare: bool = False, repeats: int = 3, prompts:
         generator.check_request(item.input_ids, gen, f"prompts.{item.id}")
     started = time.monotonic()
     if progress:
-        from eval.budget import timing_s
+        from eval.budget import forward_ms, timing_s
 
         n = repeats if compare else 1
-        ms = generator.verify_cost.ms
+        ms = forward_ms(generator.verify_cost)
         estimate = timing_s([int(i.input_ids.shape[1]) for i in items], len(methods), gen.max_new_tokens, n, 1, ms)
         print(f"run {recipe.name}: {len(methods)} method(s) x {len(items)} prompt(s) x {n} repetition(s) of "
               f"{gen.max_new_tokens} tokens: about {estimate:.0f} s on this machine (estimated from the target's "

@@ -83,3 +83,13 @@ def test_evaluation_within_a_budget_says_what_was_cut(tmp_path):
     assert m["protocol"]["max_new_tokens"] == used.get("max_new_tokens", 48)
     assert m["protocol"]["repeats"] == budget["repeats_done"] <= used.get("repeats", 3)
     assert "Time budget 0 s" in (tmp_path / "report.md").read_text()
+
+
+def test_estimates_stay_positive_past_a_curve_that_dips_at_its_end():
+    from eval.budget import forward_ms
+    from toolkit.speculative.cost_model import VerifyCost
+
+    dipping = VerifyCost([10.0, 12.0, 30.0, 20.0], learn=False)  # learned online: the last point fell
+    ms = forward_ms(dipping)
+    assert [ms(n) for n in (1, 4, 8, 400)] == [10.0, 20.0, 40.0, 2000.0]  # past the curve: proportional
+    assert dipping.ms(400) < 0 < estimate_s(EvalSettings.fast(), Workload([300, 400], 3, 5), ms)
