@@ -52,8 +52,8 @@ def test_ngram_and_quantized_target():
                                               "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     s = export(r, "sglang")
     assert s.config["speculative_algorithm"] == "NGRAM" and s.config["quantization"] == "bitsandbytes"
-    assert (s.config["speculative_ngram_min_match_window_size"], s.config["speculative_ngram_max_match_window_size"],
-            s.config["speculative_num_draft_tokens"]) == (2, 4, 3)
+    assert s.config["speculative_num_draft_tokens"] == 3 and not any("ngram" in k for k in s.config)
+    assert any(w.startswith("spec.max_ngram / min_ngram: 2..4") for w in s.warnings)  # a trie there: a gap
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
@@ -260,3 +260,61 @@ def test_suffix_knobs_reach_vllm_suffix_decoding():
     assert spec == {"method": "suffix", "num_speculative_tokens": 6, "suffix_decoding_max_spec_factor": 2.5,
                     "suffix_decoding_min_token_prob": 0.2, "suffix_decoding_max_cached_requests": 0,
                     "suffix_decoding_max_tree_depth": 32}
+
+
+#: SGLang's launch flags as its parser defines them (python/sglang/srt/server_args.py, generated from the
+#: ServerArgs dataclass by arg_groups/arg_utils.py; rules from arg_groups/speculative_hook.py), sgl-project/sglang
+#: at commit 001067ff, Nov 2026: the flags an export may set, their types and choices. SGLang does not install on a
+#: CPU-only machine, so the exports are held against this table, written from that source.
+SGLANG_FLAGS = {
+    "model_path": str, "dtype": ("auto", "half", "float16", "bfloat16", "float", "float32"),
+    "quantization": ("awq", "fp8", "gptq", "marlin", "gptq_marlin", "awq_marlin", "bitsandbytes", "gguf"),
+    "kv_cache_dtype": ("auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4", "fp4_mx_block16",
+                       "fp4_e2m1"),
+    "speculative_algorithm": ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM", "DFLASH", "DSPARK"),
+    "speculative_draft_model_path": str, "speculative_num_steps": int, "speculative_eagle_topk": int,
+    "speculative_num_draft_tokens": int,
+}
+
+
+def test_sglang_flags_match_the_engines_parser():
+    """Every exported flag exists in SGLang's parser with its type / choices, and the speculative settings obey its
+    hook: the EAGLE family (EAGLE, EAGLE3, STANDALONE) gives steps, topk and draft tokens together, with draft
+    tokens = steps + 1 when topk is 1, and a draft model path; NGRAM takes only the draft-token count."""
+    seen = set()
+    for r in _every_drafter_recipe():
+        exp = export(r, "sglang")
+        config = exp.config
+        assert not set(config) - set(SGLANG_FLAGS), (r.name, set(config) - set(SGLANG_FLAGS))
+        for key, value in config.items():
+            kind = SGLANG_FLAGS[key]
+            if isinstance(kind, tuple):
+                assert value in kind, (r.name, key, value)
+            else:
+                assert isinstance(value, kind) and not isinstance(value, bool), (r.name, key, value)
+        algorithm = config.get("speculative_algorithm")
+        seen.add(algorithm)
+        if algorithm in ("EAGLE", "EAGLE3", "STANDALONE"):
+            steps, topk, tokens = (config[k] for k in ("speculative_num_steps", "speculative_eagle_topk",
+                                                       "speculative_num_draft_tokens"))
+            assert min(steps, topk, tokens) >= 1 and (topk > 1 or tokens == steps + 1), (r.name, config)
+            assert config["speculative_draft_model_path"] not in ("", "embedded"), r.name  # a path or a hub id
+        elif algorithm == "NGRAM":
+            assert {k for k in config if k.startswith("speculative_")} == {"speculative_algorithm",
+                                                                          "speculative_num_draft_tokens"}
+        args = exp.command.split()
+        assert args[:3] == ["python", "-m", "sglang.launch_server"] and len(args[3:]) == 2 * len(config)
+    assert {"STANDALONE", "NGRAM", "EAGLE", None} <= seen
+
+
+def test_an_eagle_head_in_our_layout_is_exported_by_path_with_a_warning():
+    from toolkit.eagle.checkpoint import SHIPPED
+
+    from toolkit.resources import resolve
+
+    r = Recipe.load(resolve("short-eagle", "", "recipe"))
+    for engine, key in (("vllm", ("speculative_config", "model")), ("sglang", ("speculative_draft_model_path",))):
+        exp = export(r, engine)
+        value = exp.config[key[0]] if len(key) == 1 else exp.config[key[0]][key[1]]
+        assert value == str(SHIPPED["embedded"]), engine  # not the word "embedded"
+        assert any("this toolkit's layout" in w for w in exp.warnings), engine

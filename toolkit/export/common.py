@@ -102,3 +102,30 @@ def eagle_variant(recipe) -> str:
     if variant is None:
         variant = "eagle3" if any("Eagle3" in a for a in raw.get("architectures") or []) else "eagle1"
     return "eagle3" if variant == "eagle3" else "eagle"
+
+
+def eagle_head_path(recipe, warnings: list[str]) -> str:
+    """The engine's draft-model argument for an EAGLE head: ``draft.source``, with ``embedded`` resolved to the
+    head shipped inside the package (an absolute path on this machine). A head in this toolkit's own layout
+    (``config.json`` with ``toolkit_eagle``, :func:`toolkit.eagle.checkpoint.save_head`) gets a warning: vLLM and
+    SGLang read the EAGLE / speculators layouts.
+
+    Raises:
+        ConfigError (``draft.source``): a source that cannot go into a command line (:func:`command_value`).
+    """
+    import json
+    from pathlib import Path
+
+    from toolkit.eagle.checkpoint import SHIPPED
+
+    source = str(recipe.draft.source)
+    path = SHIPPED.get(source, Path(source).expanduser())
+    try:
+        own_layout = "toolkit_eagle" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        own_layout = False
+    if own_layout:
+        warnings.append(f"draft.source: {source!r} is an EAGLE head in this toolkit's layout (config.json "
+                        "'toolkit_eagle'); the engines load EAGLE heads in the EAGLE / speculators layouts, which "
+                        "this version does not write: the engine will not load this head as it is")
+    return command_value("draft.source", str(path) if source in SHIPPED else source)

@@ -43,7 +43,7 @@ def spec_warnings(recipe, engine: str) -> list[str]:
             f"verify length 1..{s.num_draft_tokens} by the measured cost curve"
         out.append(f"spec.adaptive: {s.adaptive} ({span}) — adaptive draft length is not "
                    f"expressed; exported a constant K = spec.num_draft_tokens = {s.num_draft_tokens}")
-    out += [f"spec.{field}: {what} has no {name} setting" for field, what in s.config.engine_gaps()]
+    out += [f"spec.{field}: {what} has no {name} setting" for field, what in s.config.engine_gaps(engine)]
     if s.config.draft == DRAFT_TARGET:
         out.append(f"spec.drafter: {s.drafter} — the target's own weights at draft.precision="
                    f"{recipe.draft.precision} are exported as a separate draft model (the same checkpoint, loaded "

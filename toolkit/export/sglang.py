@@ -1,12 +1,14 @@
 """Recipe -> SGLang server arguments (``python -m sglang.launch_server ...``).
 
-Flag names checked against SGLang's speculative-decoding documentation (docs.sglang.io, "Speculative Decoding" and
-its parameter reference): ``--speculative-algorithm`` (``STANDALONE`` for a small draft model, ``NGRAM``, ``EAGLE``,
-``EAGLE3``), ``--speculative-draft-model-path``, ``--speculative-num-steps``, ``--speculative-eagle-topk``,
-``--speculative-num-draft-tokens``, ``--speculative-ngram-min-match-window-size`` /
-``--speculative-ngram-max-match-window-size``; plus ``--dtype``, ``--quantization bitsandbytes`` and
-``--kv-cache-dtype auto``. Uncertain for the lead: SGLang counts ``--speculative-num-draft-tokens`` including the
-root token for chains (num_steps = K, topk = 1, num_draft_tokens = K + 1), as in its examples; NGRAM is CUDA-only.
+Flags as SGLang's own parser defines them (``python/sglang/srt/server_args.py`` and
+``arg_groups/speculative_hook.py``, sgl-project/sglang at commit 001067ff, Nov 2026; held against a table written
+from that source in ``tests/test_export.py``): ``--speculative-algorithm`` (``STANDALONE`` for a small draft
+model, ``NGRAM``, ``EAGLE``, ``EAGLE3``), ``--speculative-draft-model-path``, ``--speculative-num-steps``,
+``--speculative-eagle-topk``, ``--speculative-num-draft-tokens``; plus ``--dtype``, ``--quantization bitsandbytes``
+and ``--kv-cache-dtype auto``. For chains SGLang counts ``--speculative-num-draft-tokens`` with the root token
+(num_steps = K, topk = 1, num_draft_tokens = K + 1: its hook forces that when topk is 1). SGLang's NGRAM matches
+through a trie (``--speculative-ngram-max-trie-depth``, BFS breadths) with no n-gram size setting, so our n-gram
+sizes are listed as a gap, not exported.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import shlex
 
 from toolkit.export import Export
-from toolkit.export.common import command_value, draft_source, eagle_variant, model_path, target_config
+from toolkit.export.common import draft_source, eagle_head_path, eagle_variant, model_path, target_config
 from toolkit.export.gaps import engine_warnings
 from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD
 
@@ -33,7 +35,7 @@ def _speculative(recipe, warnings: list[str]) -> dict:
         out["speculative_draft_model_path"] = model_path(source, role, [])
     elif config.draft == DRAFT_EAGLE_HEAD:
         out["speculative_algorithm"] = eagle_variant(recipe).upper()
-        out["speculative_draft_model_path"] = command_value("draft.source", recipe.draft.source)
+        out["speculative_draft_model_path"] = eagle_head_path(recipe, warnings)
     if out["speculative_algorithm"] == "NGRAM":
         warnings.append(f"spec.drafter: {s.drafter} — SGLang's NGRAM speculation runs on CUDA only")
         out["speculative_num_draft_tokens"] = K

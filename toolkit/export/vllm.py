@@ -17,7 +17,7 @@ import json
 import shlex
 
 from toolkit.export import Export
-from toolkit.export.common import command_value, draft_source, eagle_variant, model_path, target_config
+from toolkit.export.common import draft_source, eagle_head_path, eagle_variant, model_path, target_config
 from toolkit.export.gaps import engine_warnings
 from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD
 
@@ -39,7 +39,7 @@ def _speculative_config(recipe, warnings: list[str]) -> dict | None:
                             "draft at the engine's dtype")
     elif config.draft == DRAFT_EAGLE_HEAD:
         cfg["method"] = eagle_variant(recipe)
-        cfg["model"] = command_value("draft.source", recipe.draft.source)
+        cfg["model"] = eagle_head_path(recipe, warnings)
     if s.tree:
         tree = {k: getattr(s, k) for k in ("tree_budget", "tree_depth", "tree_topk")}
         warnings.append(f"spec.tree_*: {tree} — token-tree drafting is not exported to vLLM (its tree option is "

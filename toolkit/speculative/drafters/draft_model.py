@@ -37,7 +37,7 @@ class DraftModelConfig(DrafterConfig):
         if self.confidence_threshold is not None:
             check_float(f"{prefix}.confidence_threshold", self.confidence_threshold, low=0.0, high=1.0)
 
-    def engine_gaps(self) -> list[tuple[str, str]]:
+    def engine_gaps(self, engine: str) -> list[tuple[str, str]]:
         if self.confidence_threshold is None:
             return []
         return [("confidence_threshold", f"{self.confidence_threshold} — early stop of a drafting round on low "

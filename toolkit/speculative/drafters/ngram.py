@@ -34,8 +34,13 @@ class NgramConfig(DrafterConfig):
     def engine_params(self, engine: str) -> dict:
         if engine == "vllm":
             return {"prompt_lookup_max": self.max_ngram, "prompt_lookup_min": self.min_ngram}
-        return {"speculative_ngram_min_match_window_size": self.min_ngram,
-                "speculative_ngram_max_match_window_size": self.max_ngram}
+        return {}  # SGLang's NGRAM matches through a trie: no n-gram size setting (engine_gaps)
+
+    def engine_gaps(self, engine: str) -> list[tuple[str, str]]:
+        if engine != "sglang":
+            return []
+        return [("max_ngram / min_ngram", f"{self.min_ngram}..{self.max_ngram} — the n-gram sizes matched (SGLang's "
+                 "NGRAM matches through a trie, --speculative-ngram-max-trie-depth)")]
 
 
 @register_drafter(NgramConfig)

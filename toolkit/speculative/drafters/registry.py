@@ -63,8 +63,9 @@ class DrafterConfig:
         """Drafter-specific settings of the serving engine ``engine`` (``vllm`` or ``sglang``)."""
         return {}
 
-    def engine_gaps(self) -> list[tuple[str, str]]:
-        """``[(field, what it does)]`` for set fields that serving engines cannot express (exports warn)."""
+    def engine_gaps(self, engine: str) -> list[tuple[str, str]]:
+        """``[(field, what it does)]`` for set fields that the serving engine ``engine`` (``vllm`` or ``sglang``)
+        cannot express (exports warn)."""
         return []
 
     @property
