@@ -309,7 +309,6 @@ def test_sglang_flags_match_the_engines_parser():
 
 def test_an_eagle_head_in_our_layout_is_exported_by_path_with_a_warning():
     from toolkit.eagle.checkpoint import SHIPPED
-
     from toolkit.resources import resolve
 
     r = Recipe.load(resolve("short-eagle", "", "recipe"))
