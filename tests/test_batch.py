@@ -13,7 +13,7 @@ from conftest import tiny_llama, tiny_neox
 from test_decoder import INIT, hf_greedy, make_prompt
 
 import toolkit
-from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec
+from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec, Recipe, SpecSpec
 from toolkit.speculative.batch import BatchDecoder
 from toolkit.speculative.batch_cache import BatchCache
 from toolkit.speculative.cost_model import VerifyCost
@@ -187,3 +187,31 @@ def test_prompt_file_and_batched_run_with_baselines(tmp_path):
     assert second.name == f"batch-{result['config_hash']}-my_prompts-batch2.json"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
         [first.name, first.with_suffix(".md").name, second.name, second.with_suffix(".md").name])
+
+
+def test_streaming_llm_per_row_equals_each_prompt_alone_under_the_policy():
+    """StreamingLLM (absolute positions, exact window) runs per row in a batch: every row's greedy output is what the
+    single-sequence decoder gives that prompt under the same policy, with prompts longer than the window, rows
+    compressing at different rounds, and the batch cache bounded by the policy's budget, not the length."""
+    target = tiny_llama(seed=0, **INIT)
+    recipe = Recipe.from_dict({"name": "stream-batch", "target": {"device": "cpu"}, "draft": None,
+                               "kv": {"policy": "streaming", "sink_tokens": 2, "window": 10, "compress_interval": 4},
+                               "spec": {"drafter": "lookup", "num_draft_tokens": 4},
+                               "generation": {"max_new_tokens": 72, "ignore_eos": True}})
+    generator = toolkit.build(recipe, target=target, tokenizer=None)
+    assert generator.batchable
+    batch = prompts(5)  # 12..20 tokens: every prompt is longer than sinks + window
+    alone = [generator.generate(p).token_ids for p in batch]
+    rows = generator.generate_batch(batch, batch_size=3)
+    assert [r.token_ids for r in rows] == alone
+    per_token = 2 * target.config.num_hidden_layers * target.config.num_key_value_heads * 4 * (
+        target.config.hidden_size // target.config.num_attention_heads)
+    # held per row <= sinks + window + interval + the widest forward (K + 1) = 21 slots, so the buffer never grows
+    # past its first size (the longest prompt + GROW_MIN); uncompressed it would hold 20 + 72 slots per row
+    from toolkit.speculative.batch_cache import GROW_MIN
+
+    peak = max(r.stats.batch_kv_peak_bytes for r in rows)
+    assert 0 < peak <= 3 * per_token * (20 + GROW_MIN) < 3 * per_token * (20 + 72)
+    reindex = recipe.replace(kv=KVSpec.from_dict({"policy": "streaming", "sink_tokens": 2, "window": 10,
+                                                  "position_mode": "reindex"}, "kv"))
+    assert not toolkit.build(reindex, target=target, tokenizer=None).batchable  # slots move: one at a time

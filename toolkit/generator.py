@@ -274,9 +274,11 @@ class Generator:
     @property
     def batchable(self) -> bool:
         """The recipe runs as batched speculative decoding: a drafter whose config allows batches (model-free) or
-        AR, an uncompressed target cache, chains (no token trees)."""
+        AR, an uncompressed target cache or one whose policy runs per row (StreamingLLM, absolute positions, exact
+        window), chains (no token trees)."""
         spec = self.recipe.spec
-        return spec.config.batch and self.target_policy is None and not spec.tree
+        policy_ok = self.target_policy is None or getattr(self.target_policy, "batch_rows", False)
+        return spec.config.batch and policy_ok and not spec.tree
 
     def generate_batch(self, prompts: list, batch_size: int | None = None, **overrides) -> list[GenerationResult]:
         """Generate a completion of every prompt, ``batch_size`` of them per target forward (continuous batching:
@@ -309,7 +311,7 @@ class Generator:
         if self._batch_cost is None or self._batch_cost.curve is not curve:  # learned batched costs, kept per curve
             self._batch_cost = BatchCost(curve)
         decoder = BatchDecoder(self.target, make if spec.config.speculates else (lambda: None), self._batch_cost,
-                               self.calibrator, max(k, 1), batch_size)
+                               self.calibrator, max(k, 1), batch_size, self.target_policy)
         rows = decoder.decode(inputs, gen, self.eos_token_ids(gen), self._stop_check(gen))
         return [GenerationResult(self._text(ids, gen), ids, x[0].tolist(), stats)
                 for (ids, stats), x in zip(rows, inputs)]

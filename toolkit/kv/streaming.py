@@ -77,6 +77,12 @@ class StreamingLLM(KVPolicy):
     def budget_for(self, length: int = 0) -> int:
         return self.sink_tokens + self.window
 
+    @property
+    def batch_rows(self) -> bool:
+        """Runs per row in batched decoding (:mod:`toolkit.speculative.batch_cache`): absolute positions and the
+        exact window, so what a row sees is fixed by its positions alone."""
+        return self.position_mode == "absolute" and self.exact_window
+
     def check_compatible(self, max_query_tokens: int, prefix: str = "kv") -> None:
         """``window`` must hold a whole verify forward: ``window >= max_query_tokens`` (K + 1 for a chain). The
         width is remembered for :meth:`check_model` (reindexed slots reach ``budget + interval + width - 1``)."""

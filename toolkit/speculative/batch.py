@@ -15,9 +15,10 @@ One round over the ``B`` active rows::
                  limit leave, the next waiting requests are prefilled and join
 
 Greedy output of every row is the target's own greedy output for that prompt (fp32: token-identical to decoding it
-alone; tested), whatever the batch composition. Supported here: the uncompressed KV cache and model-free drafters
-(``lookup``, ``ngram``, ``suffix``); :meth:`toolkit.generator.Generator.generate_batch` runs other recipes one
-request at a time and says so.
+alone; tested), whatever the batch composition. Supported here: model-free drafters (``lookup``, ``ngram``,
+``suffix``) with the uncompressed KV cache or StreamingLLM per row (absolute positions, exact window: each row as it
+decodes alone under the policy); :meth:`toolkit.generator.Generator.generate_batch` runs other recipes one request
+at a time and says so.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from toolkit.kv import ops as kv_ops
 from toolkit.speculative.batch_cache import BatchCache
 from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.decoder import SpeculativeDecoder
@@ -100,29 +102,37 @@ class BatchDecoder:
         calibrator: shared acceptance calibration of the drafters' confidences.
         num_draft_tokens: most draft tokens per row per round (K).
         batch_size: most rows per forward.
+        policy: the target's KV policy: ``None`` (uncompressed) or a :class:`~toolkit.kv.streaming.StreamingLLM`
+            with ``batch_rows`` (absolute positions, exact window), applied per row.
     """
 
     def __init__(self, target, make_drafter: Callable, cost: VerifyCost | BatchCost,
                  calibrator: Calibrator | None = None,
-                 num_draft_tokens: int = 8, batch_size: int = 8):
+                 num_draft_tokens: int = 8, batch_size: int = 8, policy=None):
         self.target, self.make_drafter = target, make_drafter
         self.cost = cost if isinstance(cost, BatchCost) else BatchCost(cost)
         self.calibrator = calibrator or Calibrator()
-        self.k, self.batch_size = num_draft_tokens, batch_size
+        self.k, self.batch_size, self.policy = num_draft_tokens, batch_size, policy
+        if policy is not None and not getattr(policy, "batch_rows", False):
+            raise ValueError(f"BatchDecoder: the KV policy {type(policy).__name__} does not run per row in a batch")
         self.device = next(target.parameters()).device
         dtype = next(target.parameters()).dtype
         self.dtype = dtype if dtype.is_floating_point else torch.float32
 
     # ------------------------------------------------------------------------------------------------ requests
     def _start(self, index: int, input_ids: torch.Tensor, gen) -> tuple[Row, DynamicCache]:
-        """Prefill one request alone (every layer's full prompt: a plain ``DynamicCache``); its first token comes
-        from the target (the prompt's last position)."""
+        """Prefill one request alone (every layer's full prompt: a plain ``DynamicCache``, or the policy's cache with
+        its mask, committed); its first token comes from the target (the prompt's last position)."""
         started = time.perf_counter()
         ids = input_ids[0].tolist()
-        cache = DynamicCache()
+        cache = DynamicCache() if self.policy is None else kv_ops.new_cache(self.policy, self.target)
         generator = torch.Generator(device=self.device).manual_seed(gen.seed + index) if gen.do_sample else None
+        extra = {} if self.policy is None else kv_ops.model_inputs(
+            cache, torch.arange(len(ids), device=self.device).view(1, -1))
         logits = self.target(input_ids=input_ids.to(self.device), past_key_values=cache, use_cache=True,
-                             logits_to_keep=1).logits[0, -1]
+                             logits_to_keep=1, **extra).logits[0, -1]
+        if self.policy is not None:
+            kv_ops.commit(cache)
         first = int(self._choose(logits, gen, generator))
         drafter = self.make_drafter()
         if drafter is not None:
@@ -196,16 +206,23 @@ class BatchDecoder:
         return results
 
     # ------------------------------------------------------------------------------------------------ the loop
-    @torch.inference_mode()
     def decode(self, prompts: list[torch.Tensor], gen, eos_token_ids: list[int] = (),
                should_stop: Callable[[list[int]], int | None] | None = None) -> list[tuple[list[int], GenerationStats]]:
         """Generate after each of ``prompts`` (``(1, prompt_len)`` each); returns ``(new ids, stats)`` in input
         order. Stops every row as :meth:`SpeculativeDecoder.decode` does (``max_new_tokens``, EOS, stop strings)."""
+        with kv_ops.attached(self.policy, self.target):  # whatever the policy installs, for this call only
+            return self._decode(prompts, gen, eos_token_ids, should_stop)
+
+    @torch.inference_mode()
+    def _decode(self, prompts, gen, eos_token_ids, should_stop) -> list[tuple[list[int], GenerationStats]]:
         eos = set() if gen.ignore_eos else set(eos_token_ids)
         limit = gen.max_new_tokens
         waiting = list(enumerate(prompts))
         rows: list[Row] = []
-        batch = BatchCache(self.target.config.get_text_config(decoder=True).num_hidden_layers, self.device)
+        layers = self.target.config.get_text_config(decoder=True).num_hidden_layers
+        streaming = {} if self.policy is None else {"window": self.policy.window, "sinks": self.policy.sink_tokens,
+                                                    "interval": self.policy.compress_interval}
+        batch = BatchCache(layers, self.device, **streaming)
         done: dict[int, tuple[list[int], GenerationStats]] = {}
         peak_kv = 0  # bytes of the batch cache's buffers (allocated capacity) after the largest verify forward
         while waiting or rows:
@@ -215,7 +232,8 @@ class BatchDecoder:
                     done[row.index] = self._close(row)
                     continue
                 rows.append(row)
-                batch.join(prefill, len(row.ids))
+                evicted = 0 if self.policy is None else prefill.get_seq_length() - prefill.physical_length(0)
+                batch.join(prefill, len(row.ids), evicted)
             if not rows:
                 continue
             peak_kv = max(peak_kv, self._round(rows, batch, gen, limit, draining=not waiting))
@@ -241,6 +259,7 @@ class BatchDecoder:
         verified_at = time.perf_counter()
         peak_kv = batch.kv_bytes()
         batch.accept(torch.tensor([a + 1 for a, _ in results], device=self.device), width)
+        batch.compress()  # the commit point: StreamingLLM rows past their budget drop what no query sees again
         for row, (accepted, nxt) in zip(rows, results):
             drafted = min(len(row.proposal), width - 1)
             committed = row.proposal[:accepted] + [nxt]

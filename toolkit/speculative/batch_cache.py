@@ -11,8 +11,15 @@ So ragged acceptance leaves no holes and needs no compaction, and a forward copi
 vLLM's per-sequence slots, with one buffer per layer. Rows leave (:meth:`remove`) and join (:meth:`join`: a
 request prefilled alone) between rounds; the buffer grows by doubling when a row would run past it.
 
-Invariant between rounds, per row ``r``: ``committed[r]`` tokens are committed and slots ``0 .. committed[r] - 2``
-hold the first ``committed[r] - 1`` of them (the last one is the next forward's first input).
+StreamingLLM per row (Xiao et al., ICLR 2024; :class:`toolkit.kv.streaming.StreamingLLM` with absolute positions and
+the exact window): with ``window`` set, every query sees its row's ``sinks`` first positions and its own last
+``window`` positions (the band mask of the single-sequence policy), and at each commit point a row holding more than
+``sinks + window + interval`` slots moves its last ``window`` down behind its sinks (:meth:`compress`), counting
+what it dropped in ``evicted[r]``: slot ``s`` then holds position ``s`` below ``sinks``, else ``s + evicted[r]``.
+Since the mask shows exactly what the policy keeps, each row decodes as it does alone under the policy.
+
+Invariant between rounds, per row ``r``: ``committed[r]`` tokens are committed; slots ``0 .. held[r] - 1`` hold the
+first ``committed[r] - 1`` of them less the ``evicted[r]`` dropped (the last one is the next forward's first input).
 """
 
 from __future__ import annotations
@@ -71,9 +78,12 @@ class BatchCache:
         committed: ``(B,)`` long, tokens committed per row (prompt included).
     """
 
-    def __init__(self, num_layers: int, device: torch.device):
+    def __init__(self, num_layers: int, device: torch.device, window: int | None = None, sinks: int = 0,
+                 interval: int = 0):
         self.cache = Cache(layers=[RaggedLayer(self) for _ in range(num_layers)])
         self.committed = torch.zeros(0, dtype=torch.long, device=device)
+        self.evicted = torch.zeros(0, dtype=torch.long, device=device)
+        self.window, self.sinks, self.interval = window, sinks, interval
         self.write_at = self.committed
         self.span = self.width = 0
 
@@ -83,8 +93,8 @@ class BatchCache:
 
     @property
     def lengths(self) -> torch.Tensor:
-        """``(B,)`` slots each row holds (its committed tokens but the last)."""
-        return self.committed - 1
+        """``(B,)`` slots each row holds (its committed tokens but the last, less what StreamingLLM dropped)."""
+        return self.committed - 1 - self.evicted
 
     def _layers(self) -> list[RaggedLayer]:
         return [layer for layer in self.cache.layers if layer.is_initialized]
@@ -97,9 +107,14 @@ class BatchCache:
         lengths = self.lengths
         self.write_at, self.width = lengths, width
         self.span = int(lengths.max()) + width
-        positions = lengths.view(-1, 1) + torch.arange(width, device=lengths.device).view(1, -1)
+        new = torch.arange(width, device=lengths.device).view(1, -1)
+        positions = (self.committed - 1).view(-1, 1) + new  # absolute
         slots = torch.arange(self.span, device=lengths.device).view(1, 1, -1)
-        visible = slots <= positions[:, :, None]
+        visible = slots <= (lengths.view(-1, 1) + new)[:, :, None]  # held entries, then the new block causally
+        if self.window is not None:  # StreamingLLM: the sinks and each query's own last `window` positions
+            held_at = slots + (slots >= self.sinks) * self.evicted.view(-1, 1, 1)
+            query = positions[:, :, None]
+            visible &= (held_at < self.sinks) | (held_at > query - self.window)
         mask = torch.zeros(visible.shape, dtype=dtype, device=lengths.device).masked_fill(~visible,
                                                                                            torch.finfo(dtype).min)
         return {"position_ids": positions, "attention_mask": mask[:, None]}
@@ -109,6 +124,21 @@ class BatchCache:
         the rest lie past its length and are overwritten by its next forward."""
         self.committed = self.committed + kept
 
+    def compress(self) -> None:
+        """StreamingLLM's commit point: every row holding more than ``sinks + window + interval`` slots keeps its
+        sinks and its last ``window`` slots (moved down behind the sinks); nothing when ``window`` is unset."""
+        if self.window is None:
+            return
+        held = self.lengths.tolist()
+        budget = self.sinks + self.window
+        for r, n in enumerate(held):
+            if n <= budget + self.interval:
+                continue
+            for layer in self._layers():
+                layer.keys[r, :, self.sinks:budget] = layer.keys[r, :, n - self.window:n].clone()
+                layer.values[r, :, self.sinks:budget] = layer.values[r, :, n - self.window:n].clone()
+            self.evicted[r] += n - budget
+
     # ------------------------------------------------------------------------------------------------ layout
     def remove(self, keep: list[int]) -> None:
         """Keep only the rows ``keep`` (indices, in the new order)."""
@@ -117,11 +147,12 @@ class BatchCache:
             layer.keys = layer.keys.index_select(0, index)
             layer.values = layer.values.index_select(0, index)
         self.committed = self.committed.index_select(0, index)
+        self.evicted = self.evicted.index_select(0, index)
 
-    def join(self, prefill: Cache, committed: int) -> None:
-        """Append a request prefilled alone: ``prefill`` holds its ``committed - 1`` prompt slots (a
-        ``DynamicCache`` of batch 1); its first generated token is committed and not yet in the cache."""
-        held = committed - 1
+    def join(self, prefill: Cache, committed: int, evicted: int = 0) -> None:
+        """Append a request prefilled alone: ``prefill`` (batch 1) holds its ``committed - 1`` prompt slots less the
+        ``evicted`` its policy dropped; its first generated token is committed and not yet in the cache."""
+        held = committed - 1 - evicted
         for layer, single in zip(self.cache.layers, prefill.layers):
             keys, values = single.keys[:, :, :held], single.values[:, :, :held]
             if not layer.is_initialized:
@@ -134,6 +165,7 @@ class BatchCache:
             layer.keys = torch.cat([layer.keys, row_k], dim=0)
             layer.values = torch.cat([layer.values, row_v], dim=0)
         self.committed = torch.cat([self.committed, self.committed.new_tensor([committed])])
+        self.evicted = torch.cat([self.evicted, self.evicted.new_tensor([evicted])])
 
     def kv_bytes(self) -> int:
         """Bytes of the batch's key and value buffers (allocated capacity: what is held)."""
