@@ -14,6 +14,7 @@ from eval import search as S
 from eval.scenarios import Scenario
 from toolkit.errors import ConfigError
 from toolkit.recipe import Recipe
+from toolkit.session import plan
 
 EVAL = {"num_prompts": 1, "max_new_tokens": 24, "repeats": 1, "warmup": 0, "ppl_tokens": 64, "ppl_window": 32, "baselines": ["ar"],
         "ppl_stride": 16}
@@ -217,7 +218,8 @@ def test_space_files_parse_and_build_valid_recipes():
     rng = random.Random(1)
     for point in [sp.random_point(rng) for _ in range(20)]:
         recipe = sp.recipe(point)
-        assert recipe.batch_size == point["batch_size"] and recipe.spec.config.batch and recipe.kv.policy == "none"
+        assert recipe.batch_size == point["batch_size"] and recipe.spec.config.batch
+        assert recipe.kv.policy == "none" or plan(recipe).target_policy.batch_rows  # only policies that batch
     # long: only caches whose peak KV is bounded (a budget or window) whatever the generation length are searched
     for dim in load_space("long").dimensions:
         if dim.name in ("kv_policy", "draft_kv_policy"):
