@@ -62,7 +62,7 @@ def _runners(generator, inputs, prompts, gen, batch_size: int, kv_peaks: list | 
     def ours_batch() -> list[list[int]]:
         results = generator.generate_batch(prompts, batch_size, **overrides)
         if kv_peaks is not None:  # the batch cache's peak (a recipe run one request at a time: each row's own)
-            kv_peaks.append(max(r.stats.batch_kv_peak_bytes or r.stats.peak_kv_bytes_target for r in results))
+            kv_peaks.append(max(r.stats.peak_kv_bytes_batch or r.stats.peak_kv_bytes_target for r in results))
         return [r.token_ids for r in results]
 
     return {
@@ -129,7 +129,7 @@ def run_batch(generator, prompts: list, batch_size: int, compare: bool = False, 
     bar.close()
     if reused:
         times["hf-batch-ar"], outputs["hf-batch-ar"], peaks["hf-batch-ar"] = reused
-    elif reuse is not None and "hf-batch-ar" in timed:
+    elif reuse is not None and "hf-batch-ar" in timed and repeats == key[-1]:  # only a full measurement is reused
         reuse[key] = (times["hf-batch-ar"], outputs["hf-batch-ar"], peaks["hf-batch-ar"])
     result = _summary(generator, prompts, batch_size, methods, times, outputs, peaks, repeats, gen)
     result["summary"]["ours-batch"]["kv_peak_bytes"] = max(kv_peaks)
@@ -172,7 +172,8 @@ def markdown(result: dict) -> str:
     same = result["rows_identical_to_single"]
     if same is not None:
         lines += ["", f"Rows identical to the prompt decoded alone: {sum(same)}/{len(same)}."]
-    lines += ["", f"device: {result['environment']['hardware']} ({result['environment']['torch_threads']} threads)"]
+    lines += ["", f"device: {result['environment']['hardware']} ({result['environment']['torch_threads']} threads); "
+              f"{result['repeats']} timed repetition(s)"]
     return "\n".join(lines) + "\n"
 
 
@@ -188,14 +189,14 @@ def write_batch_results(result: dict, out_dir: Path) -> Path:
     return path
 
 
-def batch_section(generator, prompts: list, gen, repeats: int, baselines, reuse: dict | None,
-                  deadline: float | None = None, progress: bool = False) -> dict:
+def batch_section(generator, prompts: list, prompt_ids: list[str], gen, repeats: int, baselines,
+                  reuse: dict | None, deadline: float | None = None, progress: bool = False) -> dict:
     """The ``batch`` section of an evaluation of a recipe that sets ``batch_size``: :func:`run_batch` over
-    ``prompts`` (``(1, n)`` token ids) at the recipe's batch size.
+    ``prompts`` (``(1, n)`` token ids, named ``prompt_ids``) at the recipe's batch size.
 
     ``baselines``: ``True`` (HF batched AR and our single-row decoder), ``False`` (ours only) or a list naming
-    ``hf-batch-ar`` / ``ours-single``. Returns ``{batch_size, batched, prompts, methods: {method: {throughput,
-    new_tokens, peak_rss_bytes}}, ratios, rows_identical_to_single, kv_peak_bytes}``.
+    ``hf-batch-ar`` / ``ours-single``. Returns ``{batch_size, batched, prompts (ids), repeats (that ran), methods:
+    {method: {throughput, new_tokens, peak_rss_bytes}}, ratios, rows_identical_to_single, kv_peak_bytes}``.
     """
     wanted = {True: list(METHODS), False: ["ours-batch"]}.get(baselines) if isinstance(baselines, bool) else \
         ["ours-batch"] + [m for m in METHODS[1:] if m in baselines]
@@ -206,6 +207,6 @@ def batch_section(generator, prompts: list, gen, repeats: int, baselines, reuse:
     ratios = {f"ours_batch_vs_{m.replace('-', '_')}": ours[f"speedup_vs_{m}"] for m in summary if m != "ours-batch"}
     methods = {m: {k: v for k, v in s.items() if not k.startswith("speedup_vs_") and k != "kv_peak_bytes"}
                for m, s in summary.items()}
-    return {"batch_size": result["batch_size"], "batched": result["batched"], "prompts": result["prompts"],
-            "methods": methods, "ratios": ratios, "rows_identical_to_single": result["rows_identical_to_single"],
+    return {"batch_size": result["batch_size"], "batched": result["batched"], "prompts": list(prompt_ids),
+            "repeats": result["repeats"], "methods": methods, "ratios": ratios, "rows_identical_to_single": result["rows_identical_to_single"],
             "kv_peak_bytes": ours["kv_peak_bytes"]}

@@ -132,7 +132,10 @@ def fit_evaluation(recipe, settings, generator, prompts: list, batch_prompts: li
         batch_methods = 1 + (len(BATCH_METHODS) - 1 if wanted is True else
                              sum(m in wanted for m in BATCH_METHODS[1:]) if wanted else 0)
     longest = recipe.generation.max_new_tokens
-    work = Workload([int(p.input_ids.shape[1]) for p in prompts], 1 + len(methods), recipe.spec.num_draft_tokens + 1,
+    from toolkit.measure.harness import round_robin
+
+    ordered = round_robin(prompts)  # the order the per-request stage takes them in (spread)
+    work = Workload([int(p.input_ids.shape[1]) for p in ordered], 1 + len(methods), recipe.spec.num_draft_tokens + 1,
                     separate, [int(p.input_ids.shape[1]) for p in batch_prompts], batch_methods,
                     recipe.batch_size or 1)
     fitted = fit(dataclasses.replace(settings, max_new_tokens=min(longest, settings.max_new_tokens or longest)),

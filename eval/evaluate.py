@@ -204,6 +204,18 @@ def _prompts(recipe: Recipe, prompts, generator, count: int | None) -> list[Prom
     return out
 
 
+def _generation(recipe: Recipe, settings: EvalSettings):
+    """The recipe's generation settings as measured: ``max_new_tokens`` capped by the settings, EOS per the
+    settings. Raises ConfigError for an invalid combination."""
+    max_new = recipe.generation.max_new_tokens
+    if settings.max_new_tokens is not None:
+        max_new = min(max_new, settings.max_new_tokens)
+    gen = dataclasses.replace(recipe.generation, max_new_tokens=max_new,
+                              ignore_eos=settings.ignore_eos or recipe.generation.ignore_eos)
+    gen.validate("generation")
+    return gen
+
+
 def _baseline_key(method, recipe, target, draft_model, reference_model, items, gen, settings) -> tuple:
     """Identity of a baseline measurement: models (by object), prompts, generation settings, protocol."""
     k = {"assisted": recipe.spec.num_draft_tokens, "prompt_lookup": prompt_lookup_tokens(recipe),
@@ -289,7 +301,7 @@ class _Run:
     items: list
     gen: object
     progress: bool
-    batch_items: list  # prompts of the batch stage (empty: the recipe runs one request at a time)
+    batch_items: list  # prompts of the batch stage (empty: the recipe does not set batch_size)
     requested: EvalSettings  # the settings asked for (``settings``: what runs, cut to fit a time budget)
     budget: object = None  # eval.budget.Fitted, when the settings have a time budget
     deadline: float | None = None  # time.monotonic() by which the work should be done
@@ -308,19 +320,15 @@ class _Run:
         every = _prompts(recipe, prompts, generator, None)
         batched = recipe.batch_size is not None  # scored as it runs: a list of prompts at its batch size
         batch_items = spread(every, settings.batch_prompts) if batched else []
+        asked = _generation(recipe, settings)
+        for item in spread(every, settings.num_prompts) + batch_items:  # before any forward (a cost sweep too):
+            generator.check_request(item.input_ids, asked, f"prompts.{item.id}")  # prompts past the context, EOS ids
         budget = None
-        if settings.time_budget_s is not None:
+        if settings.time_budget_s is not None:  # cut prompts and tokens only shrink what was checked
             budget = fit_evaluation(recipe, settings, generator, every, batch_items, reference_model)
             settings = budget.settings
         items = spread(every, settings.num_prompts)
-        max_new = recipe.generation.max_new_tokens
-        if settings.max_new_tokens is not None:
-            max_new = min(max_new, settings.max_new_tokens)
-        gen = dataclasses.replace(recipe.generation, max_new_tokens=max_new,
-                                  ignore_eos=settings.ignore_eos or recipe.generation.ignore_eos)
-        gen.validate("generation")
-        for item in items + batch_items:  # before any forward: empty prompts, prompts past the context, bad EOS ids
-            generator.check_request(item.input_ids, gen, f"prompts.{item.id}")
+        gen = _generation(recipe, settings)
         deadline = started + settings.time_budget_s if settings.time_budget_s is not None else None
         return cls(recipe, settings, generator, reference_model, items, gen, progress, batch_items, requested,
                    budget, deadline)
@@ -397,7 +405,7 @@ def _timed(run: _Run) -> tuple:
                        deadline=timing_deadline(run.deadline, run.budget, run.settings,
                                                                   forward_ms(run.generator.verify_cost)))
     for m in timed:
-        if m != OURS and settings.reuse_baselines:
+        if m != OURS and settings.reuse_baselines and len(measured.calls[m]) == settings.repeats:  # full runs only
             _BASELINES[key(m)] = measured.calls[m]
     measured.calls.update(reused)
     measured.methods = methods
@@ -411,11 +419,10 @@ def _batched(run: _Run) -> dict:
 
     if run.progress:
         log.info("batch stage: %d prompts, batch size %d", len(run.batch_items), run.recipe.batch_size)
-    section = batch_section(run.generator, [it.input_ids for it in run.batch_items], run.gen, run.settings.repeats,
-                            run.settings.baselines, _BATCH_BASELINES if run.settings.reuse_baselines else None,
-                            deadline=run.deadline, progress=run.progress)
-    section["prompts"] = [it.id for it in run.batch_items]
-    return section
+    return batch_section(run.generator, [it.input_ids for it in run.batch_items], [it.id for it in run.batch_items],
+                         run.gen, run.settings.repeats, run.settings.baselines,
+                         _BATCH_BASELINES if run.settings.reuse_baselines else None, deadline=run.deadline,
+                         progress=run.progress)
 
 
 def _method_metrics(measured, reused: dict, first: dict) -> dict:

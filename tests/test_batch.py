@@ -93,7 +93,7 @@ def test_batch_cache_writes_each_row_at_its_own_offset_and_overwrites_what_it_re
     keys, _ = batch.cache.update(filled(2, 3, 100), filled(2, 3, 100), 0)  # the forward: 3 new slots per row
     assert keys.shape[2] == 8 and keys[:, 0, :, 0].tolist() == [[0, 1, 2, 100, 101, 102, 0, 0],
                                                                 [10, 11, 12, 13, 14, 100, 101, 102]]
-    batch.accept(torch.tensor([1, 3]), width=3)  # row 0 keeps 1 of its 3 new slots, row 1 all 3
+    batch.accept(torch.tensor([1, 3]))  # row 0 keeps 1 of its 3 new slots, row 1 all 3
     assert batch.committed.tolist() == [5, 9] and batch.lengths.tolist() == [4, 8]
     batch.forward_inputs(1, torch.float32)
     keys, _ = batch.cache.update(filled(2, 1, 200), filled(2, 1, 200), 0)  # row 0 overwrites a rejected slot
@@ -210,7 +210,7 @@ def test_streaming_llm_per_row_equals_each_prompt_alone_under_the_policy():
     # past its first size (the longest prompt + GROW_MIN); uncompressed it would hold 20 + 72 slots per row
     from toolkit.speculative.batch_cache import GROW_MIN
 
-    peak = max(r.stats.batch_kv_peak_bytes for r in rows)
+    peak = max(r.stats.peak_kv_bytes_batch for r in rows)
     assert 0 < peak <= 3 * per_token * (20 + GROW_MIN) < 3 * per_token * (20 + 72)
     reindex = recipe.replace(kv=KVSpec.from_dict({"policy": "streaming", "sink_tokens": 2, "window": 10,
                                                   "position_mode": "reindex"}, "kv"))

@@ -297,7 +297,7 @@ class Generator:
         if not self.batchable or batch_size == 1:
             if batch_size > 1:
                 log.info("recipe %s runs its prompts one at a time (batched decoding needs a model-free drafter, the "
-                         "uncompressed cache and chains)", self.recipe.name)
+                         "uncompressed cache or StreamingLLM with absolute positions, and chains)", self.recipe.name)
             return [self.generate(p, **overrides) for p in prompts]
         gen = self._generation_spec(overrides)
         inputs = [self.encode(p) for p in prompts]

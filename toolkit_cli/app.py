@@ -108,7 +108,8 @@ def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped reci
 
         loaded = loaded.replace(generation=dataclasses.replace(loaded.generation, max_new_tokens=max_new_tokens))
     if batch_size is not None or prompts is not None or loaded.batch_size is not None:
-        _run_batch(loaded, batch_size or loaded.rows_per_forward, prompts, compare, repeats, num_prompts, out)
+        _run_batch(loaded, batch_size or loaded.rows_per_forward, prompts, compare, repeats, num_prompts, out,
+                   time_budget)
         return
     results = run_recipe(loaded, compare=compare, repeats=repeats, num_prompts=num_prompts, time_budget_s=time_budget)
     path = write_results(results, out)
@@ -117,7 +118,7 @@ def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped reci
 
 
 def _run_batch(recipe, batch_size: int, prompt_file: Optional[Path], compare: bool, repeats: int,
-               num_prompts: Optional[int], out: Path) -> None:
+               num_prompts: Optional[int], out: Path, time_budget: Optional[float] = None) -> None:
     """``toolkit run --batch-size / --prompts``: see :mod:`eval.batch_run`."""
     import toolkit
     from eval.batch_run import markdown, run_batch, write_batch_results
@@ -127,8 +128,12 @@ def _run_batch(recipe, batch_size: int, prompt_file: Optional[Path], compare: bo
     # the recipe's suite, or the one --prompts names (JSONL of prompts, a suite YAML or a shipped suite name)
     suite = str(prompt_file) if prompt_file is not None else recipe.prompts
     texts = [p.prompt for p in spread(load_suite(suite), num_prompts)]
-    result = run_batch(toolkit.build(recipe), texts, batch_size, compare=compare, repeats=repeats if compare else 1,
-                       progress=True)
+    import time
+
+    generator = toolkit.build(recipe)
+    deadline = time.monotonic() + time_budget if time_budget else None
+    result = run_batch(generator, texts, batch_size, compare=compare, repeats=repeats if compare else 1,
+                       progress=True, deadline=deadline)
     result["prompts_source"] = (prompt_file if prompt_file is not None else Path(recipe.prompts)).stem
     path = write_batch_results(result, out)
     typer.echo(markdown(result))

@@ -128,4 +128,4 @@ def eagle_head_path(recipe, warnings: list[str]) -> str:
         warnings.append(f"draft.source: {source!r} is an EAGLE head in this toolkit's layout (config.json "
                         "'toolkit_eagle'); the engines load EAGLE heads in the EAGLE / speculators layouts, which "
                         "this version does not write: the engine will not load this head as it is")
-    return command_value("draft.source", str(path) if source in SHIPPED else source)
+    return command_value("draft.source", str(path) if source in SHIPPED or path.is_dir() else source)

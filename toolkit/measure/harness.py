@@ -69,13 +69,18 @@ def spread(prompts: list, count: int | None) -> list:
     """
     if count is None or count >= len(prompts):
         return list(prompts)
+    return round_robin(prompts)[:count]
+
+
+def round_robin(prompts: list) -> list:
+    """Every prompt, taken round-robin over their kinds in suite order: ``spread(prompts, n)`` is the first ``n``."""
     by_kind: dict[str, list] = {}
     for item in prompts:
         by_kind.setdefault(item.kind, []).append(item)
     picked: list = []
-    while len(picked) < count:
+    while len(picked) < len(prompts):
         for group in by_kind.values():
-            if group and len(picked) < count:
+            if group:
                 picked.append(group.pop(0))
     return picked
 

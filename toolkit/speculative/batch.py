@@ -95,7 +95,7 @@ class BatchDecoder:
     """Decode many prompts with batched draft-then-verify rounds (see the module docstring).
 
     Args:
-        target: the HF causal LM (batch dimension used; uncompressed cache).
+        target: the HF causal LM (batch dimension used).
         make_drafter: ``() -> drafter`` for a new request (``None`` for AR); a model-free drafter.
         cost: the target's verify cost curve (milliseconds of a forward over n tokens), or a :class:`BatchCost`
             kept across calls (learned batched costs).
@@ -245,12 +245,12 @@ class BatchDecoder:
                 rows = [rows[i] for i in keep]
                 batch.remove(keep)
         for _, stats in done.values():
-            stats.batch_kv_peak_bytes = peak_kv
+            stats.peak_kv_bytes_batch = peak_kv
         return [done[i] for i in range(len(prompts))]
 
     def _round(self, rows: list[Row], batch: BatchCache, gen, limit: int, draining: bool = False) -> int:
-        """Propose, verify, accept and commit once for every row; returns the cache's bytes after the verify forward
-        (before the rejected slots are cropped: the round's peak)."""
+        """Propose, verify, accept and commit once for every row; returns the batch cache's bytes after the verify
+        forward (its allocated buffers: the round's peak)."""
         started = time.perf_counter()
         self._propose(rows, limit)
         width = self._width(rows, limit, draining)
@@ -258,7 +258,7 @@ class BatchDecoder:
         results = self._verify(rows, batch, width, gen)
         verified_at = time.perf_counter()
         peak_kv = batch.kv_bytes()
-        batch.accept(torch.tensor([a + 1 for a, _ in results], device=self.device), width)
+        batch.accept(torch.tensor([a + 1 for a, _ in results], device=self.device))
         batch.compress()  # the commit point: StreamingLLM rows past their budget drop what no query sees again
         for row, (accepted, nxt) in zip(rows, results):
             drafted = min(len(row.proposal), width - 1)

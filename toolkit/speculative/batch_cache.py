@@ -103,7 +103,8 @@ class BatchCache:
     def forward_inputs(self, width: int, dtype: torch.dtype) -> dict:
         """``position_ids`` ``(B, width)`` and the additive ``attention_mask`` ``(B, 1, width, max(length) + width)``
         of a forward appending ``width`` tokens per row: query ``i`` of row ``r`` sees slots ``0 .. length[r] + i``
-        (its own history and the new block causally). Sets where the layers write (:class:`RaggedLayer`)."""
+        (its own history and the new block causally), with StreamingLLM only those holding its sinks and its last
+        ``window`` positions. Sets where the layers write (:class:`RaggedLayer`)."""
         lengths = self.lengths
         self.write_at, self.width = lengths, width
         self.span = int(lengths.max()) + width
@@ -119,9 +120,9 @@ class BatchCache:
                                                                                            torch.finfo(dtype).min)
         return {"position_ids": positions, "attention_mask": mask[:, None]}
 
-    def accept(self, kept: torch.Tensor, width: int) -> None:
-        """After a forward of ``width`` slots: row ``r`` keeps its first ``kept[r]`` new slots (``1 + accepted``);
-        the rest lie past its length and are overwritten by its next forward."""
+    def accept(self, kept: torch.Tensor) -> None:
+        """After a forward: row ``r`` keeps its first ``kept[r]`` new slots (``1 + accepted``); the rest lie past
+        its length and are overwritten by its next forward."""
         self.committed = self.committed + kept
 
     def compress(self) -> None:

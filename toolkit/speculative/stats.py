@@ -40,7 +40,7 @@ class GenerationStats:
     kv_bytes_draft: int = 0
     peak_kv_bytes_target: int = 0
     peak_kv_bytes_draft: int = 0
-    batch_kv_peak_bytes: int = 0  # peak KV bytes of the batch this request was decoded in (0: decoded alone)
+    peak_kv_bytes_batch: int = 0  # peak KV bytes of the batch this request was decoded in (0: decoded alone)
     compressions_target: int = 0
     compressions_draft: int = 0
     finish_reason: str = ""

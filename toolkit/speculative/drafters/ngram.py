@@ -39,8 +39,9 @@ class NgramConfig(DrafterConfig):
     def engine_gaps(self, engine: str) -> list[tuple[str, str]]:
         if engine != "sglang":
             return []
-        return [("max_ngram / min_ngram", f"{self.min_ngram}..{self.max_ngram} — the n-gram sizes matched (SGLang's "
-                 "NGRAM matches through a trie, --speculative-ngram-max-trie-depth)")]
+        trie = "(SGLang's NGRAM matches through a trie, --speculative-ngram-max-trie-depth)"
+        return [("max_ngram", f"{self.max_ngram} — the longest n-gram matched {trie}"),
+                ("min_ngram", f"{self.min_ngram} — the shortest n-gram matched {trie}")]
 
 
 @register_drafter(NgramConfig)
