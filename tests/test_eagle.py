@@ -351,3 +351,27 @@ def test_shipped_head_greedy_matches_ar_on_embedded_model(embedded):
     assert out == reference
     assert stats.accepted > 0 and stats.accepted < stats.drafted
     assert not model.model.layers[-1]._forward_hooks
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "phi3", "gpt_neox", "gpt2"])
+def test_eagle_head_for_other_architectures_trains_and_decodes_as_ar(arch):
+    """Features are read through the family's own layer list and final norm (``base_model``): a head built for a
+    tiny random target of another family trains a few steps and decodes token-identical to AR."""
+    from test_architectures import tiny
+
+    target = tiny(arch)
+    rows = greedy_rows(target, 6, 24)
+    feats, tokens = features_of(target, rows)
+    assert feats.shape == (6, 32, 64)
+    head = build_head(target, 128, torch.bincount(tokens.flatten(), minlength=128).double(), seed=0)
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    valid = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
+    for _ in range(20):
+        loss, _ = head_loss(head, feats, tokens, valid, [1.0, 0.8], 0.1)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    head.eval().requires_grad_(False)
+    prompt = make_prompt(3)
+    ids, stats, _ = speculate(target, EagleDrafter(target, head), prompt, ConstantK(3), max_new_tokens=16)
+    assert ids == hf_greedy(target, prompt, 16) and stats.drafted > 0

@@ -246,7 +246,8 @@ def load_head(source: str | Path, target, field: str = "draft.source", dtype: to
     try:
         decoder_layers(target)
     except AttributeError as exc:
-        raise ConfigError(field, f"an EAGLE head needs a Llama-like target with model.layers ({exc})") from exc
+        raise ConfigError(field, f"an EAGLE head needs a decoder-only target with a list of decoder layers "
+                          f"({exc})") from exc
     state = _read_state(directory, field)
     head = EagleHead(_head_config(raw, state, _variant(state, directory, field), target, field))
     mapped, draft_to_target = _mapped_state(state, head.config, target, field)

@@ -3,33 +3,52 @@
 ``FeatureHook(target, layers)`` registers a forward hook on each listed decoder layer (``-1`` = the last) and keeps
 the output of the most recent forward: ``hook.outputs`` is a list of ``(batch, seq, H)`` tensors, one per layer.
 :meth:`FeatureHook.features` turns them into the head's step-1 feature: for one layer (EAGLE-1) the last layer's
-output through the target's own final norm (``model.model.norm``), for several (EAGLE-3) their concatenation.
+output through the target's own final norm, for several (EAGLE-3) their concatenation.
+
+Any HF decoder-only family: the decoder layers are the ``ModuleList`` of ``num_hidden_layers`` modules inside the
+model's ``base_model`` (``model.layers`` for Llama / Qwen / Mistral / Phi-3, ``gpt_neox.layers``, ``transformer.h``
+for GPT-2, ``model.decoder.layers`` for OPT), the final norm the one of the names in :data:`FINAL_NORMS` there.
 """
 
 from __future__ import annotations
 
 import torch
 
+#: where HF decoder-only families keep the norm after their last layer (inside ``base_model``)
+FINAL_NORMS = ("norm", "final_layer_norm", "ln_f", "final_layernorm", "decoder.final_layer_norm")
+
 
 def decoder_layers(model) -> torch.nn.ModuleList:
-    """The target's decoder layers (``model.model.layers`` for Llama-like HF models)."""
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise AttributeError(f"{type(model).__name__} has no model.layers")
-    return layers
+    """The target's decoder layers: the ``ModuleList`` of ``num_hidden_layers`` modules in its ``base_model``.
+
+    Raises:
+        AttributeError: no such list (not a decoder-only transformer).
+    """
+    inner = getattr(model, "base_model", model)
+    count = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    for _, module in inner.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count:
+            return module
+    raise AttributeError(f"{type(model).__name__} has no list of its {count} decoder layers")
 
 
 def final_norm(model):
-    inner = getattr(model, "model", model)
-    return getattr(inner, "norm", None)
+    """The norm the target applies after its last decoder layer (``None`` when it has none of :data:`FINAL_NORMS`)."""
+    inner = getattr(model, "base_model", model)
+    for name in FINAL_NORMS:
+        module = inner
+        for part in name.split("."):
+            module = getattr(module, part, None)
+        if isinstance(module, torch.nn.Module):
+            return module
+    return None
 
 
 class FeatureHook:
     """Context manager / closable object holding forward hooks on target decoder layers.
 
     Args:
-        model: HF causal LM (Llama-like: ``model.model.layers``, ``model.model.norm``).
+        model: HF causal LM (any decoder-only family, see the module docstring).
         layers: decoder layer indices (negative counts from the end).
         normalize: apply the target's final norm to a single captured layer (EAGLE-1 features).
     """
@@ -52,7 +71,8 @@ class FeatureHook:
     def features(self) -> torch.Tensor:
         """The last forward's features ``(batch, seq, F)`` (F = H, or 3H for three layers)."""
         if self.normalize:
-            return final_norm(self.model)(self.outputs[0])
+            norm = final_norm(self.model)
+            return norm(self.outputs[0]) if norm is not None else self.outputs[0]
         return torch.cat(self.outputs, dim=-1) if len(self.outputs) > 1 else self.outputs[0]
 
     def close(self) -> None:

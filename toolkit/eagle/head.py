@@ -52,15 +52,20 @@ class HeadConfig:
 
     @classmethod
     def from_target(cls, target_config, variant: str = "eagle1", draft_vocab_size: int | None = None) -> "HeadConfig":
-        """A head shaped like one decoder layer of ``target_config`` (an HF ``LlamaConfig``-like config)."""
+        """A head shaped like one decoder layer of ``target_config`` (any HF decoder-only config: the head itself is
+        Llama-shaped, sized by the target's hidden size, heads and MLP width; the norm epsilon is the target's
+        ``rms_norm_eps`` or ``layer_norm_eps`` / ``layer_norm_epsilon``)."""
         c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         n = c.num_hidden_layers
         heads = c.num_attention_heads
         rope = getattr(c, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
-        return cls(variant=variant, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        eps = next((getattr(c, k) for k in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+                    if getattr(c, k, None) is not None), 1e-5)
+        intermediate = getattr(c, "intermediate_size", None) or getattr(c, "ffn_dim", None) or 4 * c.hidden_size
+        return cls(variant=variant, hidden_size=c.hidden_size, intermediate_size=intermediate,
                    num_attention_heads=heads, num_key_value_heads=getattr(c, "num_key_value_heads", heads),
-                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, rms_norm_eps=c.rms_norm_eps,
+                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, rms_norm_eps=eps,
                    rope_theta=float(theta), vocab_size=c.vocab_size,
                    draft_vocab_size=draft_vocab_size or c.vocab_size,
                    feature_layers=[-1] if variant == "eagle1" else [1, n // 2 - 1, n - 4],

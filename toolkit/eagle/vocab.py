@@ -8,10 +8,12 @@ import torch
 
 
 def frequent_tokens(counts: torch.Tensor, size: int, always: list[int] = ()) -> torch.Tensor:
-    """The ``size`` target ids with the highest ``counts`` ``(vocab,)`` (``always`` ids forced in), sorted ascending."""
+    """The ``size`` target ids with the highest ``counts`` ``(vocab,)`` (``always`` ids forced in, those outside the
+    vocabulary ignored: a config may name an EOS id its embedding does not have), sorted ascending."""
     counts = counts.clone().double()
     for token in always:
-        counts[token] = float("inf")
+        if 0 <= token < counts.numel():
+            counts[token] = float("inf")
     ids = torch.topk(counts, size).indices
     return ids.sort().values
 
