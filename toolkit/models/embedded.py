@@ -145,13 +145,17 @@ def _convert_into(gguf_path: Path, tmp: Path) -> None:
         gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
         bar.update()
-        # A GGUF-loaded model refuses save_pretrained: rebuild it from its config and copy the weights.
+        # A GGUF-loaded model refuses save_pretrained: rebuild it from its config (on the meta device: no second
+        # copy of the weights) and hand it the dequantized tensors themselves (assign), so the peak is one model.
         config = gguf_model.config
         if hasattr(config, "quantization_config"):  # the GGUF quantization is gone after dequantization
             del config.quantization_config
-        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        fresh.load_state_dict(gguf_model.state_dict())
+        with torch.device("meta"):
+            fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        fresh.load_state_dict(gguf_model.state_dict(), assign=True)
+        fresh.tie_weights()
         fresh.generation_config = gguf_model.generation_config
+        del gguf_model
         bar.update()
         fresh.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
