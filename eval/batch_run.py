@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from toolkit.io import atomic_write_json, atomic_write_text
-from toolkit.measure.harness import environment
+from toolkit.measure.harness import environment, repetitions
 from toolkit.measure.timing import Summary, synchronize
 
 METHODS = ("ours-batch", "hf-batch-ar", "ours-single")
@@ -108,13 +108,9 @@ def run_batch(generator, prompts: list, batch_size: int, compare: bool = False, 
     outputs, peaks = {}, {m: [] for m in timed}
     bar = tqdm(total=repeats * len(timed), desc=f"batch {generator.recipe.name} (B={batch_size})", unit="run",
                disable=not progress)
-    rep_started = time.monotonic()
-    for rep in range(repeats):
-        now = time.monotonic()
-        if rep and deadline is not None and now + (now - rep_started) > deadline:
-            repeats = rep  # a time budget: the repetitions that fit
-            break
-        rep_started = now
+    done = 0  # repetitions that ran (a time budget may end them early)
+    for rep in repetitions(repeats, deadline):
+        done = rep + 1
         for method in timed[rep % len(timed):] + timed[:rep % len(timed)]:
             generator.forget()
             synchronize(device)
@@ -129,9 +125,9 @@ def run_batch(generator, prompts: list, batch_size: int, compare: bool = False, 
     bar.close()
     if reused:
         times["hf-batch-ar"], outputs["hf-batch-ar"], peaks["hf-batch-ar"] = reused
-    elif reuse is not None and "hf-batch-ar" in timed and repeats == key[-1]:  # only a full measurement is reused
+    elif reuse is not None and "hf-batch-ar" in timed and done == repeats:  # only a full measurement is reused
         reuse[key] = (times["hf-batch-ar"], outputs["hf-batch-ar"], peaks["hf-batch-ar"])
-    result = _summary(generator, prompts, batch_size, methods, times, outputs, peaks, repeats, gen)
+    result = _summary(generator, prompts, batch_size, methods, times, outputs, peaks, done, gen)
     result["summary"]["ours-batch"]["kv_peak_bytes"] = max(kv_peaks)
     if reused:
         result["summary"]["hf-batch-ar"]["reused"] = True
@@ -189,6 +185,14 @@ def write_batch_results(result: dict, out_dir: Path) -> Path:
     return path
 
 
+def batch_methods(baselines: bool | list[str]) -> list[str]:
+    """The batch stage's methods for ``EvalSettings.baselines``: every one of :data:`METHODS` (``True``), ours only
+    (``False`` or an empty list), or ours and those the list names."""
+    if baselines is True:
+        return list(METHODS)
+    return ["ours-batch"] + [m for m in METHODS[1:] if baselines and m in baselines]
+
+
 def batch_section(generator, prompts: list, prompt_ids: list[str], gen, repeats: int, baselines,
                   reuse: dict | None, deadline: float | None = None, progress: bool = False) -> dict:
     """The ``batch`` section of an evaluation of a recipe that sets ``batch_size``: :func:`run_batch` over
@@ -198,15 +202,13 @@ def batch_section(generator, prompts: list, prompt_ids: list[str], gen, repeats:
     ``hf-batch-ar`` / ``ours-single``. Returns ``{batch_size, batched, prompts (ids), repeats (that ran), methods:
     {method: {throughput, new_tokens, peak_rss_bytes}}, ratios, rows_identical_to_single, kv_peak_bytes}``.
     """
-    wanted = {True: list(METHODS), False: ["ours-batch"]}.get(baselines) if isinstance(baselines, bool) else \
-        ["ours-batch"] + [m for m in METHODS[1:] if m in baselines]
     result = run_batch(generator, prompts, generator.recipe.rows_per_forward, repeats=repeats, gen=gen,
-                       methods=wanted, reuse=reuse, deadline=deadline, progress=progress)
+                       methods=batch_methods(baselines), reuse=reuse, deadline=deadline, progress=progress)
     summary = result["summary"]
     ours = summary["ours-batch"]
     ratios = {f"ours_batch_vs_{m.replace('-', '_')}": ours[f"speedup_vs_{m}"] for m in summary if m != "ours-batch"}
     methods = {m: {k: v for k, v in s.items() if not k.startswith("speedup_vs_") and k != "kv_peak_bytes"}
                for m, s in summary.items()}
     return {"batch_size": result["batch_size"], "batched": result["batched"], "prompts": list(prompt_ids),
-            "repeats": result["repeats"], "methods": methods, "ratios": ratios, "rows_identical_to_single": result["rows_identical_to_single"],
-            "kv_peak_bytes": ours["kv_peak_bytes"]}
+            "repeats": result["repeats"], "methods": methods, "ratios": ratios,
+            "rows_identical_to_single": result["rows_identical_to_single"], "kv_peak_bytes": ours["kv_peak_bytes"]}

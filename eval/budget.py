@@ -119,25 +119,17 @@ def fit_evaluation(recipe, settings, generator, prompts: list, batch_prompts: li
     """:func:`fit` for one evaluation (:func:`eval.evaluate.evaluate`): its timed methods (ours + the applicable
     baselines), its prompts (``(1, n)`` token ids in ``.input_ids``), its batch stage and the target's cost curve
     (``generator.verify_cost``); logs what was cut."""
-    from eval.batch_run import METHODS as BATCH_METHODS
-    from eval.runners import baseline_methods
-
-    separate = reference_model is not None and reference_model is not generator.target
-    methods = baseline_methods(recipe, separate) if settings.baselines else []
-    if isinstance(settings.baselines, (list, tuple)):
-        methods = [m for m in methods if m in settings.baselines]
-    batch_methods = 0
-    if batch_prompts:
-        wanted = settings.baselines
-        batch_methods = 1 + (len(BATCH_METHODS) - 1 if wanted is True else
-                             sum(m in wanted for m in BATCH_METHODS[1:]) if wanted else 0)
-    longest = recipe.generation.max_new_tokens
+    from eval.batch_run import batch_methods
+    from eval.runners import selected_baselines
     from toolkit.measure.harness import round_robin
 
+    separate = reference_model is not None and reference_model is not generator.target
+    methods = selected_baselines(recipe, separate, settings.baselines)
+    longest = recipe.generation.max_new_tokens
     ordered = round_robin(prompts)  # the order the per-request stage takes them in (spread)
     work = Workload([int(p.input_ids.shape[1]) for p in ordered], 1 + len(methods), recipe.spec.num_draft_tokens + 1,
-                    separate, [int(p.input_ids.shape[1]) for p in batch_prompts], batch_methods,
-                    recipe.batch_size or 1)
+                    separate, [int(p.input_ids.shape[1]) for p in batch_prompts],
+                    len(batch_methods(settings.baselines)) if batch_prompts else 0, recipe.batch_size or 1)
     fitted = fit(dataclasses.replace(settings, max_new_tokens=min(longest, settings.max_new_tokens or longest)),
                  work, forward_ms(generator.verify_cost), settings.time_budget_s)
     if fitted.cuts:

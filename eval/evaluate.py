@@ -34,7 +34,14 @@ import torch
 from eval import metrics as M
 from eval.budget import fit_evaluation, forward_ms, timing_deadline
 from eval.results import EvalResult
-from eval.runners import OURS, PROMPT_LOOKUP_NGRAM, PROMPT_LOOKUPS, baseline_methods, prompt_lookup_tokens, runners_for
+from eval.runners import (
+    OURS,
+    PROMPT_LOOKUP_NGRAM,
+    PROMPT_LOOKUPS,
+    prompt_lookup_tokens,
+    runners_for,
+    selected_baselines,
+)
 from toolkit.io import atomic_write_json, atomic_write_text
 from toolkit.measure.harness import Prompt, environment, measure, spread
 from toolkit.recipe import ModelSpec, Recipe
@@ -96,7 +103,7 @@ class EvalSettings:
     def __post_init__(self) -> None:
         """Check every field; raises :class:`ConfigError` naming it (``repeats``, ``ppl_source`` ...)."""
         from eval.data import SOURCES
-        from toolkit.checks import TOKENS_MAX, check_choice, check_int
+        from toolkit.checks import TOKENS_MAX, check_choice, check_float, check_int
         from toolkit.errors import ConfigError
 
         for name in ("num_prompts", "max_new_tokens", "batch_prompts"):
@@ -114,7 +121,6 @@ class EvalSettings:
         for name in ("reuse_baselines", "reference", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
-        from toolkit.checks import check_float
         from toolkit.recipe import check_name
 
         check_name("mode", self.mode)  # part of a results directory name
@@ -385,9 +391,7 @@ def _timed(run: _Run) -> tuple:
     """Our decoder and the applicable HF baselines, timed with the harness; baselines measured earlier in this
     process on the same models, prompts and settings are reused (``settings.reuse_baselines``)."""
     recipe, settings, generator, gen = run.recipe, run.settings, run.generator, run.gen
-    applicable = baseline_methods(recipe, run.separate_reference) if settings.baselines else []
-    if isinstance(settings.baselines, (list, tuple)):
-        applicable = [m for m in applicable if m in settings.baselines]
+    applicable = selected_baselines(recipe, run.separate_reference, settings.baselines)
     methods = [OURS] + applicable
 
     def key(m):
@@ -403,7 +407,7 @@ def _timed(run: _Run) -> tuple:
                        meter=lambda: M.PeakMemory(str(device)), progress=run.progress, desc=f"eval {recipe.name}",
                        before_repetition=lambda rep: generator.forget(),  # no repetition sees another's prompts
                        deadline=timing_deadline(run.deadline, run.budget, run.settings,
-                                                                  forward_ms(run.generator.verify_cost)))
+                                                forward_ms(run.generator.verify_cost)))
     for m in timed:
         if m != OURS and settings.reuse_baselines and len(measured.calls[m]) == settings.repeats:  # full runs only
             _BASELINES[key(m)] = measured.calls[m]

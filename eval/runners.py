@@ -40,6 +40,15 @@ def baseline_methods(recipe: Recipe, has_reference: bool = False) -> list[str]:
     return methods + (["ar_fp32"] if has_reference else [])
 
 
+def selected_baselines(recipe: Recipe, has_reference: bool, wanted: bool | list[str]) -> list[str]:
+    """The baselines an evaluation times: :func:`baseline_methods` as ``EvalSettings.baselines`` asks — all
+    (``True``), none (``False``, an empty list) or those the list names."""
+    if not wanted:
+        return []
+    methods = baseline_methods(recipe, has_reference)
+    return methods if wanted is True else [m for m in methods if m in wanted]
+
+
 def prompt_lookup_tokens(recipe: Recipe) -> int:
     """``prompt_lookup_num_tokens`` of the ``prompt_lookup`` baseline: the recipe's K where K is constant, else 4."""
     return recipe.spec.num_draft_tokens if recipe.spec.adaptive == "constant" else 4

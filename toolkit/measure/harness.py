@@ -23,7 +23,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -152,6 +152,18 @@ def _tau(calls: list[Call]) -> float:
     return sum(c.stats.committed for c in calls) / rounds if rounds else 0.0
 
 
+def repetitions(repeats: int, deadline: float | None = None) -> Iterator[int]:
+    """Repetition indices ``0 .. repeats - 1``; with a ``deadline`` (a ``time.monotonic()`` value), after the first
+    none starts that would end past it, at the duration of the one before (a time budget, :mod:`eval.budget`)."""
+    started = time.monotonic()
+    for rep in range(repeats):
+        now = time.monotonic()
+        if rep and deadline is not None and now + (now - started) > deadline:
+            return
+        started = now
+        yield rep
+
+
 def measure(runners: dict[str, Runner], prompts: list[Prompt], gen: GenerationSpec, *, repeats: int = 3,
             warmup: int = 1, warm_gen: GenerationSpec | None = None, meter: Callable | None = None,
             progress: bool = True, desc: str = "measure", rotate: bool = False,
@@ -191,13 +203,7 @@ def measure(runners: dict[str, Runner], prompts: list[Prompt], gen: GenerationSp
         for _ in range(warmup):
             runners[method](prompts[0].input_ids, warm_gen or gen)
             bar.update()
-    rep_started = time.monotonic()
-    for rep in range(repeats):
-        now = time.monotonic()
-        if rep and deadline is not None and now + (now - rep_started) > deadline:
-            bar.set_postfix_str(f"time budget: stopped after {rep} of {repeats} repetitions")
-            break
-        rep_started = now
+    for rep in repetitions(repeats, deadline):
         if before_repetition is not None:
             before_repetition(rep)
         order = methods[rep % len(methods):] + methods[: rep % len(methods)] if rotate else methods
@@ -212,6 +218,9 @@ def measure(runners: dict[str, Runner], prompts: list[Prompt], gen: GenerationSp
                 result.calls[method][-1].append(call)
                 bar.set_postfix(prompt=prompt.id, method=method, tok_s=f"{call.stats.throughput:.1f}")
                 bar.update()
+    done = len(result.calls[methods[0]])
+    if done < repeats:
+        bar.set_postfix_str(f"time budget: stopped after {done} of {repeats} repetitions")
     bar.close()
     return result
 
