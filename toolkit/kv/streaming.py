@@ -77,6 +77,11 @@ class StreamingLLM(KVPolicy):
     def budget_for(self, length: int = 0) -> int:
         return self.sink_tokens + self.window
 
+    def in_window(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+        """The exact window: whether a query at absolute ``query_pos`` sees the entry at ``key_pos`` (a sink or one
+        of its own last ``window`` positions; causality apart). Tensors broadcast."""
+        return (key_pos < self.sink_tokens) | (key_pos > query_pos - self.window)
+
     @property
     def batch_rows(self) -> bool:
         """Runs per row in batched decoding (:mod:`toolkit.speculative.batch_cache`): absolute positions and the
@@ -162,7 +167,7 @@ class StreamingCache(CompressedCache):
             cached_pos = torch.where(slots < policy.sink_tokens, slots, slots + evicted)
             key_pos = torch.cat((cached_pos, position_ids[0].to(device)))[None, :]
             query_pos = position_ids[0][:, None]
-            visible = (key_pos <= query_pos) & ((key_pos < policy.sink_tokens) | (key_pos > query_pos - policy.window))
+            visible = (key_pos <= query_pos) & policy.in_window(key_pos, query_pos)
             if tree_mask is not None:  # tree nodes share positions: their slots say nothing, ancestry decides
                 visible[:, visible.shape[1] - tree_mask.shape[1]:] = tree_mask.to(device)
             mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)

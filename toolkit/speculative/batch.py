@@ -220,9 +220,7 @@ class BatchDecoder:
         waiting = list(enumerate(prompts))
         rows: list[Row] = []
         layers = self.target.config.get_text_config(decoder=True).num_hidden_layers
-        streaming = {} if self.policy is None else {"window": self.policy.window, "sinks": self.policy.sink_tokens,
-                                                    "interval": self.policy.compress_interval}
-        batch = BatchCache(layers, self.device, **streaming)
+        batch = BatchCache(layers, self.device, streaming=self.policy)
         done: dict[int, tuple[list[int], GenerationStats]] = {}
         peak_kv = 0  # bytes of the batch cache's buffers (allocated capacity) after the largest verify forward
         while waiting or rows:

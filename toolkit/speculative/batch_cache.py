@@ -12,7 +12,7 @@ vLLM's per-sequence slots, with one buffer per layer. Rows leave (:meth:`remove`
 request prefilled alone) between rounds; the buffer grows by doubling when a row would run past it.
 
 StreamingLLM per row (Xiao et al., ICLR 2024; :class:`toolkit.kv.streaming.StreamingLLM` with absolute positions and
-the exact window): with ``window`` set, every query sees its row's ``sinks`` first positions and its own last
+the exact window, passed as ``streaming``): every query sees its row's ``sinks`` first positions and its own last
 ``window`` positions (the band mask of the single-sequence policy), and at each commit point a row holding more than
 ``sinks + window + interval`` slots moves its last ``window`` down behind its sinks (:meth:`compress`), counting
 what it dropped in ``evicted[r]``: slot ``s`` then holds position ``s`` below ``sinks``, else ``s + evicted[r]``.
@@ -78,12 +78,11 @@ class BatchCache:
         committed: ``(B,)`` long, tokens committed per row (prompt included).
     """
 
-    def __init__(self, num_layers: int, device: torch.device, window: int | None = None, sinks: int = 0,
-                 interval: int = 0):
+    def __init__(self, num_layers: int, device: torch.device, streaming=None):
         self.cache = Cache(layers=[RaggedLayer(self) for _ in range(num_layers)])
         self.committed = torch.zeros(0, dtype=torch.long, device=device)
         self.evicted = torch.zeros(0, dtype=torch.long, device=device)
-        self.window, self.sinks, self.interval = window, sinks, interval
+        self.streaming = streaming  # a StreamingLLM policy applied per row (``batch_rows``), or None
         self.write_at = self.committed
         self.span = self.width = 0
 
@@ -112,10 +111,9 @@ class BatchCache:
         positions = (self.committed - 1).view(-1, 1) + new  # absolute
         slots = torch.arange(self.span, device=lengths.device).view(1, 1, -1)
         visible = slots <= (lengths.view(-1, 1) + new)[:, :, None]  # held entries, then the new block causally
-        if self.window is not None:  # StreamingLLM: the sinks and each query's own last `window` positions
-            held_at = slots + (slots >= self.sinks) * self.evicted.view(-1, 1, 1)
-            query = positions[:, :, None]
-            visible &= (held_at < self.sinks) | (held_at > query - self.window)
+        if self.streaming is not None:  # the policy's exact window over the positions the slots hold
+            held_at = slots + (slots >= self.streaming.sink_tokens) * self.evicted.view(-1, 1, 1)
+            visible &= self.streaming.in_window(held_at, positions[:, :, None])
         mask = torch.zeros(visible.shape, dtype=dtype, device=lengths.device).masked_fill(~visible,
                                                                                            torch.finfo(dtype).min)
         return {"position_ids": positions, "attention_mask": mask[:, None]}
@@ -127,17 +125,17 @@ class BatchCache:
 
     def compress(self) -> None:
         """StreamingLLM's commit point: every row holding more than ``sinks + window + interval`` slots keeps its
-        sinks and its last ``window`` slots (moved down behind the sinks); nothing when ``window`` is unset."""
-        if self.window is None:
+        sinks and its last ``window`` slots (moved down behind the sinks); nothing without a policy."""
+        policy = self.streaming
+        if policy is None:
             return
-        held = self.lengths.tolist()
-        budget = self.sinks + self.window
-        for r, n in enumerate(held):
-            if n <= budget + self.interval:
+        sinks, window, budget = policy.sink_tokens, policy.window, policy.budget_for()
+        for r, n in enumerate(self.lengths.tolist()):
+            if n <= budget + policy.compress_interval:
                 continue
             for layer in self._layers():
-                layer.keys[r, :, self.sinks:budget] = layer.keys[r, :, n - self.window:n].clone()
-                layer.values[r, :, self.sinks:budget] = layer.values[r, :, n - self.window:n].clone()
+                layer.keys[r, :, sinks:budget] = layer.keys[r, :, n - window:n].clone()
+                layer.values[r, :, sinks:budget] = layer.values[r, :, n - window:n].clone()
             self.evicted[r] += n - budget
 
     # ------------------------------------------------------------------------------------------------ layout
