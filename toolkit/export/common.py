@@ -82,22 +82,30 @@ def draft_source(recipe) -> tuple:
     return recipe.draft, "draft"
 
 
-def eagle_variant(recipe) -> str:
-    """``"eagle3"`` when the recipe's head directory holds an EAGLE-3 head, else ``"eagle"`` (EAGLE-1, also when the
-    head cannot be read here). Read from the head's ``config.json`` the way :func:`toolkit.eagle.checkpoint.save_head`
-    writes it (``toolkit_eagle.variant``) or the published layouts name it (``architectures``: ``...Eagle3``)."""
+def _eagle_head(recipe) -> tuple:
+    """``(directory, config.json as a dict)`` of the recipe's EAGLE head: ``draft.source`` with ``embedded`` resolved
+    to the head shipped inside the package; the dict is empty when the config cannot be read here."""
     import json
     from pathlib import Path
 
     from toolkit.eagle.checkpoint import SHIPPED
 
+    source = str(recipe.draft.source)
+    path = SHIPPED.get(source, Path(source).expanduser())
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        raw = {}
+    return path, raw if isinstance(raw, dict) else {}
+
+
+def eagle_variant(recipe) -> str:
+    """``"eagle3"`` when the recipe's head directory holds an EAGLE-3 head, else ``"eagle"`` (EAGLE-1, also when the
+    head cannot be read here). Read from the head's ``config.json`` the way :func:`toolkit.eagle.checkpoint.save_head`
+    writes it (``toolkit_eagle.variant``) or the published layouts name it (``architectures``: ``...Eagle3``)."""
     if recipe.draft is None:
         return "eagle"
-    path = SHIPPED.get(recipe.draft.source, Path(str(recipe.draft.source)).expanduser()) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return "eagle"
+    _, raw = _eagle_head(recipe)
     variant = (raw.get("toolkit_eagle") or {}).get("variant")
     if variant is None:
         variant = "eagle3" if any("Eagle3" in a for a in raw.get("architectures") or []) else "eagle1"
@@ -113,18 +121,11 @@ def eagle_head_path(recipe, warnings: list[str]) -> str:
     Raises:
         ConfigError (``draft.source``): a source that cannot go into a command line (:func:`command_value`).
     """
-    import json
-    from pathlib import Path
-
     from toolkit.eagle.checkpoint import SHIPPED
 
     source = str(recipe.draft.source)
-    path = SHIPPED.get(source, Path(source).expanduser())
-    try:
-        own_layout = "toolkit_eagle" in json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        own_layout = False
-    if own_layout:
+    path, raw = _eagle_head(recipe)
+    if "toolkit_eagle" in raw:
         warnings.append(f"draft.source: {source!r} is an EAGLE head in this toolkit's layout (config.json "
                         "'toolkit_eagle'); the engines load EAGLE heads in the EAGLE / speculators layouts, which "
                         "this version does not write: the engine will not load this head as it is")
