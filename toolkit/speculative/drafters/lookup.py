@@ -72,7 +72,8 @@ class LookupConfig(DrafterConfig):
 
     def engine_params(self, engine: str) -> dict:
         """The nearest vLLM method is suffix decoding: its memory of earlier requests and its tree depth carry over;
-        the match-length prior and the cost-aware length do not (listed by :meth:`engine_gaps`)."""
+        the match-length prior and the cost-aware length do not (the export warns of the cost-aware length; the
+        prior is not listed yet)."""
         if engine != "vllm":
             return {}
         return {"suffix_decoding_max_cached_requests": self.max_cached_requests,
