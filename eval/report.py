@@ -43,7 +43,8 @@ def _batch_lines(batch: dict | None) -> list[str]:
     how = "batched" if batch["batched"] else "one request at a time (this recipe cannot batch)"
     lines = ["", f"### Batch size {batch['batch_size']} ({how})", "",
              f"{len(batch['prompts'])} prompts, every method over all of them, {batch['repeats']} timed "
-             "repetition(s); throughput = all new tokens / wall time, median [min–max].", "", "| method | new tokens | throughput (tok/s) | peak RSS |", "|---|---|---|---|"]
+             "repetition(s); throughput = all new tokens / wall time, median [min–max].", "",
+             "| method | new tokens | throughput (tok/s) | peak RSS |", "|---|---|---|---|"]
     for name, e in batch["methods"].items():
         lines.append(f"| {name}{' (reused)' if e.get('reused') else ''} | {e['new_tokens']} | "
                      f"{_fmt_summary(e['throughput'])} | {_mb(e['peak_rss_bytes'])} |")

@@ -236,8 +236,8 @@ def markdown_table(results: RunResult | dict) -> str:
         lines += ["", "(= AR compares with uncompressed HF AR greedy; under a KV policy the text may legitimately "
                   "differ — window-exactness against AR under the same policy is a test, not this column.)"]
     lines += ["", f"weights: target {fmt_bytes(wb['target'])}, draft {fmt_bytes(wb['draft'])}; "
-              f"device: {results['environment']['hardware']} ({results['environment']['torch_threads']} torch threads); "
-              f"{results.get('repeats_done', 1)} timed repetition(s)"]
+              f"device: {results['environment']['hardware']} ({results['environment']['torch_threads']} torch "
+              f"threads); {results.get('repeats_done', 1)} timed repetition(s)"]
     return "\n".join(lines) + "\n"
 
 

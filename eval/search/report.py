@@ -40,8 +40,8 @@ def table(rows: list[TrialRow], sc: Scenario, best: TrialRow | None, counts: dic
              "(tok/s, median of the repetitions, up), perplexity (recipe's target through its cache, down), memory "
              "(weights + peak KV of target and draft, exact bytes, MiB, down).", "",
              _counts_line(counts), "",
-             "| # | params | tok/s [min–max] | vs AR fp32 (batched: HF batched AR) | PPL (×fp32) | memory MiB | KV MiB | α | τ | constraints | "
-             "feasible | Pareto | chosen |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| # | params | tok/s [min–max] | vs AR fp32 (batched: HF batched AR) | PPL (×fp32) | memory MiB | KV MiB "
+             "| α | τ | constraints | feasible | Pareto | chosen |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r.number):
         s = r.summary
         _, ar = _vs_baseline(s)
