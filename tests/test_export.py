@@ -119,6 +119,7 @@ def test_cli_prints_and_writes_with_warnings(tmp_path):
 @pytest.mark.parametrize("config, vllm_method, sglang_algorithm", [
     ({"architectures": ["LlamaForCausalLM"], "toolkit_eagle": {"variant": "eagle1"}}, "eagle", "EAGLE"),
     ({"architectures": ["LlamaForCausalLMEagle3"]}, "eagle3", "EAGLE3"),  # a published EAGLE-3 head
+    ({"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3"}, "eagle3", "EAGLE3"),  # speculators
     (None, "eagle", "EAGLE"),  # no readable head here: EAGLE-1, the common layout
 ])
 def test_eagle_method_follows_the_heads_layout(tmp_path, config, vllm_method, sglang_algorithm):
@@ -317,4 +318,15 @@ def test_an_eagle_head_in_our_layout_is_exported_by_path_with_a_warning():
         exp = export(r, engine)
         value = exp.config[key[0]] if len(key) == 1 else exp.config[key[0]][key[1]]
         assert value == str(SHIPPED["embedded"]), engine  # not the word "embedded"
-        assert any("this toolkit's layout" in w for w in exp.warnings), engine
+        assert any("this toolkit's layout" in w and "toolkit draft export-head embedded --layout eagle --out DIR" in w
+                   for w in exp.warnings), engine
+
+
+def test_a_speculators_head_is_served_by_vllm_and_converted_for_sglang(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Eagle3Speculator"],
+                                                      "speculators_model_type": "eagle3"}))
+    r = _recipe(draft={"source": str(tmp_path), "precision": "bf16"}, spec={"drafter": "eagle", "num_draft_tokens": 3})
+    assert not [w for w in export(r, "vllm").warnings if "draft.source" in w]
+    warnings = [w for w in export(r, "sglang").warnings if "draft.source" in w]
+    assert len(warnings) == 1 and "speculators layout, which SGLang does not read" in warnings[0]
+    assert "--layout eagle" in warnings[0]

@@ -250,6 +250,17 @@ def _register_eagle() -> None:
 _register_eagle()
 
 
+def _register_export_head() -> None:
+    """``toolkit draft export-head``: :func:`toolkit_cli.export_head.export_head_command` (see there)."""
+    from toolkit_cli.export_head import export_head_command
+
+    draft_app.command("export-head", help="Write an EAGLE head in the speculators (vLLM) or EAGLE (vLLM / SGLang) "
+                      "layout.")(export_head_command)
+
+
+_register_export_head()
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     app()

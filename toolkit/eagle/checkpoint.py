@@ -12,6 +12,12 @@
   ``t2d``. Feature layers: the config's ``eagle_config.eagle_aux_hidden_state_layer_ids`` when present, else
   ``(2, N/2, N-3)`` counted in ``output_hidden_states`` indices (= decoder layers ``1, N/2-1, N-4``).
 
+* The speculators layout (``speculators_model_type: eagle3``, what ``vllm serve`` reads): the EAGLE-3 layout with
+  ``midlayer.`` named ``layers.0.`` and the layer's shape in ``transformer_layer_config``; see
+  :mod:`toolkit.eagle.speculators`.
+
+Options of published EAGLE-3 heads read from the config / tensors: ``norm_before_residual``, q/k/v biases, Qwen3
+q/k norms, rotary scaling (``rope_scaling`` / ``rope_parameters``: ``llama3``, ``linear``, ``yarn``).
 Missing tensors (embedding, EAGLE-1 LM head) are copied from the target. Every mismatch with the target raises one
 :class:`toolkit.errors.ConfigError` naming ``field`` (default ``draft.source``).
 """
@@ -23,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from toolkit.eagle.head import EagleHead, HeadConfig
+from toolkit.eagle.head import DYNAMIC_ROPE, EagleHead, HeadConfig
+from toolkit.eagle.speculators import flat_config, is_speculators, rename_to_eagle3
 from toolkit.eagle.vocab import from_d2t, to_d2t, to_t2d
 from toolkit.errors import ConfigError
 
@@ -66,16 +73,26 @@ def save_head(head: EagleHead, directory: Path, dtype: torch.dtype | None = None
              for k, v in head_state(head).items()}
     atomic_write(directory / "model.safetensors", lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}),
                  suffix=".safetensors")
+    atomic_write_json(directory / "config.json", eagle_config(c))
+
+
+def eagle_config(c: HeadConfig, toolkit: bool = True) -> dict:
+    """The ``config.json`` of a head in the EAGLE / EAGLE-3 repositories' layout (``toolkit``: with this toolkit's
+    ``toolkit_eagle`` section, which names the variant and feature layers exactly)."""
     config = {"architectures": ["LlamaForCausalLM"] if c.variant == "eagle1" else ["LlamaForCausalLMEagle3"],
               "model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
               "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
               "head_dim": c.head_dim, "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps,
               "rope_theta": c.rope_theta, "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
-              "hidden_act": "silu", "bias": c.fc_bias,
-              "toolkit_eagle": {"variant": c.variant, "feature_layers": c.feature_layers}}
+              "hidden_act": "silu", "bias": c.fc_bias, "attention_bias": c.attention_bias}
+    if c.rope_scaling:
+        config["rope_scaling"] = dict(c.rope_scaling)
     if c.variant == "eagle3":
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in c.feature_layers]}
-    atomic_write_json(directory / "config.json", config)
+        config["norm_before_residual"] = c.norm_before_residual
+    if toolkit:
+        config["toolkit_eagle"] = {"variant": c.variant, "feature_layers": c.feature_layers}
+    return config
 
 
 def _read_state(directory: Path, field: str) -> dict[str, torch.Tensor]:
@@ -104,11 +121,6 @@ def _read_state(directory: Path, field: str) -> dict[str, torch.Tensor]:
             raise ConfigError(field, f"{path} does not hold a mapping of tensor names to tensors")
         return state
     raise ConfigError(field, f"{directory} holds no head weights ({' or '.join(WEIGHT_FILES)})")
-
-
-def _target_config(target):
-    c = target.config
-    return c.get_text_config() if hasattr(c, "get_text_config") else c
 
 
 def _dense_weight(module: torch.nn.Module) -> torch.Tensor:
@@ -168,10 +180,23 @@ def _feature_layers(raw: dict, variant: str, n_layers: int, field: str) -> list[
     return layers
 
 
-def _head_config(raw: dict, state: dict, variant: str, target, field: str) -> HeadConfig:
-    """The :class:`HeadConfig` of a checkpoint fitted to ``target``; ConfigError when hidden size, vocabulary or
-    feature layers do not fit it."""
-    tc = _target_config(target)
+def _rope(raw: dict, field: str) -> tuple[float, dict | None]:
+    """``(rope_theta, rope_scaling or None)`` of a head config in either spelling (``rope_theta`` + ``rope_scaling``,
+    or transformers 5's ``rope_parameters``); ConfigError for a length-dependent scaling."""
+    params = raw.get("rope_parameters") or {}
+    theta = float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    scaling = raw.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type in DYNAMIC_ROPE:
+        raise ConfigError(field, f"rope_type {rope_type!r} depends on the sequence length; supported: default, "
+                          "linear, llama3, yarn")
+    return theta, (scaling if rope_type != "default" else None)
+
+
+def _head_config(raw: dict, state: dict, variant: str, target_config, field: str) -> HeadConfig:
+    """The :class:`HeadConfig` of a checkpoint fitted to a target of config ``target_config``; ConfigError when
+    hidden size, vocabulary or feature layers do not fit it."""
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     hidden = raw.get("hidden_size")
     if hidden != tc.hidden_size:
         raise ConfigError(field, f"head hidden_size {hidden} does not fit the target's hidden_size {tc.hidden_size}")
@@ -183,12 +208,16 @@ def _head_config(raw: dict, state: dict, variant: str, target, field: str) -> He
     draft_vocab = raw.get("draft_vocab_size") or vocab
     if "d2t" in state:
         draft_vocab = state["d2t"].numel()
-    rope = raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    theta, scaling = _rope(raw, field)
+    prefix = "layers.0." if variant == "eagle1" else "midlayer."
     return HeadConfig(variant=variant, hidden_size=hidden, intermediate_size=raw.get("intermediate_size"),
                       num_attention_heads=heads, num_key_value_heads=raw.get("num_key_value_heads", heads),
                       head_dim=raw.get("head_dim") or hidden // heads, rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-                      rope_theta=float(rope), vocab_size=vocab, draft_vocab_size=draft_vocab,
-                      feature_layers=layers, fc_bias="fc.bias" in state)
+                      rope_theta=theta, vocab_size=vocab, draft_vocab_size=draft_vocab,
+                      feature_layers=layers, fc_bias="fc.bias" in state,
+                      norm_before_residual=bool(raw.get("norm_before_residual", False)),
+                      attention_bias=f"{prefix}self_attn.q_proj.bias" in state,
+                      qk_norm=f"{prefix}self_attn.q_norm.weight" in state, rope_scaling=scaling)
 
 
 def _mapped_state(state: dict, config: HeadConfig, target, field: str) -> tuple[dict, torch.Tensor]:
@@ -229,6 +258,22 @@ def _check_tensors(mapped: dict, head: EagleHead, directory: Path, field: str) -
         raise ConfigError(field, f"{directory}: missing tensors {missing[:4]}")
 
 
+def read_checkpoint(source: str | Path, field: str = "draft.source") -> tuple[Path, dict, dict, str]:
+    """``(directory, config, tensors, variant)`` of a head directory in any layout this module reads: the EAGLE /
+    EAGLE-3 repositories' (and this toolkit's), or speculators' (:mod:`toolkit.eagle.speculators`), whose config and
+    tensor names are mapped onto the EAGLE-3 repository's. Raises ConfigError (``field``) as :func:`load_head`."""
+    directory = Path(source).expanduser()
+    raw = _read_config(directory, source, field)
+    if is_speculators(raw):
+        raw = flat_config(raw, field)
+        state = rename_to_eagle3(_read_state(directory, field))
+        if not any(k.startswith("midlayer.") for k in state):
+            raise ConfigError(field, f"{directory}: a speculators eagle3 head without layers.0.* tensors")
+        return directory, raw, state, "eagle3"
+    state = _read_state(directory, field)
+    return directory, raw, state, _variant(state, directory, field)
+
+
 def load_head(source: str | Path, target, field: str = "draft.source", dtype: torch.dtype | None = None
               ) -> EagleHead:
     """Load a head directory in either published layout and fit it to ``target`` (frozen embedding / LM head copied
@@ -239,8 +284,6 @@ def load_head(source: str | Path, target, field: str = "draft.source", dtype: to
         ConfigError (``field``): missing directory or weights, unknown layout, a hidden size, head shape or
             vocabulary that does not fit the target.
     """
-    directory = Path(source).expanduser()
-    raw = _read_config(directory, source, field)
     from toolkit.eagle.features import decoder_layers
 
     try:
@@ -248,8 +291,8 @@ def load_head(source: str | Path, target, field: str = "draft.source", dtype: to
     except AttributeError as exc:
         raise ConfigError(field, f"an EAGLE head needs a decoder-only target with a list of decoder layers "
                           f"({exc})") from exc
-    state = _read_state(directory, field)
-    head = EagleHead(_head_config(raw, state, _variant(state, directory, field), target, field))
+    directory, raw, state, variant = read_checkpoint(source, field)
+    head = EagleHead(_head_config(raw, state, variant, target.config, field))
     mapped, draft_to_target = _mapped_state(state, head.config, target, field)
     _check_tensors(mapped, head, directory, field)
     head.load_state_dict({k: v.float().cpu() for k, v in mapped.items()})

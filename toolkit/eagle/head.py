@@ -9,7 +9,9 @@ Two layouts, matching the published checkpoints (see :mod:`toolkit.eagle.checkpo
 * ``eagle3`` (EAGLE-3 heads): the step-1 feature is ``fc(cat(h_low, h_mid, h_high))`` (``3H -> H``, no bias) over
   three target layers' outputs; later steps feed the head's own output. The layer normalises feature
   (``hidden_norm``) and embedding (``input_layernorm``) separately and its q/k/v read ``cat(embed, feature)``
-  (``2H``); tokens are read through ``lm_head(norm(out))``.
+  (``2H``); tokens are read through ``lm_head(norm(out))``. Options of the published EAGLE-3 heads: the residual
+  taken after ``hidden_norm`` (``norm_before_residual``), q/k/v biases, Qwen3's per-head q/k norms, and scaled
+  rotary positions (Llama-3.1's ``llama3``, ``linear``, ``yarn``).
 
 Either layout may read a reduced draft vocabulary (EAGLE-3 ``d2t`` / FR-Spec): draft id ``i`` is target id
 ``i + d2t[i]``; a target token outside it is never drafted.
@@ -46,6 +48,15 @@ class HeadConfig:
     draft_vocab_size: int = 49152
     feature_layers: list[int] = field(default_factory=lambda: [-1])
     fc_bias: bool = True
+    #: eagle3: the residual around attention is the *normalised* feature (speculators' ``norm_before_residual``)
+    norm_before_residual: bool = False
+    #: biases on q/k/v/o (``attention_bias`` of a Llama / Qwen3 layer config)
+    attention_bias: bool = False
+    #: RMSNorm over each head's queries and keys before rotary positions (Qwen3-shaped layers)
+    qk_norm: bool = False
+    #: rotary scaling of the layer config (``{"rope_type": "llama3" | "linear" | "yarn", ...}``) or None; computed by
+    #: transformers' own rope functions
+    rope_scaling: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -125,25 +136,66 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+#: rotary scalings whose frequencies depend on the sequence length (not a fixed table): refused
+DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+def rope_frequencies(config: HeadConfig) -> tuple[torch.Tensor, float]:
+    """``(inv_freq (head_dim/2,), attention_scaling)`` of the head's rotary positions: plain RoPE from
+    ``rope_theta``, or — with ``rope_scaling`` (Llama-3.1's ``llama3``, ``linear``, ``yarn``) — the frequencies
+    transformers' Llama rotary embedding computes for that scaling. Raises ValueError for a length-dependent
+    scaling (``dynamic``, ``longrope``), which one fixed table cannot express."""
+    c = config
+    if not c.rope_scaling or c.rope_scaling.get("rope_type", c.rope_scaling.get("type", "default")) == "default":
+        return 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)), 1.0
+    rope_type = c.rope_scaling.get("rope_type", c.rope_scaling.get("type"))
+    if rope_type in DYNAMIC_ROPE:
+        raise ValueError(f"rope_type {rope_type!r} depends on the sequence length; supported: default, linear, "
+                         "llama3, yarn")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    original, factor = c.rope_scaling.get("original_max_position_embeddings"), c.rope_scaling.get("factor")
+    context = int(original * factor) if original and factor else 2048  # the context the scaling extends to
+    layer = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
+                        max_position_embeddings=context,
+                        rope_parameters={**c.rope_scaling, "rope_type": rope_type, "rope_theta": c.rope_theta})
+    rotary = LlamaRotaryEmbedding(layer)
+    return rotary.inv_freq.float(), float(rotary.attention_scaling)
+
+
 class Attention(nn.Module):
-    """Grouped-query attention with rotary positions (Llama convention) over ``in_dim`` inputs."""
+    """Grouped-query attention with rotary positions (Llama convention) over ``in_dim`` inputs; optional biases
+    (``attention_bias``) and per-head query / key norms (Qwen3)."""
 
     def __init__(self, config: HeadConfig, in_dim: int):
         super().__init__()
         c = config
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(in_dim, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(in_dim, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(in_dim, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
-        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        self.q_proj = nn.Linear(in_dim, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(in_dim, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(in_dim, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        inv, self.rope_scale = rope_frequencies(c)
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         angles = positions.float()[..., None] * self.inv_freq  # (batch, seq, head_dim/2)
         emb = torch.cat([angles, angles], dim=-1)[:, None]  # (batch, 1, seq, head_dim)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = (emb.cos() * self.rope_scale).to(x.dtype), (emb.sin() * self.rope_scale).to(x.dtype)
         return x * cos + _rotate_half(x) * sin
+
+    def _heads(self, proj: nn.Linear, x: torch.Tensor, count: int, norm: str | None = None) -> torch.Tensor:
+        """``proj(x)`` split into ``(b, count, q, head_dim)``, through the per-head norm named ``norm`` when the
+        layer has one (``q_norm`` / ``k_norm``, Qwen3)."""
+        b, q, _ = x.shape
+        out = proj(x).view(b, q, count, self.head_dim)
+        if norm is not None and hasattr(self, norm):
+            out = getattr(self, norm)(out)
+        return out.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: HeadCache | None,
                 mask: torch.Tensor | None, extra_kv: tuple | None = None) -> tuple[torch.Tensor, tuple]:
@@ -151,9 +203,9 @@ class Attention(nn.Module):
         causal attention over cache + new tokens. ``extra_kv``: keys/values prepended instead of a cache (training
         with several unrolled draft steps). Returns ``(out (b, q, H), (k, v) of the new tokens)``."""
         b, q, _ = x.shape
-        qs = self.rope(self.q_proj(x).view(b, q, self.heads, self.head_dim).transpose(1, 2), positions)
-        k = self.rope(self.k_proj(x).view(b, q, self.kv_heads, self.head_dim).transpose(1, 2), positions)
-        v = self.v_proj(x).view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
+        qs = self.rope(self._heads(self.q_proj, x, self.heads, "q_norm"), positions)
+        k = self.rope(self._heads(self.k_proj, x, self.kv_heads, "k_norm"), positions)
+        v = self._heads(self.v_proj, x, self.kv_heads)
         new_kv = (k, v)
         if cache is not None:
             past = len(cache)
@@ -185,6 +237,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: HeadConfig):
         super().__init__()
         self.variant = config.variant
+        self.norm_before_residual = config.norm_before_residual
         h = config.hidden_size
         self.self_attn = Attention(config, h if config.variant == "eagle1" else 2 * h)
         self.mlp = MLP(config)
@@ -196,7 +249,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x, embeds, positions, cache, mask, extra_kv=None):
         residual = x
         if self.variant == "eagle3":
-            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(x)], dim=-1)
+            feature = self.hidden_norm(x)
+            if self.norm_before_residual:
+                residual = feature
+            x = torch.cat([self.input_layernorm(embeds), feature], dim=-1)
         attn, new_kv = self.self_attn(x, positions, cache, mask, extra_kv)
         x = residual + attn
         x = x + self.mlp(self.post_attention_layernorm(x))

@@ -102,21 +102,23 @@ def _eagle_head(recipe) -> tuple:
 def eagle_variant(recipe) -> str:
     """``"eagle3"`` when the recipe's head directory holds an EAGLE-3 head, else ``"eagle"`` (EAGLE-1, also when the
     head cannot be read here). Read from the head's ``config.json`` the way :func:`toolkit.eagle.checkpoint.save_head`
-    writes it (``toolkit_eagle.variant``) or the published layouts name it (``architectures``: ``...Eagle3``)."""
+    writes it (``toolkit_eagle.variant``), the speculators layout names it (``speculators_model_type``) or the
+    EAGLE repositories' layouts do (``architectures``: ``...Eagle3``)."""
     if recipe.draft is None:
         return "eagle"
     _, raw = _eagle_head(recipe)
-    variant = (raw.get("toolkit_eagle") or {}).get("variant")
+    variant = (raw.get("toolkit_eagle") or {}).get("variant") or raw.get("speculators_model_type")
     if variant is None:
         variant = "eagle3" if any("Eagle3" in a for a in raw.get("architectures") or []) else "eagle1"
     return "eagle3" if variant == "eagle3" else "eagle"
 
 
-def eagle_head_path(recipe, warnings: list[str]) -> str:
+def eagle_head_path(recipe, warnings: list[str], engine: str) -> str:
     """The engine's draft-model argument for an EAGLE head: ``draft.source``, with ``embedded`` resolved to the
-    head shipped inside the package (an absolute path on this machine). A head in this toolkit's own layout
-    (``config.json`` with ``toolkit_eagle``, :func:`toolkit.eagle.checkpoint.save_head`) gets a warning: vLLM and
-    SGLang read the EAGLE / speculators layouts.
+    head shipped inside the package (an absolute path on this machine). A warning names the conversion
+    (``toolkit draft export-head``) when the head's layout is not one ``engine`` reads: this toolkit's own
+    (``config.json`` with ``toolkit_eagle``; an EAGLE-1 head of it may carry a reduced vocabulary no engine reads),
+    or speculators' for SGLang (which reads the EAGLE repositories' layout).
 
     Raises:
         ConfigError (``draft.source``): a source that cannot go into a command line (:func:`command_value`).
@@ -125,8 +127,14 @@ def eagle_head_path(recipe, warnings: list[str]) -> str:
 
     source = str(recipe.draft.source)
     path, raw = _eagle_head(recipe)
+    convert = f"toolkit draft export-head {one_line(source)} --layout {{layout}} --out DIR"
     if "toolkit_eagle" in raw:
+        layout = "speculators" if engine == "vllm" and eagle_variant(recipe) == "eagle3" else "eagle"
         warnings.append(f"draft.source: {source!r} is an EAGLE head in this toolkit's layout (config.json "
-                        "'toolkit_eagle'); the engines load EAGLE heads in the EAGLE / speculators layouts, which "
-                        "this version does not write: the engine will not load this head as it is")
+                        f"'toolkit_eagle'); write it in a layout {ENGINE_NAMES[engine]} loads with "
+                        f"`{convert.format(layout=layout)}` and point the engine at DIR")
+    elif "speculators_model_type" in raw and engine != "vllm":
+        warnings.append(f"draft.source: {source!r} is a head in the speculators layout, which "
+                        f"{ENGINE_NAMES[engine]} does not read; write it in the EAGLE-3 repository's layout with "
+                        f"`{convert.format(layout='eagle')}` and point the engine at DIR")
     return command_value("draft.source", str(path) if source in SHIPPED or path.is_dir() else source)

@@ -35,7 +35,7 @@ def _speculative(recipe, warnings: list[str]) -> dict:
         out["speculative_draft_model_path"] = model_path(source, role, [])
     elif config.draft == DRAFT_EAGLE_HEAD:
         out["speculative_algorithm"] = eagle_variant(recipe).upper()
-        out["speculative_draft_model_path"] = eagle_head_path(recipe, warnings)
+        out["speculative_draft_model_path"] = eagle_head_path(recipe, warnings, "sglang")
     if out["speculative_algorithm"] == "NGRAM":
         warnings.append(f"spec.drafter: {s.drafter} — SGLang's NGRAM speculation runs on CUDA only")
         out["speculative_num_draft_tokens"] = K

@@ -39,7 +39,7 @@ def _speculative_config(recipe, warnings: list[str]) -> dict | None:
                             "draft at the engine's dtype")
     elif config.draft == DRAFT_EAGLE_HEAD:
         cfg["method"] = eagle_variant(recipe)
-        cfg["model"] = eagle_head_path(recipe, warnings)
+        cfg["model"] = eagle_head_path(recipe, warnings, "vllm")
     if s.tree:
         tree = {k: getattr(s, k) for k in ("tree_budget", "tree_depth", "tree_topk")}
         warnings.append(f"spec.tree_*: {tree} — token-tree drafting is not exported to vLLM (its tree option is "

@@ -1,0 +1,117 @@
+"""Convert an EAGLE head directory between layouts, for the engines to serve it (``toolkit draft export-head``).
+
+* ``speculators``: EAGLE-3 heads for ``vllm serve HEAD`` (the verifier named inside) or a vLLM
+  ``speculative_config`` with ``method: eagle3`` (:mod:`toolkit.eagle.speculators`);
+* ``eagle``: the EAGLE / EAGLE-3 repositories' layout (vLLM ``method: eagle`` / ``eagle3``, SGLang ``EAGLE`` /
+  ``EAGLE3``), without this toolkit's ``toolkit_eagle`` section. An EAGLE-1 head trained over a reduced draft
+  vocabulary drops it here (EAGLE-1's layout has no ``d2t``; it drafts over the target's whole LM head, so acceptance
+  may differ, the output does not).
+
+Any layout :func:`toolkit.eagle.checkpoint.read_checkpoint` reads is accepted as input. The head is checked against
+the target's config (hidden size, vocabulary, layer count) and every tensor's shape before anything is written;
+the output directory appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from toolkit.errors import ConfigError
+
+LAYOUTS = ("speculators", "eagle")
+#: files of a head directory (an existing output made only of these may be replaced)
+HEAD_FILES = {"config.json", "model.safetensors"}
+
+
+def _check_shapes(state: dict, config, directory: Path, field: str) -> None:
+    """ConfigError (``field``) unless every tensor of ``state`` (EAGLE-3 / EAGLE-1 repository names) has the shape
+    the head of ``config`` needs; built on the meta device (no memory)."""
+    from toolkit.eagle.checkpoint import _prefix
+    from toolkit.eagle.head import EagleHead
+
+    with torch.device("meta"):
+        expected = EagleHead(config).state_dict()
+    prefix = _prefix(config)
+    for name, tensor in state.items():
+        if name in ("d2t", "t2d"):
+            continue
+        ours = "layer." + name[len(prefix):] if name.startswith(prefix) else name
+        if ours not in expected:
+            raise ConfigError(field, f"{directory}: unexpected tensor {name!r} for an {config.variant} head")
+        if tuple(tensor.shape) != tuple(expected[ours].shape):
+            raise ConfigError(field, f"{directory}: tensor {name!r} has shape {tuple(tensor.shape)}, the target "
+                                     f"needs {tuple(expected[ours].shape)}")
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or not {p.name for p in out.iterdir()} <= HEAD_FILES):
+        raise ConfigError("--out", f"{out} exists and is not a head directory (config.json + model.safetensors); "
+                          "choose a new directory")
+
+
+def convert_head(source: str | Path, target_config, out: str | Path, layout: str, verifier: str,
+                 verifier_architectures: list[str], num_speculative_tokens: int = 3,
+                 dtype: torch.dtype = torch.bfloat16, field: str = "draft.source") -> dict:
+    """Write the head at ``source`` into ``out`` in ``layout``, floating-point tensors cast to ``dtype``.
+
+    Args:
+        target_config: the target's transformers config (the head is fitted to it; no weights are loaded).
+        verifier / verifier_architectures: what the speculators config names as the verifier (a hub id or path).
+        num_speculative_tokens: K proposed per round (speculators' greedy proposal method; vLLM's default K).
+
+    Returns ``{"layout", "variant", "out", "tensors", "bytes", "warnings"}``.
+
+    Raises:
+        ConfigError: ``layout`` not one of :data:`LAYOUTS`; ``--out`` an existing non-head path;
+            ``num_speculative_tokens`` < 1; an EAGLE-1 head to ``speculators``; a head that does not fit the
+            target (``field``).
+    """
+    from toolkit.eagle.checkpoint import _head_config, eagle_config, read_checkpoint
+    from toolkit.eagle.speculators import check_exportable, speculators_config, write_speculators
+    from toolkit.io import _umask, atomic_write, atomic_write_json, replace_dir
+
+    if layout not in LAYOUTS:
+        raise ConfigError("layout", f"{layout!r} is not a head layout; allowed: {', '.join(LAYOUTS)}")
+    if num_speculative_tokens < 1:
+        raise ConfigError("num_speculative_tokens", f"must be >= 1, got {num_speculative_tokens}")
+    out = Path(out)
+    _check_out(out)
+    directory, raw, state, variant = read_checkpoint(source, field)
+    config = _head_config(raw, state, variant, target_config, field)
+    _check_shapes(state, config, directory, field)
+    warnings = []
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    if layout == "speculators":
+        check_exportable(config, "layout")
+    elif variant == "eagle1" and "d2t" in state:
+        warnings.append(f"the reduced draft vocabulary ({config.draft_vocab_size} of {config.vocab_size} tokens) is "
+                        "dropped: EAGLE-1's layout has no d2t, so the engine drafts over the whole vocabulary")
+        state = {k: v for k, v in state.items() if k not in ("d2t", "t2d", "lm_head.weight")}
+        config = dataclasses.replace(config, draft_vocab_size=config.vocab_size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the head is an ordinary output directory
+    try:
+        if layout == "speculators":
+            dtype_name = str(dtype).removeprefix("torch.")
+            write_speculators(tmp, state, speculators_config(config, verifier, verifier_architectures,
+                                                             num_speculative_tokens, dtype_name))
+        else:
+            from safetensors.torch import save_file
+
+            tensors = {k: v.contiguous() for k, v in state.items()}
+            atomic_write(tmp / "model.safetensors",
+                         lambda path: save_file(tensors, str(path), metadata={"format": "pt"}), suffix=".safetensors")
+            atomic_write_json(tmp / "config.json", eagle_config(config, toolkit=False))
+        replace_dir(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {"layout": layout, "variant": variant, "out": str(out), "tensors": len(state),
+            "bytes": sum(v.numel() * v.element_size() for v in state.values()), "warnings": warnings}

@@ -1,0 +1,69 @@
+"""``toolkit draft export-head``: write an EAGLE head in the layout an engine serves (speculators for vLLM, the
+EAGLE repositories' for vLLM / SGLang); see :mod:`toolkit.eagle.convert`. Registered on the ``draft`` sub-app in
+:mod:`toolkit_cli.app`.
+
+Example: ``toolkit draft export-head results/eagle/head/best --layout speculators --out heads/smollm2-eagle3``, then
+``vllm serve heads/smollm2-eagle3`` (the verifier is named inside). Exit status 0 on success, 2 on a configuration
+error naming the field (:mod:`toolkit_cli.errors`).
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from toolkit_cli.errors import reported
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _verifier(target: str) -> str:
+    """The verifier a speculators config names: the hub checkpoint of the embedded model, else ``target`` as given
+    (a local directory or hub id the engine can open)."""
+    from toolkit.export.common import EMBEDDED_HUB_ID
+
+    return EMBEDDED_HUB_ID if target == "embedded" else target
+
+
+@reported
+def export_head_command(
+    head: Annotated[str, typer.Argument(help="EAGLE head directory (any layout the toolkit reads), or 'embedded' "
+                                             "for the shipped head.")],
+    out: Annotated[Path, typer.Option(help="Output directory (created; replaced if it holds only a head).")],
+    layout: Annotated[str, typer.Option(help="'speculators' (vLLM; EAGLE-3 heads) or 'eagle' (the EAGLE / EAGLE-3 "
+                                             "repositories' layout: vLLM and SGLang).")] = "speculators",
+    target: Annotated[str, typer.Option(help="The head's target: 'embedded', a local HF directory or .gguf file, or "
+                                             "a hub id (only its config is read).")] = "embedded",
+    verifier: Annotated[Optional[str], typer.Option(help="Verifier named in the speculators config (default: the "
+                                                         "target; the embedded model's hub id for 'embedded').")]
+    = None,
+    num_speculative_tokens: Annotated[int, typer.Option("--num-speculative-tokens", "-k",
+                                                        help="K per round in the speculators config.")] = 3,
+    dtype: Annotated[str, typer.Option(help=f"Weights dtype: {', '.join(DTYPES)}.")] = "bf16",
+) -> dict:
+    """Convert ``head`` for ``target`` into ``out``; prints what was written and any warning."""
+    import torch
+    from transformers import AutoConfig
+
+    from toolkit.eagle.checkpoint import resolve_head
+    from toolkit.eagle.convert import convert_head
+    from toolkit.errors import ConfigError
+    from toolkit.models.embedded import resolve_source
+
+    if dtype not in DTYPES:
+        raise ConfigError("--dtype", f"{dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")
+    source = resolve_head(head, "head")
+    config = AutoConfig.from_pretrained(resolve_source(target, "--target"))
+    name = verifier or _verifier(target)
+    summary = convert_head(source, config, out, layout, name, list(getattr(config, "architectures", None) or []),
+                           num_speculative_tokens, getattr(torch, DTYPES[dtype]), field="head")
+    typer.echo(f"wrote {summary['variant']} head in the {layout} layout to {out}: {summary['tensors']} tensors, "
+               f"{summary['bytes'] / 2**20:.1f} MiB ({dtype})")
+    if layout == "speculators":
+        typer.echo(f"serve: vllm serve {shlex.quote(str(out))}   (verifier: {name})")
+    for warning in summary["warnings"]:
+        typer.echo(f"warning: {warning}", err=True)
+    return summary
