@@ -375,3 +375,52 @@ def test_eagle_head_for_other_architectures_trains_and_decodes_as_ar(arch):
     prompt = make_prompt(3)
     ids, stats, _ = speculate(target, EagleDrafter(target, head), prompt, ConstantK(3), max_new_tokens=16)
     assert ids == hf_greedy(target, prompt, 16) and stats.drafted > 0
+
+
+def test_eagle3_head_trains_decodes_as_ar_and_serves_in_the_speculators_layout(tmp_path, target):
+    """``variant: eagle3``: the head reads three target layers' raw outputs (``aux``), trains its own LM head on the
+    token-level loss only, beats its untrained self on held-out acceptance, decodes token-identical to AR, and
+    round-trips through the speculators layout unchanged."""
+    from toolkit.distill.eagle_data import compute_features
+    from toolkit.eagle.convert import convert_head
+    from toolkit.eagle.head import HeadConfig
+
+    layers = HeadConfig.from_target(target.config, "eagle3").feature_layers
+    rows = greedy_rows(target, 20, 40)
+    cache = compute_features(target, rows, 48, 0, aux_layers=layers)
+    assert cache["aux"].shape == (20, 48, 3 * 64) and cache["features"].shape == (20, 48, 64)
+    tokens = cache["tokens"]
+    counts = torch.bincount(tokens.flatten(), minlength=128).double()
+    head = build_head(target, 96, counts, seed=0, variant="eagle3")
+    assert head.lm_head.weight.requires_grad and not head.embed_tokens.weight.requires_grad
+    target_lm = target.lm_head.weight.detach()[head.draft_to_target]
+    train, held = slice(0, 16), slice(16, 20)
+    valid = torch.ones(16, 47)
+
+    def held_kl() -> float:
+        with torch.no_grad():
+            _, parts = head_loss(head, cache["features"][held].float(), tokens[held], torch.ones(4, 47), [1.0], 0.0,
+                                 inputs=cache["aux"][held].float(), target_lm=target_lm)
+        return parts[0]
+
+    before = held_kl()
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(120):
+        loss, _ = head_loss(head, cache["features"][train].float(), tokens[train], valid, [1.0, 0.8, 0.64], 0.1,
+                            inputs=cache["aux"][train].float(), target_lm=target_lm)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    head.eval().requires_grad_(False)
+    after = held_kl()
+    assert after < 0.9 * before  # it learned the target's law on held-out rows
+    prompt = make_prompt(6)
+    ids, stats, _ = speculate(target, EagleDrafter(target, head), prompt, ConstantK(3))
+    assert ids == hf_greedy(target, prompt, NEW_TOKENS) and stats.drafted > 0
+    save_head(head, tmp_path / "ours")
+    convert_head(tmp_path / "ours", target.config, tmp_path / "spec", "speculators", "v", [], dtype=torch.float32)
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [i % 2 + 1 for i in layers]  # never negative
+    loaded = load_head(tmp_path / "spec", target)
+    again, _, _ = speculate(target, EagleDrafter(target, loaded), prompt, ConstantK(3))
+    assert again == ids

@@ -158,10 +158,10 @@ def test_latest_outside_the_run_is_refused(tmp_path, tokenizer, latest):
 def _eagle_config(out: Path, **extra):
     from toolkit.distill.eagle_train import EagleTrainConfig
 
-    return EagleTrainConfig(target="x", out=out, data=FILES, draft_vocab=64, seq_len=96, text_windows=6,
-                            chat_prompts=3, chat_new_tokens=8, chat_batch=3, heldout_prompts=3, batch_size=2,
-                            minutes=0.03, eval_every_minutes=0.005, warmup_steps=2, eval_k=2, ttt_steps=2,
-                            **extra)
+    options = dict(target="x", out=out, data=FILES, draft_vocab=64, seq_len=96, text_windows=6, chat_prompts=3,
+                   chat_new_tokens=8, chat_batch=3, heldout_prompts=3, batch_size=2, minutes=0.03,
+                   eval_every_minutes=0.005, warmup_steps=2, eval_k=2, ttt_steps=2)
+    return EagleTrainConfig(**(options | extra))
 
 
 def test_hostile_pickles_in_eagle_caches_and_checkpoints_never_run(tmp_path, tokenizer):
@@ -346,3 +346,25 @@ def test_eagle_training_killed_mid_checkpoint_resumes_without_loss(tmp_path, mod
     assert json.loads((out / "curve.json").read_text()) == summary["curve"]
     _no_stale_files(out)
     load_head(out / "best", target)  # the published best head is complete
+
+
+def test_an_eagle3_run_trains_from_its_own_feature_caches_and_resumes(tmp_path, tokenizer):
+    """``variant: eagle3`` end to end (data, training, checkpoints, ``best/``): the feature caches carry the three
+    layers' outputs (an EAGLE-1 run's caches in the same directory are recomputed, not misread), ``best/`` is an
+    EAGLE-3 head that loads, and a resumed run continues from the checkpoint."""
+    from toolkit.distill.eagle_data import prepare_data
+    from toolkit.distill.eagle_train import train_head
+    from toolkit.eagle.checkpoint import load_head
+
+    target = tiny_llama(seed=0, layers=4, initializer_range=0.2)
+    out = tmp_path / "head"
+    assert "aux" not in prepare_data(_eagle_config(out), target, tokenizer)["train"]  # an EAGLE-1 run's caches
+    summary = train_head(_eagle_config(out, variant="eagle3", resume=True), target=target, tokenizer=tokenizer,
+                         progress=False)
+    data = prepare_data(_eagle_config(out), target, tokenizer, [1, 1, 0])
+    assert data["train"]["aux"].shape[1:] == (96, 3 * 64) and data["manifest"]["aux_layers"] == [1, 1, 0]
+    head = load_head(out / "best", target)
+    assert head.config.variant == "eagle3" and head.config.feature_layers == [1, 1, 0]
+    resumed = train_head(_eagle_config(out, variant="eagle3", resume=True, minutes=0.06), target=target,
+                         tokenizer=tokenizer, progress=False)
+    assert resumed["steps"] > summary["steps"] > 0

@@ -28,6 +28,9 @@ def eagle_command(
     chat_prompts: Annotated[int, typer.Option(help="Training chat prompts (answered by the target).")] = 800,
     text_windows: Annotated[int, typer.Option(help="Windows of --seq-len tokens of local text.")] = 320,
     draft_vocab: Annotated[int, typer.Option(help="Reduced draft vocabulary size (most frequent tokens).")] = 8192,
+    variant: Annotated[str, typer.Option(help="Head layout: eagle1 (feature regression + tokens, the target's LM "
+                                              "head) or eagle3 (three feature layers, tokens only, its own LM "
+                                              "head; exports to the speculators layout).")] = "eagle1",
     ttt_steps: Annotated[int, typer.Option(help="Unrolled draft steps in training (training-time test).")] = 3,
     reg_weight: Annotated[float, typer.Option(help="Weight of the standardised feature regression.")] = 0.1,
     batch_size: Annotated[int, typer.Option(help="Windows per step.")] = 4,
@@ -52,7 +55,7 @@ def eagle_command(
         torch.set_num_threads(threads)
     config = EagleTrainConfig(target=target, out=out, data=list(data or DEFAULT_DATA), minutes=minutes,
                               chat_minutes=chat_minutes, chat_prompts=chat_prompts, text_windows=text_windows,
-                              draft_vocab=draft_vocab, ttt_steps=ttt_steps, reg_weight=reg_weight,
+                              draft_vocab=draft_vocab, variant=variant, ttt_steps=ttt_steps, reg_weight=reg_weight,
                               batch_size=batch_size, seq_len=seq_len, lr=lr,
                               eval_every_minutes=eval_every_minutes, resume=resume, force=force, seed=seed)
     summary = train_head(config)

@@ -10,7 +10,8 @@ target's features precomputed once.
   never used for chat prompts.
 * Features: one batched forward of the target per window with a hook on the last decoder layer
   (:class:`toolkit.eagle.features.FeatureHook`), stored post-final-norm in bf16: ``features (n, seq_len, H)``,
-  ``tokens (n, seq_len)`` int64, ``mask (n, seq_len)`` bool (valid positions), ``kind (n,)`` (0 text, 1 chat).
+  ``tokens (n, seq_len)`` int64, ``mask (n, seq_len)`` bool (valid positions), ``kind (n,)`` (0 text, 1 chat);
+  for an EAGLE-3 head also ``aux (n, seq_len, 3H)``: the raw outputs of its three feature layers, concatenated.
   Saved to ``out/data/features-{split}.safetensors`` atomically and durably and reused by a resumed run. A feature
   cache is only ever read as safetensors (tensors, no code); a ``.pt`` pickle from an older version is ignored and
   recomputed, never unpickled.
@@ -163,30 +164,46 @@ def generate_answers(target, tokenizer, prompts: list[str], max_new_tokens: int,
 
 
 @torch.inference_mode()
-def compute_features(target, rows: list[list[int]], seq_len: int, pad: int, batch_size: int = 8) -> dict:
-    """Target features for each row (truncated / right-padded to ``seq_len``): see the module docstring."""
+def compute_features(target, rows: list[list[int]], seq_len: int, pad: int, batch_size: int = 8,
+                     aux_layers: list[int] | None = None) -> dict:
+    """Target features for each row (truncated / right-padded to ``seq_len``): see the module docstring. With
+    ``aux_layers`` (an EAGLE-3 head's feature layers) also ``aux`` ``(n, seq_len, len(aux_layers) * H)``: those
+    layers' raw outputs concatenated, the head's step-1 input."""
     from toolkit.eagle.features import FeatureHook
 
     device = next(target.parameters()).device
     n = len(rows)
-    hidden = target.config.hidden_size
+    hidden = target.config.get_text_config().hidden_size
     features = torch.zeros(n, seq_len, hidden, dtype=torch.bfloat16)
+    aux = torch.zeros(n, seq_len, len(aux_layers) * hidden, dtype=torch.bfloat16) if aux_layers else None
     tokens = torch.full((n, seq_len), pad, dtype=torch.long)
     mask = torch.zeros(n, seq_len, dtype=torch.bool)
     for i, row in enumerate(rows):
         row = row[:seq_len]
         tokens[i, :len(row)] = torch.tensor(row)
         mask[i, :len(row)] = True
-    with FeatureHook(target, [-1]) as hook:
-        for s in range(0, n, batch_size):
-            ids = tokens[s:s + batch_size].to(device)
-            target(input_ids=ids, attention_mask=mask[s:s + batch_size].long().to(device), use_cache=False,
-                   logits_to_keep=1)
-            features[s:s + batch_size] = hook.features().to(torch.bfloat16).cpu()
-    return {"features": features, "tokens": tokens, "mask": mask}
+    aux_hook = FeatureHook(target, aux_layers, normalize=False) if aux_layers else None
+    try:
+        with FeatureHook(target, [-1]) as hook:
+            for s in range(0, n, batch_size):
+                ids = tokens[s:s + batch_size].to(device)
+                target(input_ids=ids, attention_mask=mask[s:s + batch_size].long().to(device), use_cache=False,
+                       logits_to_keep=1)
+                features[s:s + batch_size] = hook.features().to(torch.bfloat16).cpu()
+                if aux_hook is not None:
+                    aux[s:s + batch_size] = aux_hook.features().to(torch.bfloat16).cpu()
+    finally:
+        if aux_hook is not None:
+            aux_hook.close()
+    cache = {"features": features, "tokens": tokens, "mask": mask}
+    if aux is not None:
+        cache["aux"] = aux
+    return cache
 
 
 FEATURE_KEYS = ("features", "tokens", "mask", "kind", "answer_start")
+#: the EAGLE-3 step-1 inputs, present in the caches of an EAGLE-3 run
+AUX_KEY = "aux"
 
 
 def save_features(cache: dict, path: Path) -> None:
@@ -194,7 +211,7 @@ def save_features(cache: dict, path: Path) -> None:
     durably."""
     from safetensors.torch import save_file
 
-    tensors = {key: cache[key].contiguous() for key in FEATURE_KEYS}
+    tensors = {key: cache[key].contiguous() for key in (*FEATURE_KEYS, AUX_KEY) if key in cache}
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp)), suffix=".safetensors", durable=True)
 
 
@@ -231,15 +248,21 @@ def expand_data(entries: list[str]) -> list[str]:
     return sorted(files)
 
 
-def _cached(data_dir: Path, paths: dict[str, Path]) -> dict | None:
-    """The feature caches and manifest of an earlier run in ``data_dir``, or None when incomplete."""
+def _cached(data_dir: Path, paths: dict[str, Path], aux_layers: list[int] | None) -> dict | None:
+    """The feature caches and manifest of an earlier run in ``data_dir``, or None when incomplete or computed for
+    other feature layers (an EAGLE-1 run's caches lack an EAGLE-3 head's inputs)."""
     manifest = data_dir / "eagle_manifest.json"
     if not (all(p.is_file() for p in paths.values()) and manifest.is_file()):
         for legacy in sorted(data_dir.glob("features-*.pt")):
             log.warning("ignoring %s: a pickled feature cache of an older version is never loaded (unpickling can "
                         "run code); the features are recomputed", legacy)
         return None
-    return {s: load_features(p) for s, p in paths.items()} | {"manifest": json.loads(manifest.read_text())}
+    manifest = json.loads(manifest.read_text())
+    if manifest.get("aux_layers") != aux_layers:
+        log.warning("the feature caches in %s were computed for feature layers %s, this run needs %s: recomputed",
+                    data_dir, manifest.get("aux_layers"), aux_layers)
+        return None
+    return {s: load_features(p) for s, p in paths.items()} | {"manifest": manifest}
 
 
 def _rows(config, split: dict, streams: dict, target, tokenizer) -> tuple[dict, dict, list[str]]:
@@ -261,9 +284,10 @@ def _rows(config, split: dict, streams: dict, target, tokenizer) -> tuple[dict, 
     return chat, texts, held_prompts
 
 
-def prepare_data(config, target, tokenizer) -> dict:
+def prepare_data(config, target, tokenizer, aux_layers: list[int] | None = None) -> dict:
     """Build (or read back) ``{"train": cache, "heldout": cache, "manifest": ...}`` of feature caches for an
-    :class:`~toolkit.distill.eagle_train.EagleTrainConfig` run, in ``config.out / "data"``.
+    :class:`~toolkit.distill.eagle_train.EagleTrainConfig` run, in ``config.out / "data"``; with ``aux_layers``
+    (EAGLE-3) each cache also holds those layers' outputs (``aux``).
 
     Raises:
         ConfigError (``data``): no data file matches, or a cache in ``data/`` is not one this toolkit wrote.
@@ -272,7 +296,7 @@ def prepare_data(config, target, tokenizer) -> dict:
 
     data_dir = config.out / "data"
     paths = {s: data_dir / f"features-{s}.safetensors" for s in ("train", "heldout")}
-    cached = _cached(data_dir, paths)
+    cached = _cached(data_dir, paths, aux_layers)
     if cached is not None:
         return cached
     files = expand_data(config.data)
@@ -284,7 +308,7 @@ def prepare_data(config, target, tokenizer) -> dict:
     caches = {}
     for name in ("heldout", "train"):
         cache = compute_features(target, [r for r, _ in chat[name]] + texts[name], config.seq_len,
-                                 tokenizer.eos_token_id)
+                                 tokenizer.eos_token_id, aux_layers=aux_layers)
         cache["kind"] = torch.tensor([1] * len(chat[name]) + [0] * len(texts[name]))
         cache["answer_start"] = torch.tensor([p for _, p in chat[name]] + [0] * len(texts[name]))
         save_features(cache, paths[name])
@@ -294,7 +318,7 @@ def prepare_data(config, target, tokenizer) -> dict:
                 "text_windows": {s: len(texts[s]) for s in ("train", "heldout")},
                 "seq_len": config.seq_len, "chat_seconds": round(chat_s, 1),
                 "feature_seconds": round(time.monotonic() - t1, 1),
-                "heldout_prompts": held_prompts[:len(chat["heldout"])]}
+                "heldout_prompts": held_prompts[:len(chat["heldout"])], "aux_layers": aux_layers}
     atomic_write_json(data_dir / "eagle_manifest.json", manifest, durable=True)
     caches["manifest"] = manifest
     return caches

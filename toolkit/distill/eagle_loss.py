@@ -2,7 +2,10 @@
 (see :mod:`toolkit.distill.eagle_train` for the recipe).
 
 Shapes: ``features`` ``(b, L, H)`` normed target features, ``tokens`` ``(b, L)`` int64; outputs of draft step s
-``(b, L-1, H)``.
+``(b, L-1, H)``. An EAGLE-3 head reads its step-1 input from ``inputs`` ``(b, L, 3H)`` (three target layers'
+outputs, the cache's ``aux``), learns tokens only (no feature regression: its output is its own hidden state, not
+the target's feature) and trains its own LM head, so the target's distribution comes from a frozen copy of the
+target's LM-head rows (``target_lm``).
 """
 
 from __future__ import annotations
@@ -24,10 +27,16 @@ def ttt_mask(length: int, step: int, device) -> torch.Tensor:
     return mask
 
 
+def input_key(head) -> str:
+    """The feature-cache tensor a head reads at step 1: ``aux`` (EAGLE-3) or ``features`` (EAGLE-1)."""
+    return "aux" if head.config.variant == "eagle3" else "features"
+
+
 def unroll(head, features: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """Outputs of ``steps`` unrolled draft steps over a batch: ``features`` ``(b, L, H)`` (normed target features),
-    ``tokens`` ``(b, L)``. Level s output at position t predicts token t+2 from the chain that starts with the true
-    pair at t-s+1. Returns ``[out_1 .. out_steps]`` each ``(b, L-1, H)``."""
+    """Outputs of ``steps`` unrolled draft steps over a batch: ``features`` ``(b, L, F)`` (the head's step-1 input:
+    normed target features, or EAGLE-3's three-layer ``aux``), ``tokens`` ``(b, L)``. Level s output at position t
+    predicts token t+2 from the chain that starts with the true pair at t-s+1. Returns ``[out_1 .. out_steps]``
+    each ``(b, L-1, H)``."""
     b, length = tokens.shape[0], tokens.shape[1] - 1
     positions = torch.arange(length, device=tokens.device).expand(b, length)
     next_tokens = tokens[:, 1:]
@@ -47,10 +56,12 @@ def unroll(head, features: torch.Tensor, tokens: torch.Tensor, steps: int) -> li
     return outs
 
 
-def target_log_probs(head, features: torch.Tensor) -> torch.Tensor:
+def target_log_probs(head, features: torch.Tensor, target_lm: torch.Tensor | None = None) -> torch.Tensor:
     """The target's next-token log-probabilities restricted to the draft vocabulary, renormalised:
-    ``(..., draft_vocab)`` from normed features ``(..., H)`` through the frozen (reduced) LM head."""
-    return F.log_softmax(head.lm_head(features).float(), dim=-1)
+    ``(..., draft_vocab)`` from normed features ``(..., H)`` through the target's LM-head rows ``target_lm``
+    ``(draft_vocab, H)`` (default: the head's frozen LM head, which is those rows for an EAGLE-1 head)."""
+    weight = head.lm_head.weight if target_lm is None else target_lm
+    return F.log_softmax(F.linear(features, weight.to(features.dtype)).float(), dim=-1)
 
 
 def _target_argmax(cache: dict, full_lm_head: torch.Tensor) -> torch.Tensor:
@@ -68,7 +79,7 @@ def alpha_curve(head, cache: dict, k: int, full_lm_head: torch.Tensor, kinds=(1,
     """Held-out acceptance per draft position (greedy; see the module docstring). Returns ``{"alpha": [k],
     "tau": expected tokens per round with K=k (accepted + bonus), "chains": n}``."""
     sel = torch.isin(cache["kind"], torch.tensor(list(kinds)))
-    feats, toks, mask = cache["features"][sel], cache["tokens"][sel], cache["mask"][sel]
+    feats, toks, mask = cache[input_key(head)][sel], cache["tokens"][sel], cache["mask"][sel]
     reached = torch.zeros(k + 1)
     with torch.inference_mode():
         for i in range(0, feats.shape[0], batch):
@@ -100,17 +111,21 @@ def alpha_curve(head, cache: dict, k: int, full_lm_head: torch.Tensor, kinds=(1,
 
 
 def head_loss(head, features: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, weights: list[float],
-              reg_weight: float, std: torch.Tensor | float = 1.0, autocast: bool = False):
+              reg_weight: float, std: torch.Tensor | float = 1.0, autocast: bool = False,
+              inputs: torch.Tensor | None = None, target_lm: torch.Tensor | None = None):
     """The training loss over a batch: for each unrolled step s (weight ``weights[s-1]``), KL(target || head) over
-    the draft vocabulary + ``reg_weight`` x SmoothL1 of the standardised feature error, averaged over ``valid``
-    ``(b, L-1)`` positions (step s only from position s-1 on). ``features`` ``(b, L, H)`` normed target features,
-    ``tokens`` ``(b, L)``. Returns ``(loss, [per-step KL in nats])``."""
+    the draft vocabulary + (EAGLE-1 only) ``reg_weight`` x SmoothL1 of the standardised feature error, averaged over
+    ``valid`` ``(b, L-1)`` positions (step s only from position s-1 on). ``features`` ``(b, L, H)`` normed target
+    features (the target's next-token law), ``tokens`` ``(b, L)``; ``inputs`` the head's step-1 input (default
+    ``features``; EAGLE-3: ``aux`` ``(b, L, 3H)``), ``target_lm`` see :func:`target_log_probs`. Returns
+    ``(loss, [per-step KL in nats])``."""
+    regress = head.config.variant == "eagle1" and reg_weight > 0
     with torch.no_grad():
         goal = features[:, 1:]  # outputs at position t predict the feature of token t+1 (its next-token law)
-        p_log = target_log_probs(head, goal)
+        p_log = target_log_probs(head, goal, target_lm)
         p = p_log.exp()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        outs = unroll(head, features, tokens, len(weights))
+        outs = unroll(head, features if inputs is None else inputs, tokens, len(weights))
     loss = 0.0
     parts = []
     denom = valid.sum().clamp_min(1)
@@ -119,7 +134,10 @@ def head_loss(head, features: torch.Tensor, tokens: torch.Tensor, valid: torch.T
         level_valid[:, :s] = 0
         logq = F.log_softmax(head.logits(o.float()).float(), dim=-1)
         kl = (p * (p_log - logq)).sum(-1)
-        reg = F.smooth_l1_loss(o.float() / std, goal / std, reduction="none").mean(-1)
-        loss = loss + w * ((kl + reg_weight * reg) * level_valid).sum() / denom
+        if regress:
+            kl_reg = kl + reg_weight * F.smooth_l1_loss(o.float() / std, goal / std, reduction="none").mean(-1)
+        else:
+            kl_reg = kl
+        loss = loss + w * (kl_reg * level_valid).sum() / denom
         parts.append(round(float(kl.detach().mul(level_valid).sum() / denom), 4))
     return loss, parts

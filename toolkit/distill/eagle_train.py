@@ -1,5 +1,10 @@
-"""Train an EAGLE head for a target (``toolkit draft eagle``): EAGLE-1 layout, reduced draft vocabulary, EAGLE-3's
-training-time test.
+"""Train an EAGLE head for a target (``toolkit draft eagle``): EAGLE-1 or EAGLE-3 layout (``variant``), reduced
+draft vocabulary, EAGLE-3's training-time test.
+
+``variant: eagle3`` trains the EAGLE-3 head instead: its step-1 input is three target layers' raw outputs (the
+layers of :meth:`toolkit.eagle.head.HeadConfig.from_target`, cached as ``aux``), its loss is the token-level KL
+only (no feature regression), and it trains its own LM head over the draft vocabulary; the result exports to the
+speculators layout vLLM serves (``toolkit draft export-head``).
 
 Recipe (Li et al. 2024 EAGLE; Li et al. 2025 EAGLE-3; Zhao et al. 2025 FR-Spec), measured here on SmolLM2:
 
@@ -49,8 +54,16 @@ from toolkit.distill.checkpoints import (
     write_checkpoint,
 )
 from toolkit.distill.eagle_data import expand_data, prepare_data  # noqa: F401 (expand_data: part of this API)
-from toolkit.distill.eagle_loss import alpha_curve, head_loss, target_log_probs, ttt_mask, unroll  # noqa: F401
+from toolkit.distill.eagle_loss import (  # noqa: F401 (target_log_probs, ttt_mask, unroll: part of this API)
+    alpha_curve,
+    head_loss,
+    input_key,
+    target_log_probs,
+    ttt_mask,
+    unroll,
+)
 from toolkit.eagle.checkpoint import save_head
+from toolkit.eagle.head import VARIANTS
 from toolkit.errors import ConfigError
 from toolkit.io import atomic_write_json, atomic_write_png, recover_dir, replace_dir
 
@@ -76,6 +89,7 @@ class EagleTrainConfig:
 
     target: str = "embedded"
     target_precision: str = "bf16"
+    variant: str = "eagle1"
     out: str | Path = "results/eagle/head"
     data: list[str] = field(default_factory=lambda: list(DEFAULT_DATA))
     draft_vocab: int = 8192
@@ -104,6 +118,7 @@ class EagleTrainConfig:
         if not isinstance(self.target, str) or not self.target:
             raise ConfigError("target", "must be a model source: 'embedded', a local directory or a hub id")
         check_choice("target_precision", self.target_precision, ("fp32", "bf16"))
+        check_choice("variant", self.variant, VARIANTS)
         self.data = check_str_list("data", self.data, "text files or globs")
         check_int("draft_vocab", self.draft_vocab, low=16, high=TOKENS_MAX)
         check_int("seq_len", self.seq_len, low=8, high=TOKENS_MAX)
@@ -132,13 +147,18 @@ class EagleTrainConfig:
 
 
 # ------------------------------------------------------------------------------------------------ training
-def build_head(target, draft_vocab: int, counts: torch.Tensor, seed: int):
-    """A fresh EAGLE-1-layout head for ``target`` with the ``draft_vocab`` most frequent tokens of ``counts``."""
+def build_head(target, draft_vocab: int, counts: torch.Tensor, seed: int, variant: str = "eagle1"):
+    """A fresh head for ``target`` in ``variant``'s layout with the ``draft_vocab`` most frequent tokens of
+    ``counts``. It starts as "pass the feature through": EAGLE-1's ``fc`` copies the normed last-layer feature,
+    EAGLE-3's copies its highest feature layer and its ``norm`` is the target's final norm (a logit lens of that
+    layer); the LM head starts as the target's rows of the draft vocabulary, frozen for EAGLE-1, trained for
+    EAGLE-3 (its own, as in the EAGLE-3 paper)."""
+    from toolkit.eagle.features import final_norm
     from toolkit.eagle.head import EagleHead, HeadConfig
     from toolkit.eagle.vocab import frequent_tokens
 
     torch.manual_seed(seed)
-    config = HeadConfig.from_target(target.config, "eagle1", draft_vocab)
+    config = HeadConfig.from_target(target.config, variant, draft_vocab)
     head = EagleHead(config)
     for module in head.modules():
         if isinstance(module, torch.nn.Linear):
@@ -147,9 +167,12 @@ def build_head(target, draft_vocab: int, counts: torch.Tensor, seed: int):
                 torch.nn.init.zeros_(module.bias)
     h = config.hidden_size
     with torch.no_grad():
-        head.fc.weight[:, h:] = torch.eye(h)  # start as "pass the feature through"
+        head.fc.weight[:, -h:] = torch.eye(h)  # EAGLE-1: (embed, feature) -> feature; EAGLE-3: the highest layer
         head.layer.self_attn.o_proj.weight.mul_(0.1)
         head.layer.mlp.down_proj.weight.mul_(0.1)
+        norm = final_norm(target)
+        if variant == "eagle3" and getattr(norm, "weight", None) is not None and norm.weight.shape == (h,):
+            head.norm.weight.copy_(norm.weight.detach().float())
     eos = [target.config.eos_token_id] if isinstance(target.config.eos_token_id, int) else list(
         target.config.eos_token_id or [])
     ids = frequent_tokens(counts, draft_vocab, eos)
@@ -159,7 +182,7 @@ def build_head(target, draft_vocab: int, counts: torch.Tensor, seed: int):
     head.embed_tokens.weight.data.copy_(embedding)
     head.lm_head.weight.data.copy_(lm[ids])
     head.embed_tokens.requires_grad_(False)
-    head.lm_head.requires_grad_(False)
+    head.lm_head.requires_grad_(variant == "eagle3")
     return head
 
 
@@ -195,8 +218,10 @@ class _HeadRun:
         counts = torch.bincount(train["tokens"][train["mask"]], minlength=vocab).double()
         chat = train["kind"] == 1
         counts += 3 * torch.bincount(train["tokens"][chat][train["mask"][chat]], minlength=vocab).double()
-        self.head = build_head(target, config.draft_vocab, counts, config.seed)
+        self.head = build_head(target, config.draft_vocab, counts, config.seed, config.variant)
         self.full_lm = target.get_output_embeddings().weight.detach().float().cpu()
+        self.target_lm = self.full_lm[self.head.draft_to_target]  # the target's law over the draft vocabulary
+        self.inputs = input_key(self.head)
         self.std = train["features"][:64][train["mask"][:64]].float().std(0).clamp_min(1e-3)
         self.trainable = [p for p in self.head.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -275,13 +300,15 @@ class _HeadRun:
         t0 = time.perf_counter()
         idx = torch.randint(0, train["tokens"].shape[0], (config.batch_size,), generator=generator)
         f, t, m = train["features"][idx].float(), train["tokens"][idx], train["mask"][idx]
+        inputs = train[self.inputs][idx].float() if self.inputs != "features" else None
         valid = m[:, 1:].float()
         progress_frac = state["elapsed_s"] / (config.minutes * 60)
         lr = config.lr * min(1.0, (state["step"] + 1) / config.warmup_steps) * (
             0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress_frac)))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss, parts = head_loss(self.head, f, t, valid, weights, config.reg_weight, self.std, config.autocast)
+        loss, parts = head_loss(self.head, f, t, valid, weights, config.reg_weight, self.std, config.autocast,
+                                inputs, self.target_lm)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.trainable, 1.0)
@@ -373,7 +400,12 @@ def train_head(config: EagleTrainConfig, target=None, tokenizer=None, progress: 
         remove_output_dir(out, "out")
     make_output_dir(out, "out")
     atomic_write_json(out / "config.json.run", dataclasses.asdict(config) | {"out": str(out)}, durable=True)
-    run = _HeadRun(config, target, prepare_data(config, target, tokenizer))
+    aux_layers = None
+    if config.variant == "eagle3":
+        from toolkit.eagle.head import HeadConfig
+
+        aux_layers = HeadConfig.from_target(target.config, "eagle3").feature_layers
+    run = _HeadRun(config, target, prepare_data(config, target, tokenizer, aux_layers))
     if config.resume:
         run.resume()
     stopped_by = run.train(progress)

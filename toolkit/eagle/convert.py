@@ -84,6 +84,9 @@ def convert_head(source: str | Path, target_config, out: str | Path, layout: str
     _check_out(out)
     directory, raw, state, variant = read_checkpoint(source, field)
     config = _head_config(raw, state, variant, target_config, field)
+    layers = (target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+              ).num_hidden_layers
+    config = dataclasses.replace(config, feature_layers=[i % layers for i in config.feature_layers])  # ids >= 0
     _check_shapes(state, config, directory, field)
     warnings = []
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
