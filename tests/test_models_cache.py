@@ -170,3 +170,30 @@ def test_copy_from_before_manifests_is_checked_structurally(tmp_path, tiny_gguf,
     assert problem is not None and "model.safetensors" in problem and "header" in problem
     assert Path(resolve_source(str(tiny_gguf))) == converted
     assert (converted / MANIFEST).is_file() and manifest_problem(converted) is None
+
+
+def test_a_gguf_is_cached_at_the_dtype_the_model_loads_at(tmp_path, tiny_gguf, monkeypatch):
+    """A bf16 model (bf16, and int4 through torchao) caches its GGUF as bf16: half the bytes of an fp32 copy, and
+    exactly the fp32 copy's weights cast to bf16; once an fp32 copy exists it serves bf16 loads too."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from toolkit.models import load_model, resolve_source
+    from toolkit.recipe import ModelSpec
+
+    monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(tmp_path))
+    model, _ = load_model(ModelSpec(source=str(tiny_gguf), precision="bf16"))
+    (half,) = [p for p in tmp_path.iterdir() if p.is_dir()]  # only a bf16 copy was written
+    assert half.name.endswith("-bf16") and next(model.parameters()).dtype == torch.bfloat16
+    full = Path(resolve_source(str(tiny_gguf)))
+    assert full != half and manifest_problem(half) is None
+    h, f = load_file(str(half / "model.safetensors")), load_file(str(full / "model.safetensors"))
+    assert h.keys() == f.keys() and all(h[k].dtype == torch.bfloat16 for k in h)
+    assert all(torch.equal(h[k], f[k].to(torch.bfloat16)) for k in h)
+    ratio = (half / "model.safetensors").stat().st_size / (full / "model.safetensors").stat().st_size
+    assert 0.49 < ratio < 0.51
+    shutil.rmtree(half)
+    assert Path(resolve_source(str(tiny_gguf), dtype=torch.bfloat16)) == full  # the fp32 copy serves bf16
+    assert not half.exists()

@@ -1,7 +1,10 @@
 """Where models come from: the embedded GGUF, local directories, ``.gguf`` files, hub ids; the converted-model cache.
 
 A GGUF file is dequantized once (transformers' GGUF loader, ~17 s on 2 CPU cores for the embedded model) into an HF
-safetensors directory under :func:`cache_dir`; later loads read that copy in seconds. The cache is safe to share:
+safetensors directory under :func:`cache_dir`; later loads read that copy in seconds. The copy is written at the
+dtype the model loads at (``NAME`` fp32, ``NAME-bf16`` for bf16 / torchao int4 recipes, ``NAME-fp16``), and an
+existing fp32 copy serves every dtype; the conversion prints what it cached, where, and its size. The cache is safe
+to share:
 
 * **Concurrent first use** (two ``make`` targets, two search workers on a fresh machine): the conversion runs under
   an inter-process file lock (``filelock``) next to the output directory. The second process waits for the lock,
@@ -136,13 +139,13 @@ def manifest_problem(directory: Path) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------------ conversion
-def _convert_into(gguf_path: Path, tmp: Path) -> None:
+def _convert_into(gguf_path: Path, tmp: Path, dtype: torch.dtype) -> None:
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with tqdm(total=3, desc=f"converting {gguf_path.name} (once)", unit="step") as bar:
+    with tqdm(total=3, desc=f"converting {gguf_path.name} (once, {_dtype_name(dtype)})", unit="step") as bar:
         kwargs = {"gguf_file": gguf_path.name}
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=dtype, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
         bar.update()
         # A GGUF-loaded model refuses save_pretrained: rebuild it from its config (on the meta device: no second
@@ -151,7 +154,7 @@ def _convert_into(gguf_path: Path, tmp: Path) -> None:
         if hasattr(config, "quantization_config"):  # the GGUF quantization is gone after dequantization
             del config.quantization_config
         with torch.device("meta"):
-            fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            fresh = AutoModelForCausalLM.from_config(config, dtype=dtype)
         fresh.load_state_dict(gguf_model.state_dict(), assign=True)
         fresh.tie_weights()
         fresh.generation_config = gguf_model.generation_config
@@ -163,11 +166,15 @@ def _convert_into(gguf_path: Path, tmp: Path) -> None:
         bar.update()
 
 
-def _report_conversion(gguf_path: Path, out_dir: Path, seconds: float) -> None:
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def _report_conversion(gguf_path: Path, out_dir: Path, seconds: float, dtype: torch.dtype) -> None:
     """One line on stderr: what was converted, where the copy is cached, how big it is and how long it took."""
     mib = sum(f.stat().st_size for f in out_dir.iterdir() if f.is_file()) / 2**20
     print(f"converted {gguf_path.name} ({gguf_path.stat().st_size / 2**20:.0f} MiB GGUF) in {seconds:.0f} s: "
-          f"cached as fp32 safetensors, {mib:.0f} MiB, in {out_dir}", file=sys.stderr, flush=True)
+          f"cached as {_dtype_name(dtype)} safetensors, {mib:.0f} MiB, in {out_dir}", file=sys.stderr, flush=True)
 
 
 def check_gguf(path: Path, field: str = "source") -> None:
@@ -191,8 +198,10 @@ def check_gguf(path: Path, field: str = "source") -> None:
                              f"{exc.__class__.__name__}{': ' + detail if detail else ''})") from None
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, field: str = "source") -> Path:
-    """Dequantize a GGUF file once into an HF safetensors directory at ``out_dir``; return ``out_dir``.
+def convert_gguf(gguf_path: Path, out_dir: Path, field: str = "source", dtype: torch.dtype = torch.float32) -> Path:
+    """Dequantize a GGUF file once into an HF safetensors directory of ``dtype`` weights at ``out_dir``; return
+    ``out_dir``. transformers' GGUF loader dequantizes each tensor to fp32 and casts it to ``dtype`` as it loads, so
+    the peak is about one model at ``dtype`` plus one tensor.
 
     Safe under concurrency and against damage: the work happens under the file lock ``out_dir.lock`` (a process
     that finds the lock held waits, up to :data:`LOCK_TIMEOUT_S`, then reuses the finished copy); the copy is
@@ -229,9 +238,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, field: str = "source") -> Path:
             tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
             started = time.perf_counter()
             try:
-                _convert_into(gguf_path, tmp)
+                _convert_into(gguf_path, tmp, dtype)
                 os.replace(tmp, out_dir)
-                _report_conversion(gguf_path, out_dir, time.perf_counter() - started)
+                _report_conversion(gguf_path, out_dir, time.perf_counter() - started, dtype)
             except BaseException as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
                 Path(lock.lock_file).unlink(missing_ok=True)
@@ -272,8 +281,23 @@ def looks_like_path(source: str) -> bool:
     return _HUB_ID.fullmatch(source) is None
 
 
-def resolve_source(source: str, field: str = "source") -> str:
+def _cached_copy(gguf_path: Path, name: str, field: str, dtype: torch.dtype | None) -> str:
+    """The converted copy of ``gguf_path`` for a model loaded at ``dtype`` (None: fp32). An intact fp32 copy serves
+    every dtype (casting it gives exactly the weights a conversion at that dtype would); otherwise the GGUF is
+    converted at ``dtype`` (``NAME-bf16`` / ``NAME-fp16``), half the disk and memory of an fp32 copy."""
+    base = cache_dir() / name
+    if dtype in (None, torch.float32):
+        return str(convert_gguf(gguf_path, base, field))
+    if (base / MANIFEST).is_file() and manifest_problem(base) is None:
+        return str(base)
+    return str(convert_gguf(gguf_path, base.with_name(f"{base.name}-{_dtype_name(dtype)}"), field, dtype))
+
+
+def resolve_source(source: str, field: str = "source", dtype: torch.dtype | None = None) -> str:
     """Turn ``ModelSpec.source`` into something ``from_pretrained`` can read: a local directory or a hub id.
+
+    A GGUF source (``embedded`` or a ``.gguf`` file) is dequantized once and cached (:func:`convert_gguf`) at
+    ``dtype``, the dtype the caller loads the weights at (None: fp32); an existing fp32 copy serves any dtype.
 
     Raises:
         ModelLoadError: naming ``field``: a path-like source (:func:`looks_like_path`) or a ``.gguf`` file that does
@@ -281,15 +305,14 @@ def resolve_source(source: str, field: str = "source") -> str:
             directory (no ``config.json``).
     """
     if source == "embedded":
-        return str(convert_gguf(embedded_gguf_path(), cache_dir() / f"smollm2-135m-instruct-{_CONVERTED_FORMAT}",
-                                field))
+        return _cached_copy(embedded_gguf_path(), f"smollm2-135m-instruct-{_CONVERTED_FORMAT}", field, dtype)
     path = Path(source).expanduser()
     if source.endswith(".gguf"):
         if not path.is_file():
             raise ModelLoadError(f"{field}: GGUF file {source!r} does not exist{_expanded(source, path)}")
         stat = path.stat()
         key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-        return str(convert_gguf(path, cache_dir() / f"{path.stem}-{key}-{_CONVERTED_FORMAT}", field))
+        return _cached_copy(path, f"{path.stem}-{key}-{_CONVERTED_FORMAT}", field, dtype)
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{field}: {source!r} exists but holds no config.json (not an HF model directory)")

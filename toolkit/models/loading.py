@@ -70,8 +70,7 @@ def load_model(spec: ModelSpec, field: str = "model"):
 
     device = resolve_device(spec.device, f"{field}.device")
     backend = choose_backend(spec, device, field)
-    location = resolve_source(spec.source, f"{field}.source")
-    kwargs: dict = {"attn_implementation": attention_implementation(location, spec.attn_implementation)}
+    kwargs: dict = {}
     if backend == "bitsandbytes":
         kwargs.update(bnb_backend.from_pretrained_kwargs(spec, device, field))
     elif backend == "torchao":
@@ -79,6 +78,9 @@ def load_model(spec: ModelSpec, field: str = "model"):
         kwargs["dtype"] = torchao_backend.compute_dtype(spec, device)
     else:
         kwargs["dtype"] = torch_dtype(spec.precision)
+    # a GGUF source is cached at the dtype the weights load at (bf16 for int4, ...): no fp32 copy of a bf16 model
+    location = resolve_source(spec.source, f"{field}.source", kwargs.get("dtype"))
+    kwargs["attn_implementation"] = attention_implementation(location, spec.attn_implementation)
     try:
         tokenizer = AutoTokenizer.from_pretrained(location)
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
