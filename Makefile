@@ -7,7 +7,7 @@ RECIPE ?= recipes/short.yaml
 SCENARIO ?= short
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle test test-fast distill clean
+.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf test test-fast distill clean
 
 setup: $(STAMP)
 
@@ -68,6 +68,10 @@ bench-tree: $(STAMP)
 ## EAGLE head vs AR and HF assisted generation (NF4 self-draft), short and unseen prompts.
 bench-eagle: $(STAMP)
 	$(BIN)/python bench/eagle_bench.py
+
+## Peak memory of converting a 0.5B GGUF (Qwen2.5-0.5B's shape, written locally) at each cache dtype.
+bench-gguf: $(STAMP)
+	$(BIN)/python bench/gguf_peak.py
 
 ## Weight quantization: decode / verify ms, top-1 agreement, PPL and exact bytes for every backend x precision here.
 bench-quant: $(STAMP)

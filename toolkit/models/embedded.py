@@ -140,27 +140,36 @@ def manifest_problem(directory: Path) -> str | None:
 
 # ------------------------------------------------------------------------------------------------------ conversion
 def _convert_into(gguf_path: Path, tmp: Path, dtype: torch.dtype) -> None:
+    """Dequantize ``gguf_path`` into the HF directory ``tmp``: the model is built on the meta device (no memory) and
+    given the tensors transformers' GGUF reader dequantizes (``load_gguf_checkpoint``, each cast to ``dtype`` as it
+    is read) themselves (``assign``): the peak is one model at ``dtype`` plus the largest tensor's fp32 temporaries,
+    where ``from_pretrained`` held the tensors and a loaded model side by side.
+
+    Raises:
+        ValueError: a parameter of the model that the GGUF file does not provide (nothing is written).
+    """
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     with tqdm(total=3, desc=f"converting {gguf_path.name} (once, {_dtype_name(dtype)})", unit="step") as bar:
         kwargs = {"gguf_file": gguf_path.name}
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=dtype, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-        bar.update()
-        # A GGUF-loaded model refuses save_pretrained: rebuild it from its config (on the meta device: no second
-        # copy of the weights) and hand it the dequantized tensors themselves (assign), so the peak is one model.
-        config = gguf_model.config
+        config = AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
         if hasattr(config, "quantization_config"):  # the GGUF quantization is gone after dequantization
             del config.quantization_config
         with torch.device("meta"):
-            fresh = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        fresh.load_state_dict(gguf_model.state_dict(), assign=True)
-        fresh.tie_weights()
-        fresh.generation_config = gguf_model.generation_config
-        del gguf_model
-        bar.update()
-        fresh.save_pretrained(tmp, safe_serialization=True)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model,
+                                       torch_dtype=dtype)["tensors"]
+        model.load_state_dict(tensors, strict=False, assign=True)
+        del tensors
+        model.tie_weights()
+        missing = [name for name, value in model.state_dict().items() if value.is_meta]
+        if missing:
+            raise ValueError(f"the GGUF file provides no tensor for {missing[:3]}")
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+        bar.update(2)
+        model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         write_manifest(tmp)
         bar.update()
