@@ -264,6 +264,16 @@ def test_suffix_knobs_reach_vllm_suffix_decoding():
                     "suffix_decoding_max_tree_depth": 32}
 
 
+def test_lookup_to_vllm_warns_of_what_suffix_decoding_cannot_express():
+    """lookup -> vLLM suffix decoding: its memory and depth carry over; the longest-match search and the match-length
+    prior do not, and the warnings say so with our values."""
+    r = _recipe(draft=None, spec={"drafter": "lookup", "num_draft_tokens": 8, "max_match": 24})
+    exp = export(r, "vllm")
+    assert exp.config["speculative_config"]["method"] == "suffix"
+    gaps = [w for w in exp.warnings if w.startswith(("spec.max_match", "spec.prior_"))]
+    assert len(gaps) == 2 and "24 — the longest match" in gaps[0] and "-1.79 / 1.22 / 1.3" in gaps[1]
+
+
 #: SGLang's launch flags as its parser defines them (python/sglang/srt/server_args.py, generated from the
 #: ServerArgs dataclass by arg_groups/arg_utils.py; rules from arg_groups/speculative_hook.py), sgl-project/sglang
 #: at commit 001067ff, Nov 2026: the flags an export may set, their types and choices. SGLang does not install on a

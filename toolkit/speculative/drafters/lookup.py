@@ -72,12 +72,25 @@ class LookupConfig(DrafterConfig):
 
     def engine_params(self, engine: str) -> dict:
         """The nearest vLLM method is suffix decoding: its memory of earlier requests and its tree depth carry over;
-        the match-length prior and the cost-aware length do not (the export warns of the cost-aware length; the
-        prior is not listed yet)."""
+        the match-length prior and the cost-aware length do not (:meth:`engine_gaps`; the export also warns of the
+        cost-aware length)."""
         if engine != "vllm":
             return {}
         return {"suffix_decoding_max_cached_requests": self.max_cached_requests,
                 "suffix_decoding_max_tree_depth": self.memory_depth}
+
+    def engine_gaps(self, engine: str) -> list[tuple[str, str]]:
+        """The longest-match search and the match-length prior (how many drafted tokens are worth verifying) have
+        no vLLM setting: its suffix decoding matches through its own tree and gates drafts by
+        ``suffix_decoding_min_token_prob`` / ``suffix_decoding_max_spec_factor`` (left at vLLM's defaults)."""
+        if engine != "vllm":
+            return []
+        return [("max_match", f"{self.max_match} — the longest match looked for in the request (vLLM's suffix "
+                 "decoding matches through its tree, depth suffix_decoding_max_tree_depth)"),
+                ("prior_bias / prior_slope / prior_share",
+                 f"{self.prior_bias} / {self.prior_slope} / {self.prior_share} — the per-token acceptance estimate "
+                 "from the match length that sets how many drafted tokens are verified (vLLM gates suffix drafts by "
+                 "suffix_decoding_min_token_prob / suffix_decoding_max_spec_factor, left at its defaults)")]
 
 
 @register_drafter(LookupConfig)
