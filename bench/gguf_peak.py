@@ -97,6 +97,31 @@ print(json.dumps({"seconds": seconds, "cache_bytes": size,
 """
 
 
+_LOAD_CHILD = """
+import resource, sys, json
+from toolkit.models import load_model
+from toolkit.models.sizes import weight_bytes
+from toolkit.recipe import ModelSpec
+import torch
+model, _ = load_model(ModelSpec(source=sys.argv[1], precision=sys.argv[2]))
+with torch.inference_mode():  # one short forward: every weight page is touched (safetensors maps them lazily)
+    model(input_ids=torch.tensor([[1, 2, 3, 4]]))
+print(json.dumps({"weight_bytes": weight_bytes(model),
+                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def load(gguf_path: Path, precision: str, cache: Path) -> dict:
+    """Load the GGUF as a recipe's target at ``precision`` in a fresh process (the cached copy already made, as on
+    every run after the first) and run one 4-token forward; its peak RSS and the loaded model's weight bytes."""
+    import os
+
+    env = dict(os.environ, TOOLKIT_CACHE_DIR=str(cache))
+    result = subprocess.run([sys.executable, "-c", _LOAD_CHILD, str(gguf_path), precision], capture_output=True,
+                            text=True, cwd=REPO, check=True, env=env)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def convert(gguf_path: Path, dtype: str) -> dict:
     """Convert in a fresh process (its own cache directory); its peak RSS and the cache's size."""
     with tempfile.TemporaryDirectory(prefix="gguf-peak-") as tmp:
@@ -107,9 +132,11 @@ def convert(gguf_path: Path, dtype: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
     parser.add_argument("--gguf", type=Path, default=Path(tempfile.gettempdir()) / "qwen05-shape-q8_0.gguf")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--load", nargs="*", default=["fp32", "bf16", "int4"],
+                        help="recipe precisions to load the GGUF at afterwards (peak RSS of loading)")
     args = parser.parse_args()
     if not args.gguf.is_file():
         t0 = time.perf_counter()
@@ -127,8 +154,17 @@ def main() -> None:
         rows.append({"dtype": dtype, **r, "peak_over_model": r["peak_rss_bytes"] / model_bytes})
         print(f"{dtype}: {r['seconds']:.0f} s, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB, cache "
               f"{model_bytes / 2**30:.2f} GiB (peak = {rows[-1]['peak_over_model']:.2f}x the model)", flush=True)
+    loads = []
+    with tempfile.TemporaryDirectory(prefix="gguf-load-") as cache:
+        for precision in args.load:
+            load(args.gguf, precision, Path(cache))  # the first load converts; the second is what runs see
+            r = load(args.gguf, precision, Path(cache))
+            loads.append({"precision": precision, **r, "peak_over_model": r["peak_rss_bytes"] / r["weight_bytes"]})
+            print(f"load {precision}: peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB, weights "
+                  f"{r['weight_bytes'] / 2**30:.2f} GiB ({loads[-1]['peak_over_model']:.2f}x)", flush=True)
     result = {"gguf": str(args.gguf), "gguf_bytes": args.gguf.stat().st_size, "shape": SHAPE, "params": params,
-              "rows": rows, "parent_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+              "rows": rows, "loads": loads,
+              "parent_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     args.out.mkdir(parents=True, exist_ok=True)
     from toolkit.io import atomic_write_json, atomic_write_text
 
@@ -142,6 +178,12 @@ def main() -> None:
     lines += [f"| {r['dtype']} | {r['seconds']:.0f} | {r['peak_rss_bytes'] / 2**30:.2f} | "
               f"{r['peak_rss_bytes'] / 1e9:.2f} | {r['cache_bytes'] / 2**30:.2f} | {r['peak_over_model']:.2f} |"
               for r in rows]
+    if loads:
+        lines += ["", "Loading it as a recipe's target afterwards (fresh process, cached copy present, one 4-token "
+                  "forward):", "",
+                  "| precision | peak RSS GiB | weights in memory GiB | peak / weights |", "|---|---|---|---|"]
+        lines += [f"| {r['precision']} | {r['peak_rss_bytes'] / 2**30:.2f} | {r['weight_bytes'] / 2**30:.2f} | "
+                  f"{r['peak_over_model']:.2f} |" for r in loads]
     atomic_write_text(args.out / "gguf_peak.md", "\n".join(lines) + "\n")
 
 

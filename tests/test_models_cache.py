@@ -174,9 +174,7 @@ def test_copy_from_before_manifests_is_checked_structurally(tmp_path, tiny_gguf,
 
 def test_a_gguf_is_cached_at_the_dtype_the_model_loads_at(tmp_path, tiny_gguf, monkeypatch):
     """A bf16 model (bf16, and int4 through torchao) caches its GGUF as bf16: half the bytes of an fp32 copy, and
-    exactly the fp32 copy's weights cast to bf16; once an fp32 copy exists it serves bf16 loads too."""
-    import shutil
-
+    exactly the fp32 copy's weights cast to bf16; each dtype keeps its own copy (loading casts nothing)."""
     import torch
     from safetensors.torch import load_file
 
@@ -194,6 +192,4 @@ def test_a_gguf_is_cached_at_the_dtype_the_model_loads_at(tmp_path, tiny_gguf, m
     assert all(torch.equal(h[k], f[k].to(torch.bfloat16)) for k in h)
     ratio = (half / "model.safetensors").stat().st_size / (full / "model.safetensors").stat().st_size
     assert 0.49 < ratio < 0.51
-    shutil.rmtree(half)
-    assert Path(resolve_source(str(tiny_gguf), dtype=torch.bfloat16)) == full  # the fp32 copy serves bf16
-    assert not half.exists()
+    assert Path(resolve_source(str(tiny_gguf), dtype=torch.bfloat16)) == half  # not the fp32 copy

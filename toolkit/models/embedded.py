@@ -2,9 +2,8 @@
 
 A GGUF file is dequantized once (transformers' GGUF loader, ~17 s on 2 CPU cores for the embedded model) into an HF
 safetensors directory under :func:`cache_dir`; later loads read that copy in seconds. The copy is written at the
-dtype the model loads at (``NAME`` fp32, ``NAME-bf16`` for bf16 / torchao int4 recipes, ``NAME-fp16``), and an
-existing fp32 copy serves every dtype; the conversion prints what it cached, where, and its size. The cache is safe
-to share:
+dtype the model loads at (``NAME`` fp32, ``NAME-bf16`` for bf16 / torchao int4 recipes, ``NAME-fp16``), so loading
+casts nothing; the conversion prints what it cached, where, and its size. The cache is safe to share:
 
 * **Concurrent first use** (two ``make`` targets, two search workers on a fresh machine): the conversion runs under
   an inter-process file lock (``filelock``) next to the output directory. The second process waits for the lock,
@@ -291,22 +290,21 @@ def looks_like_path(source: str) -> bool:
 
 
 def _cached_copy(gguf_path: Path, name: str, field: str, dtype: torch.dtype | None) -> str:
-    """The converted copy of ``gguf_path`` for a model loaded at ``dtype`` (None: fp32). An intact fp32 copy serves
-    every dtype (casting it gives exactly the weights a conversion at that dtype would); otherwise the GGUF is
-    converted at ``dtype`` (``NAME-bf16`` / ``NAME-fp16``), half the disk and memory of an fp32 copy."""
+    """The converted copy of ``gguf_path`` for a model loaded at ``dtype`` (None: fp32): ``NAME`` (fp32),
+    ``NAME-bf16`` or ``NAME-fp16``, each converted once. A copy at the load dtype means loading casts nothing, so
+    the load peaks at about the model itself (reading an fp32 copy into a bf16 model touched every fp32 page as
+    well); the weights are the same either way (the cast of the fp32 copy, tested)."""
     base = cache_dir() / name
     if dtype in (None, torch.float32):
         return str(convert_gguf(gguf_path, base, field))
-    if (base / MANIFEST).is_file() and manifest_problem(base) is None:
-        return str(base)
     return str(convert_gguf(gguf_path, base.with_name(f"{base.name}-{_dtype_name(dtype)}"), field, dtype))
 
 
 def resolve_source(source: str, field: str = "source", dtype: torch.dtype | None = None) -> str:
     """Turn ``ModelSpec.source`` into something ``from_pretrained`` can read: a local directory or a hub id.
 
-    A GGUF source (``embedded`` or a ``.gguf`` file) is dequantized once and cached (:func:`convert_gguf`) at
-    ``dtype``, the dtype the caller loads the weights at (None: fp32); an existing fp32 copy serves any dtype.
+    A GGUF source (``embedded`` or a ``.gguf`` file) is dequantized once per dtype and cached (:func:`convert_gguf`)
+    at ``dtype``, the dtype the caller loads the weights at (None: fp32).
 
     Raises:
         ModelLoadError: naming ``field``: a path-like source (:func:`looks_like_path`) or a ``.gguf`` file that does
