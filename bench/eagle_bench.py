@@ -1,17 +1,20 @@
 """EAGLE head vs autoregressive decoding vs HF assisted generation (NF4 self-draft), embedded target, greedy.
 
-    PYTHONPATH=. .venv/bin/python bench/eagle_bench.py [--head embedded|DIR] [--k 4] [--new-tokens 128]
+    PYTHONPATH=. .venv/bin/python bench/eagle_bench.py [--head embedded|DIR ...] [--k 4] [--new-tokens 128]
         [--repeats 3] [--head-precision bf16] [--out bench/results]
+
+``--head`` may be given several times (e.g. the shipped EAGLE-1 head and an EAGLE-3 head in the speculators
+layout): every head is timed in the same interleaved run, one row each.
 
 Prompts: the ``short`` suite (``recipes/prompts/short.yaml``) and ``UNSEEN`` below (written for this benchmark, used
 by no training run). Timing is :func:`toolkit.measure.harness.measure` per suite: one warm-up call per method, then
 ``--repeats`` repetitions over the suite's prompts, the methods back to back per prompt (interleaved) and their
 order rotated between repetitions, the same ``max_new_tokens`` (EOS ignored): ``ar`` (HF ``generate``), ``ar_loop``
 (our decode loop with no drafter), ``assisted`` (HF assisted generation, NF4 copy of the target as assistant,
-constant K), ``eagle`` (our loop with the EAGLE drafter, constant K). Every method's tokens are checked against
-``ar`` (token-identical). Reported per suite: throughput (new tokens / wall time of a repetition; median and
-min-max over repetitions), speedup ratios against ``ar`` and ``assisted`` (within each repetition, median over
-repetitions), acceptance rate alpha, tokens per round tau, and per-position acceptance of the EAGLE drafts. Writes
+constant K), ``eagle[HEAD]`` (our loop with the EAGLE drafter of each head, constant K). Every method's tokens are
+checked against ``ar`` (token-identical). Reported per suite: throughput (new tokens / wall time of a repetition;
+median and min-max over repetitions), speedup ratios against ``ar`` and ``assisted`` (within each repetition, median
+over repetitions), acceptance rate alpha, tokens per round tau, and per-position acceptance of the EAGLE drafts. Writes
 ``OUT/eagle_bench.json`` and ``OUT/eagle_bench.md``.
 """
 
@@ -67,7 +70,7 @@ def ours(target, drafter, ids, gen, k) -> tuple[list[int], GenerationStats]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--head", default="embedded")
+    parser.add_argument("--head", action="append", help="head directory or 'embedded' (repeatable; default embedded)")
     parser.add_argument("--head-precision", default="bf16", choices=["fp32", "bf16"])
     parser.add_argument("--target-precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--k", type=int, default=4)
@@ -82,7 +85,9 @@ def main() -> None:
     logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
 
     target, tokenizer = load_model(ModelSpec(source="embedded", precision=args.target_precision, device="cpu"))
-    head = load_head(resolve_head(args.head), target, dtype=torch_dtype(args.head_precision))
+    heads = {Path(h).name if h != "embedded" else h: load_head(resolve_head(h), target,
+                                                               dtype=torch_dtype(args.head_precision))
+             for h in args.head or ["embedded"]}
     assistant = None
     if not args.no_assisted:
         assistant, _ = load_model(ModelSpec(source="embedded", precision="int4", device="cpu"), "draft")
@@ -102,8 +107,11 @@ def main() -> None:
     runners = {
         "ar": call(lambda ids, g: hf_generate(target, ids, g, [], method="ar")),
         "ar_loop": call(lambda ids, g: ours(target, None, ids, g, 1)),
-        "eagle": call(lambda ids, g: ours(target, EagleDrafter(target, head), ids, g, args.k)),
     }
+    for label, head in heads.items():
+        runners[f"eagle[{label}]"] = call(lambda ids, g, head=head: ours(target, EagleDrafter(target, head), ids, g,
+                                                                        args.k))
+    eagles = [name for name in runners if name.startswith("eagle[")]
     if assistant is not None:
         runners["assisted"] = call(lambda ids, g: hf_generate(target, ids, g, [], method="assisted",
                                                               assistant_model=assistant,
@@ -114,30 +122,34 @@ def main() -> None:
         m = measure(runners, encoded, gen, repeats=args.repeats, warmup=1, rotate=True, desc=suite)
         reference = [c.token_ids for c in m.first("ar")]
         identical = {name: all([c.token_ids for c in rep] == reference for rep in m.calls[name]) for name in runners}
-        acceptance = acceptance_summary([c.stats for rep in m.calls["eagle"] for c in rep])
+        acceptance = {e: acceptance_summary([c.stats for rep in m.calls[e] for c in rep]) for e in eagles}
         results["suites"][suite] = {
             "prompts": [p.id for p in encoded], "speed": {name: m.speed(name) for name in runners},
             "median_throughput": {name: m.speed(name)["throughput"]["median"] for name in runners},
-            "eagle_alpha": acceptance["acceptance_rate"], "eagle_tau": acceptance["tokens_per_round"],
-            "eagle_curve": acceptance["curve"],
-            "ratios": {f"eagle_vs_{name}": m.paired_ratio("eagle", name) for name in runners if name != "eagle"},
+            "eagle_alpha": {e: a["acceptance_rate"] for e, a in acceptance.items()},
+            "eagle_tau": {e: a["tokens_per_round"] for e, a in acceptance.items()},
+            "eagle_curve": {e: a["curve"] for e, a in acceptance.items()},
+            "ratios": {e: {f"vs_{name}": m.paired_ratio(e, name) for name in runners if not name.startswith("eagle[")}
+                       for e in eagles},
             "identical": identical, "all_identical": all(identical.values())}
         print(f"[{suite}] " + ", ".join(f"{name} {v:.1f} tok/s" for name, v in
                                          results["suites"][suite]["median_throughput"].items())
-              + f", eagle tau {acceptance['tokens_per_round']:.2f}, identical {identical}", flush=True)
+              + f", tau {results['suites'][suite]['eagle_tau']}, identical {identical}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out / "eagle_bench.json", results)
     lines = ["# EAGLE head benchmark (embedded SmolLM2-135M-Instruct, CPU, greedy)", "",
-             f"target {args.target_precision}, head {args.head} ({args.head_precision}), K = {args.k}, assisted K = "
-             f"{args.assist_k} (NF4 self-draft), {args.new_tokens} new tokens, EOS ignored, median of {args.repeats} "
-             f"interleaved repetitions after a warm-up, torch threads {torch.get_num_threads()}.", "",
-             "| suite | AR tok/s | assisted tok/s | EAGLE tok/s | EAGLE vs AR | EAGLE vs assisted | alpha | tau | "
-             "identical |", "|---|---|---|---|---|---|---|---|---|"]
+             f"target {args.target_precision}, heads {', '.join(heads)} ({args.head_precision}), K = {args.k}, "
+             f"assisted K = {args.assist_k} (NF4 self-draft), {args.new_tokens} new tokens, EOS ignored, median of "
+             f"{args.repeats} interleaved repetitions after a warm-up, torch threads {torch.get_num_threads()}.", "",
+             "| suite | head | AR tok/s | assisted tok/s | EAGLE tok/s | EAGLE vs AR | EAGLE vs assisted | alpha | "
+             "tau | identical |", "|---|---|---|---|---|---|---|---|---|---|"]
     for suite, res in results["suites"].items():
-        m, r = res["median_throughput"], res["ratios"]
-        lines.append(f"| {suite} | {m['ar']:.1f} | {m.get('assisted', float('nan')):.1f} | {m['eagle']:.1f} | "
-                     f"{r['eagle_vs_ar']:.2f}x | {r.get('eagle_vs_assisted', float('nan')):.2f}x | "
-                     f"{res['eagle_alpha']:.3f} | {res['eagle_tau']:.2f} | {res['all_identical']} |")
+        m = res["median_throughput"]
+        for e in eagles:
+            r = res["ratios"][e]
+            lines.append(f"| {suite} | {e[6:-1]} | {m['ar']:.1f} | {m.get('assisted', float('nan')):.1f} | "
+                         f"{m[e]:.1f} | {r['vs_ar']:.2f}x | {r.get('vs_assisted', float('nan')):.2f}x | "
+                         f"{res['eagle_alpha'][e]:.3f} | {res['eagle_tau'][e]:.2f} | {res['identical'][e]} |")
     atomic_write_text(args.out / "eagle_bench.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
