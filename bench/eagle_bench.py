@@ -85,9 +85,11 @@ def main() -> None:
     logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
 
     target, tokenizer = load_model(ModelSpec(source="embedded", precision=args.target_precision, device="cpu"))
-    heads = {Path(h).name if h != "embedded" else h: load_head(resolve_head(h), target,
-                                                               dtype=torch_dtype(args.head_precision))
-             for h in args.head or ["embedded"]}
+    sources = args.head or ["embedded"]
+    names = [h if h == "embedded" else Path(h).name for h in sources]
+    labels = [n if names.count(n) == 1 else f"{i}:{n}" for i, n in enumerate(names)]  # unique row labels
+    heads = {label: load_head(resolve_head(h), target, dtype=torch_dtype(args.head_precision))
+             for label, h in zip(labels, sources)}
     assistant = None
     if not args.no_assisted:
         assistant, _ = load_model(ModelSpec(source="embedded", precision="int4", device="cpu"), "draft")

@@ -243,10 +243,10 @@ def test_loads_published_eagle3_layout(tmp_path, target):
              "lm_head.weight": torch.randn(64, h), "d2t": draft_ids - torch.arange(64), "t2d": t2d}
     save_file(state, str(tmp_path / "model.safetensors"))
     config = _llama_config(target, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=64,
-                           eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 2]})
+                           eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 1, 1]})  # of 2 layers
     (tmp_path / "config.json").write_text(json.dumps(config))
     head = load_head(tmp_path, target)
-    assert head.config.variant == "eagle3" and head.config.feature_layers == [0, 1, 1]
+    assert head.config.variant == "eagle3" and head.config.feature_layers == [0, 0, 0]
     assert torch.equal(head.draft_to_target, draft_ids)
     assert torch.equal(head.lm_head.weight, state["lm_head.weight"])
     prompt = make_prompt(2)

@@ -39,16 +39,17 @@ OPTIONS = [("llama", {}),
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_llama(seed=0, initializer_range=0.2)
+    return tiny_llama(seed=0, layers=4, initializer_range=0.2)
 
 
 def random_head(target, seed: int = 0, **options) -> EagleHead:
-    """An EAGLE-3 head for ``target`` with every weight random (norms too), over the 64 even token ids."""
+    """An EAGLE-3 head for ``target`` (4 layers; it reads decoder layers 0, 1, 2) with every weight random (norms
+    too), over the 64 even token ids."""
     c = target.config
     config = HeadConfig(variant="eagle3", hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                         num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
                         head_dim=c.hidden_size // c.num_attention_heads, rms_norm_eps=1e-6, rope_theta=10000.0,
-                        vocab_size=c.vocab_size, draft_vocab_size=64, feature_layers=[0, 1, 1], fc_bias=False,
+                        vocab_size=c.vocab_size, draft_vocab_size=64, feature_layers=[0, 1, 2], fc_bias=False,
                         **options)
     torch.manual_seed(seed)
     head = EagleHead(config)
@@ -150,15 +151,23 @@ def test_speculators_round_trip_is_tensor_identical_and_decodes_as_ar(tmp_path, 
     config = json.loads((tmp_path / "spec" / "config.json").read_text())
     _vllm_and_speculators_accept(config, 4)
     assert config["transformer_layer_config"]["model_type"] == ("qwen3" if options.get("qk_norm") else "llama")
-    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]  # output_hidden_states indices
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # output_hidden_states indices
+    assert config["transformer_layer_config"]["max_position_embeddings"] == 512  # the target's context
     from safetensors.torch import load_file
 
     names = set(load_file(str(tmp_path / "spec" / "model.safetensors")))
     assert "layers.0.hidden_norm.weight" in names and not any(n.startswith("midlayer.") for n in names)
     assert {"d2t", "t2d", "lm_head.weight", "norm.weight", "fc.weight"} <= names
-    # and back into the EAGLE-3 repository's layout
-    convert_head(tmp_path / "spec", target.config, tmp_path / "eagle", "eagle", "", [], dtype=torch.float32)
-    for directory in ("spec", "eagle"):
+    # and back into the EAGLE-3 repository's layout (a Llama layer: a Qwen3-shaped head is refused there)
+    directories = ["spec"]
+    if options.get("qk_norm"):
+        with pytest.raises(ConfigError, match="allowed for it: 'speculators'") as err:
+            convert_head(tmp_path / "spec", target.config, tmp_path / "eagle", "eagle", "", [])
+        assert err.value.field == "layout" and not (tmp_path / "eagle").exists()
+    else:
+        convert_head(tmp_path / "spec", target.config, tmp_path / "eagle", "eagle", "", [], dtype=torch.float32)
+        directories.append("eagle")
+    for directory in directories:
         loaded = load_head(tmp_path / directory, target)
         assert loaded.config == head.config, directory
         for key, tensor in head.state_dict().items():
@@ -192,7 +201,12 @@ def _speculators_dir(tmp_path, target, **changes):
     ({"norm_before_fc": True}, "['norm_before_fc'] are not supported"),
     ({"target_hidden_size": 128}, "target_hidden_size 128 differs"),
     ({"layer.rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic' depends on the sequence"),
+    ({"layer.rope_scaling": {"rope_type": "proportional"}}, "rope_type 'proportional' is not supported"),
+    ({"layer.rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "cannot be built from its config"),
     ({"layer.hidden_size": 32}, "hidden_size 32 does not fit the target's hidden_size 64"),
+    ({"layer.model_type": "qwen3"}, "missing tensors ['layer.self_attn.q_norm.weight'"),  # a Qwen3 layer has them
+    ({"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}, "must be output_hidden_states indices 1..3"),
+    ({"eagle_aux_hidden_state_layer_ids": [1, 2, 4]}, "must be output_hidden_states indices 1..3"),
 ])
 def test_bad_speculators_heads_raise_config_error_naming_the_field(tmp_path, target, changes, words):
     directory = _speculators_dir(tmp_path, target, **changes)
@@ -222,10 +236,27 @@ def test_bad_export_requests_write_nothing(tmp_path, target):
     with pytest.raises(ConfigError, match="stores EAGLE-3 heads only"):
         convert_head(SHIPPED["embedded"], embedded, tmp_path / "out", "speculators", "v", [])
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ConfigError, match="not a head directory"):
-        convert_head(tmp_path / "ours", target.config, tmp_path / "file", "speculators", "v", [])
+    for out, words in ((tmp_path / "file", "is not an empty directory"), (tmp_path / "ours", "being converted")):
+        with pytest.raises(ConfigError, match=words) as err:
+            convert_head(tmp_path / "ours", target.config, out, "speculators", "v", [])
+        assert err.value.field == "--out"
+    # a head without its fc layer: refused before anything is written
+    from safetensors.torch import load_file, save_file
+
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text((tmp_path / "ours" / "config.json").read_text())
+    state = load_file(str(tmp_path / "ours" / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if k != "fc.weight"}, str(tmp_path / "broken" / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"missing tensors \['fc.weight'\]"):
+        convert_head(tmp_path / "broken", target.config, tmp_path / "out", "speculators", "v", [])
+    # a head reading the target's last layer: engines cannot give it that feature
+    bad = random_head(target)
+    bad.config.feature_layers = [0, 1, 3]
+    save_head(bad, tmp_path / "last")
+    with pytest.raises(ConfigError, match="include the target's last layer"):
+        convert_head(tmp_path / "last", target.config, tmp_path / "out", "speculators", "v", [])
     assert not (tmp_path / "out").exists() and (tmp_path / "file").read_text() == "x"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "ours"]  # no temporary directory left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "file", "last", "ours"]  # no temporary left
 
 
 def test_export_head_command_writes_a_servable_head(tmp_path, target):
@@ -242,7 +273,7 @@ def test_export_head_command_writes_a_servable_head(tmp_path, target):
     assert f"vllm serve {out}" in res.stdout
     config = json.loads((out / "config.json").read_text())
     _vllm_and_speculators_accept(config, 5)
-    assert config["speculators_config"]["verifier"] == {"name_or_path": str(model),
+    assert config["speculators_config"]["verifier"] == {"name_or_path": str(model.resolve()),
                                                         "architectures": ["LlamaForCausalLM"]}
     assert config["torch_dtype"] == "bfloat16"
     assert load_head(out, target).config.variant == "eagle3"

@@ -328,7 +328,8 @@ def test_an_eagle_head_in_our_layout_is_exported_by_path_with_a_warning():
         exp = export(r, engine)
         value = exp.config[key[0]] if len(key) == 1 else exp.config[key[0]][key[1]]
         assert value == str(SHIPPED["embedded"]), engine  # not the word "embedded"
-        assert any("this toolkit's layout" in w and "toolkit draft export-head embedded --layout eagle --out DIR" in w
+        assert any("this toolkit's layout" in w and
+                   "toolkit draft export-head embedded --target embedded --layout eagle --out DIR" in w
                    for w in exp.warnings), engine
 
 

@@ -367,4 +367,6 @@ def test_an_eagle3_run_trains_from_its_own_feature_caches_and_resumes(tmp_path, 
     assert head.config.variant == "eagle3" and head.config.feature_layers == [1, 1, 0]
     resumed = train_head(_eagle_config(out, variant="eagle3", resume=True, minutes=0.06), target=target,
                          tokenizer=tokenizer, progress=False)
+    steps = [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert resumed["steps"] > summary["steps"] > 0
+    assert steps == list(range(1, resumed["steps"] + 1))  # continued from the checkpoint: no second step 1

@@ -32,7 +32,8 @@ def eagle_command(
                                               "head) or eagle3 (three feature layers, tokens only, its own LM "
                                               "head; exports to the speculators layout).")] = "eagle1",
     ttt_steps: Annotated[int, typer.Option(help="Unrolled draft steps in training (training-time test).")] = 3,
-    reg_weight: Annotated[float, typer.Option(help="Weight of the standardised feature regression.")] = 0.1,
+    reg_weight: Annotated[float, typer.Option(help="Weight of the standardised feature regression (eagle1; "
+                                                   "EAGLE-3 learns tokens only).")] = 0.1,
     batch_size: Annotated[int, typer.Option(help="Windows per step.")] = 4,
     seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 320,
     lr: Annotated[float, typer.Option(help="Peak AdamW learning rate.")] = 1e-3,

@@ -21,18 +21,43 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def _verifier(target: str) -> str:
-    """The verifier a speculators config names: the hub checkpoint of the embedded model, else ``target`` as given
-    (a local directory or hub id the engine can open)."""
+    """The verifier a speculators config names: the hub checkpoint of the embedded model, a local target's absolute
+    path (the engine may run elsewhere), else ``target`` as given (a hub id)."""
     from toolkit.export.common import EMBEDDED_HUB_ID
 
-    return EMBEDDED_HUB_ID if target == "embedded" else target
+    if target == "embedded":
+        return EMBEDDED_HUB_ID
+    path = Path(target).expanduser()
+    return str(path.resolve()) if path.exists() else target
+
+
+def _target_config(target: str):
+    """The target's transformers config, read without loading (a ``.gguf`` file's from its header: nothing is
+    dequantized). Raises ConfigError (``--target``) when it cannot be read."""
+    from transformers import AutoConfig
+
+    from toolkit.errors import ConfigError, ModelLoadError
+    from toolkit.models.embedded import embedded_gguf_path, resolve_source
+
+    try:
+        if target == "embedded" or target.endswith(".gguf"):
+            gguf = embedded_gguf_path() if target == "embedded" else Path(target).expanduser()
+            if not gguf.is_file():
+                raise ConfigError("--target", f"GGUF file {target!r} does not exist")
+            return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        return AutoConfig.from_pretrained(resolve_source(target, "--target"))
+    except ModelLoadError as exc:
+        raise ConfigError("--target", str(exc)) from exc
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError("--target", f"cannot read the config of {target!r} ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
 
 
 @reported
 def export_head_command(
     head: Annotated[str, typer.Argument(help="EAGLE head directory (any layout the toolkit reads), or 'embedded' "
                                              "for the shipped head.")],
-    out: Annotated[Path, typer.Option(help="Output directory (created; replaced if it holds only a head).")],
+    out: Annotated[Path, typer.Option(help="Output directory (created; must not exist or be empty).")],
     layout: Annotated[str, typer.Option(help="'speculators' (vLLM; EAGLE-3 heads) or 'eagle' (the EAGLE / EAGLE-3 "
                                              "repositories' layout: vLLM and SGLang).")] = "speculators",
     target: Annotated[str, typer.Option(help="The head's target: 'embedded', a local HF directory or .gguf file, or "
@@ -46,17 +71,15 @@ def export_head_command(
 ) -> dict:
     """Convert ``head`` for ``target`` into ``out``; prints what was written and any warning."""
     import torch
-    from transformers import AutoConfig
 
     from toolkit.eagle.checkpoint import resolve_head
     from toolkit.eagle.convert import convert_head
     from toolkit.errors import ConfigError
-    from toolkit.models.embedded import resolve_source
 
     if dtype not in DTYPES:
         raise ConfigError("--dtype", f"{dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")
     source = resolve_head(head, "head")
-    config = AutoConfig.from_pretrained(resolve_source(target, "--target"))
+    config = _target_config(target)
     name = verifier or _verifier(target)
     summary = convert_head(source, config, out, layout, name, list(getattr(config, "architectures", None) or []),
                            num_speculative_tokens, getattr(torch, DTYPES[dtype]), field="head")

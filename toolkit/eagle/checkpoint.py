@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.eagle.head import DYNAMIC_ROPE, EagleHead, HeadConfig
+from toolkit.eagle.head import DYNAMIC_ROPE, ROPE_TYPES, EagleHead, HeadConfig, eagle3_layers
 from toolkit.eagle.speculators import flat_config, is_speculators, rename_to_eagle3
 from toolkit.eagle.vocab import from_d2t, to_d2t, to_t2d
 from toolkit.errors import ConfigError
@@ -171,7 +171,11 @@ def _feature_layers(raw: dict, variant: str, n_layers: int, field: str) -> list[
         layers = list(own["feature_layers"])
     elif variant == "eagle3":
         ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        layers = [i - 1 for i in ids] if ids else [1, n_layers // 2 - 1, n_layers - 4]
+        if ids and not all(isinstance(i, int) and 1 <= i <= n_layers - 1 for i in ids):
+            raise ConfigError(field, f"eagle_aux_hidden_state_layer_ids {list(ids)} must be output_hidden_states "
+                              f"indices 1..{n_layers - 1} of the target's {n_layers} layers (0 is the embeddings, "
+                              f"{n_layers} the final norm's output)")
+        layers = [i - 1 for i in ids] if ids else eagle3_layers(n_layers)
     else:
         layers = [-1]
     for index in layers:
@@ -187,9 +191,9 @@ def _rope(raw: dict, field: str) -> tuple[float, dict | None]:
     theta = float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0)
     scaling = raw.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type in DYNAMIC_ROPE:
-        raise ConfigError(field, f"rope_type {rope_type!r} depends on the sequence length; supported: default, "
-                          "linear, llama3, yarn")
+    if rope_type not in ROPE_TYPES:
+        why = "depends on the sequence length" if rope_type in DYNAMIC_ROPE else "is not supported"
+        raise ConfigError(field, f"rope_type {rope_type!r} {why}; supported: {', '.join(ROPE_TYPES)}")
     return theta, (scaling if rope_type != "default" else None)
 
 
@@ -217,7 +221,8 @@ def _head_config(raw: dict, state: dict, variant: str, target_config, field: str
                       feature_layers=layers, fc_bias="fc.bias" in state,
                       norm_before_residual=bool(raw.get("norm_before_residual", False)),
                       attention_bias=f"{prefix}self_attn.q_proj.bias" in state,
-                      qk_norm=f"{prefix}self_attn.q_norm.weight" in state, rope_scaling=scaling)
+                      qk_norm=raw.get("qk_norm", f"{prefix}self_attn.q_norm.weight" in state),
+                      rope_scaling=scaling)
 
 
 def _mapped_state(state: dict, config: HeadConfig, target, field: str) -> tuple[dict, torch.Tensor]:
@@ -258,6 +263,18 @@ def _check_tensors(mapped: dict, head: EagleHead, directory: Path, field: str) -
         raise ConfigError(field, f"{directory}: missing tensors {missing[:4]}")
 
 
+def build_checked(config: HeadConfig, field: str, device=None) -> EagleHead:
+    """``EagleHead(config)``; a config the head cannot be built from (e.g. a rotary scaling missing its own keys)
+    raises ConfigError (``field``) instead of the constructor's KeyError / ValueError."""
+    try:
+        if device is None:
+            return EagleHead(config)
+        with torch.device(device):
+            return EagleHead(config)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ConfigError(field, f"the head cannot be built from its config ({type(exc).__name__}: {exc})") from exc
+
+
 def read_checkpoint(source: str | Path, field: str = "draft.source") -> tuple[Path, dict, dict, str]:
     """``(directory, config, tensors, variant)`` of a head directory in any layout this module reads: the EAGLE /
     EAGLE-3 repositories' (and this toolkit's), or speculators' (:mod:`toolkit.eagle.speculators`), whose config and
@@ -292,7 +309,7 @@ def load_head(source: str | Path, target, field: str = "draft.source", dtype: to
         raise ConfigError(field, f"an EAGLE head needs a decoder-only target with a list of decoder layers "
                           f"({exc})") from exc
     directory, raw, state, variant = read_checkpoint(source, field)
-    head = EagleHead(_head_config(raw, state, variant, target.config, field))
+    head = build_checked(_head_config(raw, state, variant, target.config, field), field)
     mapped, draft_to_target = _mapped_state(state, head.config, target, field)
     _check_tensors(mapped, head, directory, field)
     head.load_state_dict({k: v.float().cpu() for k, v in mapped.items()})

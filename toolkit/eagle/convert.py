@@ -25,34 +25,37 @@ import torch
 from toolkit.errors import ConfigError
 
 LAYOUTS = ("speculators", "eagle")
-#: files of a head directory (an existing output made only of these may be replaced)
-HEAD_FILES = {"config.json", "model.safetensors"}
 
 
-def _check_shapes(state: dict, config, directory: Path, field: str) -> None:
-    """ConfigError (``field``) unless every tensor of ``state`` (EAGLE-3 / EAGLE-1 repository names) has the shape
-    the head of ``config`` needs; built on the meta device (no memory)."""
-    from toolkit.eagle.checkpoint import _prefix
-    from toolkit.eagle.head import EagleHead
+def _check_tensors(state: dict, config, directory: Path, field: str) -> None:
+    """ConfigError (``field``) unless ``state`` (EAGLE-3 / EAGLE-1 repository names) holds every tensor the head of
+    ``config`` needs (the embedding may be missing: the target's is used; an EAGLE-1 head may lack its LM head: the
+    target's rows are used) and each of its shape; the head is built on the meta device (no memory)."""
+    from toolkit.eagle.checkpoint import _prefix, build_checked
 
-    with torch.device("meta"):
-        expected = EagleHead(config).state_dict()
+    expected = build_checked(config, field, device="meta").state_dict()
     prefix = _prefix(config)
-    for name, tensor in state.items():
-        if name in ("d2t", "t2d"):
-            continue
-        ours = "layer." + name[len(prefix):] if name.startswith(prefix) else name
-        if ours not in expected:
+    ours = {("layer." + name[len(prefix):] if name.startswith(prefix) else name): tensor
+            for name, tensor in state.items() if name not in ("d2t", "t2d")}
+    for name, tensor in ours.items():
+        if name not in expected:
             raise ConfigError(field, f"{directory}: unexpected tensor {name!r} for an {config.variant} head")
-        if tuple(tensor.shape) != tuple(expected[ours].shape):
+        if tuple(tensor.shape) != tuple(expected[name].shape):
             raise ConfigError(field, f"{directory}: tensor {name!r} has shape {tuple(tensor.shape)}, the target "
-                                     f"needs {tuple(expected[ours].shape)}")
+                                     f"needs {tuple(expected[name].shape)}")
+    optional = {"embed_tokens.weight"} | ({"lm_head.weight"} if config.variant == "eagle1" else set())
+    missing = [name for name in expected if name not in ours and name not in optional]
+    if missing:
+        raise ConfigError(field, f"{directory}: missing tensors {missing[:4]}")
 
 
-def _check_out(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or not {p.name for p in out.iterdir()} <= HEAD_FILES):
-        raise ConfigError("--out", f"{out} exists and is not a head directory (config.json + model.safetensors); "
-                          "choose a new directory")
+def _check_out(out: Path, source: Path) -> None:
+    """``--out`` must be a new (or empty) directory, never the head being converted."""
+    if out.exists() and out.resolve() == source.resolve():
+        raise ConfigError("--out", f"{out} is the head being converted; choose a new directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError("--out", f"{out} exists and is not an empty directory; choose a new directory (nothing "
+                          "is overwritten)")
 
 
 def convert_head(source: str | Path, target_config, out: str | Path, layout: str, verifier: str,
@@ -68,9 +71,10 @@ def convert_head(source: str | Path, target_config, out: str | Path, layout: str
     Returns ``{"layout", "variant", "out", "tensors", "bytes", "warnings"}``.
 
     Raises:
-        ConfigError: ``layout`` not one of :data:`LAYOUTS`; ``--out`` an existing non-head path;
-            ``num_speculative_tokens`` < 1; an EAGLE-1 head to ``speculators``; a head that does not fit the
-            target (``field``).
+        ConfigError: ``layout`` not one of :data:`LAYOUTS`; ``--out`` the source or an existing non-empty path;
+            ``num_speculative_tokens`` < 1; an EAGLE-1 head to ``speculators``; a Qwen3-shaped head (q/k norms) to
+            ``eagle`` (the EAGLE-3 repository's layer is Llama's); a head that does not fit the target, lacks a
+            tensor, or reads a feature layer the engines cannot give it (``field``).
     """
     from toolkit.eagle.checkpoint import _head_config, eagle_config, read_checkpoint
     from toolkit.eagle.speculators import check_exportable, speculators_config, write_speculators
@@ -81,17 +85,24 @@ def convert_head(source: str | Path, target_config, out: str | Path, layout: str
     if num_speculative_tokens < 1:
         raise ConfigError("num_speculative_tokens", f"must be >= 1, got {num_speculative_tokens}")
     out = Path(out)
-    _check_out(out)
     directory, raw, state, variant = read_checkpoint(source, field)
+    _check_out(out, directory)
     config = _head_config(raw, state, variant, target_config, field)
-    layers = (target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-              ).num_hidden_layers
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    layers = text.num_hidden_layers
     config = dataclasses.replace(config, feature_layers=[i % layers for i in config.feature_layers])  # ids >= 0
-    _check_shapes(state, config, directory, field)
+    if variant == "eagle3" and any(i > layers - 2 for i in config.feature_layers):
+        raise ConfigError(field, f"feature layers {config.feature_layers} include the target's last layer "
+                          f"({layers - 1}): engines give an EAGLE-3 head output_hidden_states indices "
+                          f"1..{layers - 1}, i.e. decoder layers 0..{layers - 2}")
+    _check_tensors(state, config, directory, field)
     warnings = []
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     if layout == "speculators":
         check_exportable(config, "layout")
+    elif config.qk_norm:
+        raise ConfigError("layout", "this head norms queries and keys (a Qwen3 layer), which the EAGLE-3 "
+                          "repository's Llama layer has not; allowed for it: 'speculators'")
     elif variant == "eagle1" and "d2t" in state:
         warnings.append(f"the reduced draft vocabulary ({config.draft_vocab_size} of {config.vocab_size} tokens) is "
                         "dropped: EAGLE-1's layout has no d2t, so the engine drafts over the whole vocabulary")
@@ -104,7 +115,8 @@ def convert_head(source: str | Path, target_config, out: str | Path, layout: str
         if layout == "speculators":
             dtype_name = str(dtype).removeprefix("torch.")
             write_speculators(tmp, state, speculators_config(config, verifier, verifier_architectures,
-                                                             num_speculative_tokens, dtype_name))
+                                                             num_speculative_tokens, dtype_name,
+                                                             getattr(text, "max_position_embeddings", None)))
         else:
             from safetensors.torch import save_file
 

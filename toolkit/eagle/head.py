@@ -79,8 +79,16 @@ class HeadConfig:
                    head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, rms_norm_eps=eps,
                    rope_theta=float(theta), vocab_size=c.vocab_size,
                    draft_vocab_size=draft_vocab_size or c.vocab_size,
-                   feature_layers=[-1] if variant == "eagle1" else [1, n // 2 - 1, n - 4],
+                   feature_layers=[-1] if variant == "eagle1" else eagle3_layers(n),
                    fc_bias=variant == "eagle1")
+
+
+def eagle3_layers(n_layers: int) -> list[int]:
+    """EAGLE-3's three feature layers of an ``n_layers`` target: decoder layers ``1, n/2 - 1, n - 4`` (the
+    ``output_hidden_states`` indices ``2, n/2, n - 3`` of the EAGLE-3 repository and speculators), kept within
+    ``0..n-2`` for small targets (index ``n`` of ``output_hidden_states`` is after the final norm, which the head
+    never reads)."""
+    return [max(0, min(i, n_layers - 2)) for i in (1, n_layers // 2 - 1, n_layers - 4)]
 
 
 class HeadCache:
@@ -138,6 +146,8 @@ class RMSNorm(nn.Module):
 
 #: rotary scalings whose frequencies depend on the sequence length (not a fixed table): refused
 DYNAMIC_ROPE = ("dynamic", "longrope")
+#: rotary position types a head may use (the fixed-table ones transformers' Llama rotary embedding computes)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_frequencies(config: HeadConfig) -> tuple[torch.Tensor, float]:
@@ -149,9 +159,8 @@ def rope_frequencies(config: HeadConfig) -> tuple[torch.Tensor, float]:
     if not c.rope_scaling or c.rope_scaling.get("rope_type", c.rope_scaling.get("type", "default")) == "default":
         return 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)), 1.0
     rope_type = c.rope_scaling.get("rope_type", c.rope_scaling.get("type"))
-    if rope_type in DYNAMIC_ROPE:
-        raise ValueError(f"rope_type {rope_type!r} depends on the sequence length; supported: default, linear, "
-                         "llama3, yarn")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 

@@ -84,6 +84,7 @@ def flat_config(raw: dict, field: str = "draft.source") -> dict:
                           f"{layer.get('hidden_size')}; heads narrower than their verifier are not supported")
     flat = {key: layer[key] for key in _LAYER_KEYS if key in layer}
     flat.update(model_type=layer_type, architectures=["LlamaForCausalLMEagle3"],
+                qk_norm=layer_type == "qwen3",  # Qwen3's decoder layer norms queries and keys; Llama's does not
                 draft_vocab_size=raw.get("draft_vocab_size"),
                 norm_before_residual=bool(raw.get("norm_before_residual", False)))
     ids = raw.get("eagle_aux_hidden_state_layer_ids")
@@ -103,9 +104,10 @@ def rename_to_eagle3(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return renamed
 
 
-def layer_config(config) -> dict:
+def layer_config(config, max_position_embeddings: int | None = None) -> dict:
     """The ``transformer_layer_config`` of a :class:`toolkit.eagle.head.HeadConfig` (a one-layer Llama, or Qwen3
-    when the layer norms queries and keys)."""
+    when the layer norms queries and keys), with the target's context length (an engine builds the draft layer
+    from this config: without it, the layer type's default)."""
     c = config
     layer = {"model_type": "qwen3" if c.qk_norm else "llama", "hidden_size": c.hidden_size,
              "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
@@ -115,15 +117,19 @@ def layer_config(config) -> dict:
              "tie_word_embeddings": False}
     if c.rope_scaling:
         layer["rope_scaling"] = dict(c.rope_scaling)
+    if max_position_embeddings:
+        layer["max_position_embeddings"] = int(max_position_embeddings)
     return layer
 
 
 def speculators_config(config, verifier: str, verifier_architectures: list[str], num_speculative_tokens: int,
-                       dtype: str) -> dict:
+                       dtype: str, max_position_embeddings: int | None = None) -> dict:
     """The speculators ``config.json`` of an EAGLE-3 head (``config``: its HeadConfig) for ``verifier`` (a hub id
-    or path: what ``vllm serve <head>`` loads as the target) proposing ``num_speculative_tokens`` per round."""
+    or path: what ``vllm serve <head>`` loads as the target) proposing ``num_speculative_tokens`` per round;
+    ``max_position_embeddings``: the target's context length."""
     return {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-            "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer_config(config),
+            "speculators_version": SPECULATORS_VERSION,
+            "transformer_layer_config": layer_config(config, max_position_embeddings),
             "draft_vocab_size": config.draft_vocab_size, "norm_before_residual": config.norm_before_residual,
             "target_hidden_size": None,
             "eagle_aux_hidden_state_layer_ids": [i + 1 for i in config.feature_layers],

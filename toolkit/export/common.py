@@ -7,6 +7,7 @@ registered config (:mod:`toolkit.speculative.drafters.registry`), never from com
 
 from __future__ import annotations
 
+import shlex
 import unicodedata
 
 from toolkit.errors import ConfigError
@@ -127,14 +128,19 @@ def eagle_head_path(recipe, warnings: list[str], engine: str) -> str:
 
     source = str(recipe.draft.source)
     path, raw = _eagle_head(recipe)
-    convert = f"toolkit draft export-head {one_line(source)} --layout {{layout}} --out DIR"
+
+    def convert(layout: str) -> str:
+        """The command that writes the head in ``layout`` for this recipe's target (quoted, one line)."""
+        return one_line(shlex.join(["toolkit", "draft", "export-head", source, "--target", str(recipe.target.source),
+                                    "--layout", layout, "--out", "DIR"]))
+
     if "toolkit_eagle" in raw:
         layout = "speculators" if engine == "vllm" and eagle_variant(recipe) == "eagle3" else "eagle"
         warnings.append(f"draft.source: {source!r} is an EAGLE head in this toolkit's layout (config.json "
                         f"'toolkit_eagle'); write it in a layout {ENGINE_NAMES[engine]} loads with "
-                        f"`{convert.format(layout=layout)}` and point the engine at DIR")
+                        f"`{convert(layout)}` and point the engine at DIR")
     elif "speculators_model_type" in raw and engine != "vllm":
         warnings.append(f"draft.source: {source!r} is a head in the speculators layout, which "
                         f"{ENGINE_NAMES[engine]} does not read; write it in the EAGLE-3 repository's layout with "
-                        f"`{convert.format(layout='eagle')}` and point the engine at DIR")
+                        f"`{convert('eagle')}` and point the engine at DIR")
     return command_value("draft.source", str(path) if source in SHIPPED or path.is_dir() else source)
