@@ -249,16 +249,17 @@ def _mapped_state(state: dict, config: HeadConfig, target, field: str) -> tuple[
     return mapped, draft_to_target
 
 
-def _check_tensors(mapped: dict, head: EagleHead, directory: Path, field: str) -> None:
-    """ConfigError unless ``mapped`` holds exactly the head's tensors, each of the head's shape."""
-    expected = head.state_dict()
+def check_tensors(mapped: dict, expected: dict, variant: str, directory: Path, field: str,
+                  optional: set[str] = frozenset()) -> None:
+    """ConfigError (``field``) unless ``mapped`` (tensors named as :class:`EagleHead`'s state dict) holds every tensor
+    of ``expected`` (the head's state dict) but ``optional`` ones, each of the head's shape, and nothing else."""
     for name, tensor in mapped.items():
         if name not in expected:
-            raise ConfigError(field, f"{directory}: unexpected tensor {name!r} for an {head.config.variant} head")
+            raise ConfigError(field, f"{directory}: unexpected tensor {name!r} for an {variant} head")
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise ConfigError(field, f"{directory}: tensor {name!r} has shape {tuple(tensor.shape)}, the target "
                                      f"needs {tuple(expected[name].shape)}")
-    missing = [k for k in expected if k not in mapped]
+    missing = [k for k in expected if k not in mapped and k not in optional]
     if missing:
         raise ConfigError(field, f"{directory}: missing tensors {missing[:4]}")
 
@@ -311,7 +312,7 @@ def load_head(source: str | Path, target, field: str = "draft.source", dtype: to
     directory, raw, state, variant = read_checkpoint(source, field)
     head = build_checked(_head_config(raw, state, variant, target.config, field), field)
     mapped, draft_to_target = _mapped_state(state, head.config, target, field)
-    _check_tensors(mapped, head, directory, field)
+    check_tensors(mapped, head.state_dict(), head.config.variant, directory, field)
     head.load_state_dict({k: v.float().cpu() for k, v in mapped.items()})
     head.draft_to_target = draft_to_target
     param = next(target.parameters())

@@ -31,22 +31,14 @@ def _check_tensors(state: dict, config, directory: Path, field: str) -> None:
     """ConfigError (``field``) unless ``state`` (EAGLE-3 / EAGLE-1 repository names) holds every tensor the head of
     ``config`` needs (the embedding may be missing: the target's is used; an EAGLE-1 head may lack its LM head: the
     target's rows are used) and each of its shape; the head is built on the meta device (no memory)."""
-    from toolkit.eagle.checkpoint import _prefix, build_checked
+    from toolkit.eagle.checkpoint import _prefix, build_checked, check_tensors
 
     expected = build_checked(config, field, device="meta").state_dict()
     prefix = _prefix(config)
     ours = {("layer." + name[len(prefix):] if name.startswith(prefix) else name): tensor
             for name, tensor in state.items() if name not in ("d2t", "t2d")}
-    for name, tensor in ours.items():
-        if name not in expected:
-            raise ConfigError(field, f"{directory}: unexpected tensor {name!r} for an {config.variant} head")
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ConfigError(field, f"{directory}: tensor {name!r} has shape {tuple(tensor.shape)}, the target "
-                                     f"needs {tuple(expected[name].shape)}")
     optional = {"embed_tokens.weight"} | ({"lm_head.weight"} if config.variant == "eagle1" else set())
-    missing = [name for name in expected if name not in ours and name not in optional]
-    if missing:
-        raise ConfigError(field, f"{directory}: missing tensors {missing[:4]}")
+    check_tensors(ours, expected, config.variant, directory, field, optional)
 
 
 def _check_out(out: Path, source: Path) -> None:
