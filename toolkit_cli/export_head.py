@@ -81,7 +81,13 @@ def export_head_command(
     source = resolve_head(head, "head")
     config = _target_config(target)
     name = verifier or _verifier(target)
-    summary = convert_head(source, config, out, layout, name, list(getattr(config, "architectures", None) or []),
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not architectures:  # a GGUF's config names none: the causal-LM class transformers maps its model type to
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+        architectures = [causal_lm] if causal_lm else []
+    summary = convert_head(source, config, out, layout, name, architectures,
                            num_speculative_tokens, getattr(torch, DTYPES[dtype]), field="head")
     typer.echo(f"wrote {summary['variant']} head in the {layout} layout to {out}: {summary['tensors']} tensors, "
                f"{summary['bytes'] / 2**20:.1f} MiB ({dtype})")
