@@ -32,20 +32,21 @@ def _verifier(target: str) -> str:
 
 
 def _target_config(target: str):
-    """The target's transformers config, read without loading (a ``.gguf`` file's from its header: nothing is
-    dequantized). Raises ConfigError (``--target``) when it cannot be read."""
+    """The target's transformers config, read without loading weights (a ``.gguf`` file's from its header: nothing
+    is dequantized; ``embedded``: from its converted copy, made at set-up). Raises ConfigError (``--target``) when it
+    cannot be read."""
     from transformers import AutoConfig
 
     from toolkit.errors import ConfigError, ModelLoadError
-    from toolkit.models.embedded import embedded_gguf_path, resolve_source
+    from toolkit.models.embedded import resolve_source
 
     try:
-        if target == "embedded" or target.endswith(".gguf"):
-            gguf = embedded_gguf_path() if target == "embedded" else Path(target).expanduser()
+        if target.endswith(".gguf"):
+            gguf = Path(target).expanduser()
             if not gguf.is_file():
                 raise ConfigError("--target", f"GGUF file {target!r} does not exist")
             return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        return AutoConfig.from_pretrained(resolve_source(target, "--target"))
+        return AutoConfig.from_pretrained(resolve_source(target, "--target"))  # embedded: its converted copy
     except ModelLoadError as exc:
         raise ConfigError("--target", str(exc)) from exc
     except (OSError, ValueError, KeyError) as exc:

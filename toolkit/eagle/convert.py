@@ -50,6 +50,31 @@ def _check_out(out: Path, source: Path) -> None:
                           "is overwritten)")
 
 
+def _write(out: Path, layout: str, state: dict, config: dict) -> None:
+    """Write ``config.json`` + ``model.safetensors`` in ``layout`` into a private sibling of ``out``, then put it in
+    place (:func:`toolkit.io.replace_dir`): ``out`` appears complete or not at all."""
+    from safetensors.torch import save_file
+
+    from toolkit.eagle.speculators import write_speculators
+    from toolkit.io import _umask, atomic_write, atomic_write_json, replace_dir
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the head is an ordinary output directory
+    try:
+        if layout == "speculators":
+            write_speculators(tmp, state, config)
+        else:
+            tensors = {k: v.contiguous() for k, v in state.items()}
+            atomic_write(tmp / "model.safetensors",
+                         lambda path: save_file(tensors, str(path), metadata={"format": "pt"}), suffix=".safetensors")
+            atomic_write_json(tmp / "config.json", config)
+        replace_dir(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def convert_head(source: str | Path, target_config, out: str | Path, layout: str, verifier: str,
                  verifier_architectures: list[str], num_speculative_tokens: int = 3,
                  dtype: torch.dtype = torch.bfloat16, field: str = "draft.source") -> dict:
@@ -69,8 +94,7 @@ def convert_head(source: str | Path, target_config, out: str | Path, layout: str
             tensor, or reads a feature layer the engines cannot give it (``field``).
     """
     from toolkit.eagle.checkpoint import _head_config, eagle_config, read_checkpoint
-    from toolkit.eagle.speculators import check_exportable, speculators_config, write_speculators
-    from toolkit.io import _umask, atomic_write, atomic_write_json, replace_dir
+    from toolkit.eagle.speculators import check_exportable, speculators_config
 
     if layout not in LAYOUTS:
         raise ConfigError("layout", f"{layout!r} is not a head layout; allowed: {', '.join(LAYOUTS)}")
@@ -100,25 +124,9 @@ def convert_head(source: str | Path, target_config, out: str | Path, layout: str
                         "dropped: EAGLE-1's layout has no d2t, so the engine drafts over the whole vocabulary")
         state = {k: v for k, v in state.items() if k not in ("d2t", "t2d", "lm_head.weight")}
         config = dataclasses.replace(config, draft_vocab_size=config.vocab_size)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the head is an ordinary output directory
-    try:
-        if layout == "speculators":
-            dtype_name = str(dtype).removeprefix("torch.")
-            write_speculators(tmp, state, speculators_config(config, verifier, verifier_architectures,
-                                                             num_speculative_tokens, dtype_name,
-                                                             getattr(text, "max_position_embeddings", None)))
-        else:
-            from safetensors.torch import save_file
-
-            tensors = {k: v.contiguous() for k, v in state.items()}
-            atomic_write(tmp / "model.safetensors",
-                         lambda path: save_file(tensors, str(path), metadata={"format": "pt"}), suffix=".safetensors")
-            atomic_write_json(tmp / "config.json", eagle_config(config, toolkit=False))
-        replace_dir(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    meta = speculators_config(config, verifier, verifier_architectures, num_speculative_tokens,
+                              str(dtype).removeprefix("torch."), getattr(text, "max_position_embeddings", None)) \
+        if layout == "speculators" else eagle_config(config, toolkit=False)
+    _write(out, layout, state, meta)
     return {"layout": layout, "variant": variant, "out": str(out), "tensors": len(state),
             "bytes": sum(v.numel() * v.element_size() for v in state.values()), "warnings": warnings}
