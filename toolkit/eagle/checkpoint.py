@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.eagle.head import DYNAMIC_ROPE, ROPE_TYPES, EagleHead, HeadConfig, eagle3_layers
+from toolkit.eagle.head import EagleHead, HeadConfig, eagle3_layers, rope_type, text_config
 from toolkit.eagle.speculators import flat_config, is_speculators, rename_to_eagle3
 from toolkit.eagle.vocab import from_d2t, to_d2t, to_t2d
 from toolkit.errors import ConfigError
@@ -37,14 +37,23 @@ from toolkit.errors import ConfigError
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
-def _prefix(config: HeadConfig) -> str:
-    return "layers.0." if config.variant == "eagle1" else "midlayer."
+def _prefix(variant: str) -> str:
+    """Where a published layout keeps the decoder layer's tensors (this toolkit's head names them ``layer.``)."""
+    return "layers.0." if variant == "eagle1" else "midlayer."
+
+
+def to_head_names(state: dict[str, torch.Tensor], variant: str) -> dict[str, torch.Tensor]:
+    """A published layout's tensors (EAGLE-1 / EAGLE-3 repository names) named as :class:`EagleHead`'s state dict;
+    the vocabulary maps ``d2t`` / ``t2d`` left out."""
+    prefix = _prefix(variant)
+    return {("layer." + name[len(prefix):] if name.startswith(prefix) else name): tensor
+            for name, tensor in state.items() if name not in ("d2t", "t2d")}
 
 
 def head_state(head: EagleHead) -> dict[str, torch.Tensor]:
     """Tensors in the published layout (no embedding; no LM head unless the vocabulary is EAGLE-3's own)."""
     config = head.config
-    prefix = _prefix(config)
+    prefix = _prefix(config.variant)
     state = {}
     for name, tensor in head.state_dict().items():
         if name.startswith("embed_tokens."):
@@ -190,17 +199,17 @@ def _rope(raw: dict, field: str) -> tuple[float, dict | None]:
     params = raw.get("rope_parameters") or {}
     theta = float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0)
     scaling = raw.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        why = "depends on the sequence length" if rope_type in DYNAMIC_ROPE else "is not supported"
-        raise ConfigError(field, f"rope_type {rope_type!r} {why}; supported: {', '.join(ROPE_TYPES)}")
-    return theta, (scaling if rope_type != "default" else None)
+    try:
+        kind = rope_type(scaling)
+    except ValueError as exc:
+        raise ConfigError(field, str(exc)) from exc
+    return theta, (scaling if kind != "default" else None)
 
 
 def _head_config(raw: dict, state: dict, variant: str, target_config, field: str) -> HeadConfig:
     """The :class:`HeadConfig` of a checkpoint fitted to a target of config ``target_config``; ConfigError when
     hidden size, vocabulary or feature layers do not fit it."""
-    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    tc = text_config(target_config)
     hidden = raw.get("hidden_size")
     if hidden != tc.hidden_size:
         raise ConfigError(field, f"head hidden_size {hidden} does not fit the target's hidden_size {tc.hidden_size}")
@@ -213,7 +222,7 @@ def _head_config(raw: dict, state: dict, variant: str, target_config, field: str
     if "d2t" in state:
         draft_vocab = state["d2t"].numel()
     theta, scaling = _rope(raw, field)
-    prefix = "layers.0." if variant == "eagle1" else "midlayer."
+    prefix = _prefix(variant)
     return HeadConfig(variant=variant, hidden_size=hidden, intermediate_size=raw.get("intermediate_size"),
                       num_attention_heads=heads, num_key_value_heads=raw.get("num_key_value_heads", heads),
                       head_dim=raw.get("head_dim") or hidden // heads, rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
@@ -228,14 +237,7 @@ def _head_config(raw: dict, state: dict, variant: str, target_config, field: str
 def _mapped_state(state: dict, config: HeadConfig, target, field: str) -> tuple[dict, torch.Tensor]:
     """``(tensors named as EagleHead's state dict, draft_to_target)``: published names mapped, the embedding and
     (without one of its own) the LM head rows of the draft vocabulary taken from the target."""
-    prefix = _prefix(config)
-    mapped = {}
-    for name, tensor in state.items():
-        if name in ("d2t", "t2d"):
-            continue
-        if name.startswith(prefix):
-            name = "layer." + name[len(prefix):]
-        mapped[name] = tensor
+    mapped = to_head_names(state, config.variant)
     if "d2t" in state:
         draft_to_target = from_d2t(state["d2t"])
         if draft_to_target.min() < 0 or draft_to_target.max() >= config.vocab_size:

@@ -31,12 +31,10 @@ def _check_tensors(state: dict, config, directory: Path, field: str) -> None:
     """ConfigError (``field``) unless ``state`` (EAGLE-3 / EAGLE-1 repository names) holds every tensor the head of
     ``config`` needs (the embedding may be missing: the target's is used; an EAGLE-1 head may lack its LM head: the
     target's rows are used) and each of its shape; the head is built on the meta device (no memory)."""
-    from toolkit.eagle.checkpoint import _prefix, build_checked, check_tensors
+    from toolkit.eagle.checkpoint import build_checked, check_tensors, to_head_names
 
     expected = build_checked(config, field, device="meta").state_dict()
-    prefix = _prefix(config)
-    ours = {("layer." + name[len(prefix):] if name.startswith(prefix) else name): tensor
-            for name, tensor in state.items() if name not in ("d2t", "t2d")}
+    ours = to_head_names(state, config.variant)
     optional = {"embed_tokens.weight"} | ({"lm_head.weight"} if config.variant == "eagle1" else set())
     check_tensors(ours, expected, config.variant, directory, field, optional)
 
@@ -94,6 +92,7 @@ def convert_head(source: str | Path, target_config, out: str | Path, layout: str
             tensor, or reads a feature layer the engines cannot give it (``field``).
     """
     from toolkit.eagle.checkpoint import _head_config, eagle_config, read_checkpoint
+    from toolkit.eagle.head import text_config
     from toolkit.eagle.speculators import check_exportable, speculators_config
 
     if layout not in LAYOUTS:
@@ -104,7 +103,7 @@ def convert_head(source: str | Path, target_config, out: str | Path, layout: str
     directory, raw, state, variant = read_checkpoint(source, field)
     _check_out(out, directory)
     config = _head_config(raw, state, variant, target_config, field)
-    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    text = text_config(target_config)
     layers = text.num_hidden_layers
     config = dataclasses.replace(config, feature_layers=[i % layers for i in config.feature_layers])  # ids >= 0
     if variant == "eagle3" and any(i > layers - 2 for i in config.feature_layers):

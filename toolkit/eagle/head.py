@@ -66,7 +66,7 @@ class HeadConfig:
         """A head shaped like one decoder layer of ``target_config`` (any HF decoder-only config: the head itself is
         Llama-shaped, sized by the target's hidden size, heads and MLP width; the norm epsilon is the target's
         ``rms_norm_eps`` or ``layer_norm_eps`` / ``layer_norm_epsilon``)."""
-        c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        c = text_config(target_config)
         n = c.num_hidden_layers
         heads = c.num_attention_heads
         rope = getattr(c, "rope_parameters", None) or {}
@@ -150,17 +150,34 @@ DYNAMIC_ROPE = ("dynamic", "longrope")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+def text_config(config):
+    """The decoder's config of a transformers config (``get_text_config()`` of a multimodal one, else itself)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def rope_type(scaling: dict | None) -> str:
+    """The rotary type a ``rope_scaling`` / ``rope_parameters`` mapping names (``default`` for none).
+
+    Raises:
+        ValueError: a type not in :data:`ROPE_TYPES` (a length-dependent one, :data:`DYNAMIC_ROPE`, said so).
+    """
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        why = "depends on the sequence length" if kind in DYNAMIC_ROPE else "is not supported"
+        raise ValueError(f"rope_type {kind!r} {why}; supported: {', '.join(ROPE_TYPES)}")
+    return kind
+
+
 def rope_frequencies(config: HeadConfig) -> tuple[torch.Tensor, float]:
     """``(inv_freq (head_dim/2,), attention_scaling)`` of the head's rotary positions: plain RoPE from
     ``rope_theta``, or — with ``rope_scaling`` (Llama-3.1's ``llama3``, ``linear``, ``yarn``) — the frequencies
-    transformers' Llama rotary embedding computes for that scaling. Raises ValueError for a length-dependent
-    scaling (``dynamic``, ``longrope``), which one fixed table cannot express."""
+    transformers' Llama rotary embedding computes for that scaling. Raises ValueError for another type
+    (:func:`rope_type`), e.g. a length-dependent scaling (``dynamic``, ``longrope``) no fixed table can express."""
     c = config
-    if not c.rope_scaling or c.rope_scaling.get("rope_type", c.rope_scaling.get("type", "default")) == "default":
+    kind = rope_type(c.rope_scaling)
+    if kind == "default":
         return 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)), 1.0
-    rope_type = c.rope_scaling.get("rope_type", c.rope_scaling.get("type"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -168,7 +185,7 @@ def rope_frequencies(config: HeadConfig) -> tuple[torch.Tensor, float]:
     context = int(original * factor) if original and factor else 2048  # the context the scaling extends to
     layer = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
                         max_position_embeddings=context,
-                        rope_parameters={**c.rope_scaling, "rope_type": rope_type, "rope_theta": c.rope_theta})
+                        rope_parameters={**c.rope_scaling, "rope_type": kind, "rope_theta": c.rope_theta})
     rotary = LlamaRotaryEmbedding(layer)
     return rotary.inv_freq.float(), float(rotary.attention_scaling)
 
