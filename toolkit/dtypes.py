@@ -14,3 +14,11 @@ def torch_dtype(name: str) -> torch.dtype:
         return FLOAT_DTYPES[name]
     except KeyError:
         raise KeyError(f"{name!r} is not a float precision (allowed: {', '.join(FLOAT_DTYPES)})") from None
+
+
+def precision_name(dtype: torch.dtype) -> str:
+    """The float precision name of a torch dtype (the inverse of :func:`torch_dtype`). Raises ``KeyError``."""
+    for name, value in FLOAT_DTYPES.items():
+        if value == dtype:
+            return name
+    raise KeyError(f"{dtype} is not a float precision (allowed: {', '.join(map(str, FLOAT_DTYPES.values()))})")

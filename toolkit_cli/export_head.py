@@ -15,9 +15,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from toolkit.dtypes import FLOAT_DTYPES
 from toolkit_cli.errors import reported
-
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def _verifier(target: str) -> str:
@@ -68,17 +67,16 @@ def export_head_command(
     = None,
     num_speculative_tokens: Annotated[int, typer.Option("--num-speculative-tokens", "-k",
                                                         help="K per round in the speculators config.")] = 3,
-    dtype: Annotated[str, typer.Option(help=f"Weights dtype: {', '.join(DTYPES)}.")] = "bf16",
+    dtype: Annotated[str, typer.Option(help=f"Weights dtype: {', '.join(FLOAT_DTYPES)}.")] = "bf16",
 ) -> dict:
     """Convert ``head`` for ``target`` into ``out``; prints what was written and any warning."""
-    import torch
 
     from toolkit.eagle.checkpoint import resolve_head
     from toolkit.eagle.convert import convert_head
     from toolkit.errors import ConfigError
 
-    if dtype not in DTYPES:
-        raise ConfigError("--dtype", f"{dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")
+    if dtype not in FLOAT_DTYPES:
+        raise ConfigError("--dtype", f"{dtype!r} is not allowed; allowed: {', '.join(FLOAT_DTYPES)}")
     source = resolve_head(head, "head")
     config = _target_config(target)
     name = verifier or _verifier(target)
@@ -89,7 +87,7 @@ def export_head_command(
         causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
         architectures = [causal_lm] if causal_lm else []
     summary = convert_head(source, config, out, layout, name, architectures,
-                           num_speculative_tokens, getattr(torch, DTYPES[dtype]), field="head")
+                           num_speculative_tokens, FLOAT_DTYPES[dtype], field="head")
     typer.echo(f"wrote {summary['variant']} head in the {layout} layout to {out}: {summary['tensors']} tensors, "
                f"{summary['bytes'] / 2**20:.1f} MiB ({dtype})")
     if layout == "speculators":

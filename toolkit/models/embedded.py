@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.dtypes import precision_name
 from toolkit.errors import ModelLoadError
 from toolkit.resources import cache_dir
 
@@ -151,7 +152,7 @@ def _convert_into(gguf_path: Path, tmp: Path, dtype: torch.dtype) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    with tqdm(total=3, desc=f"converting {gguf_path.name} (once, {_dtype_name(dtype)})", unit="step") as bar:
+    with tqdm(total=3, desc=f"converting {gguf_path.name} (once, {precision_name(dtype)})", unit="step") as bar:
         kwargs = {"gguf_file": gguf_path.name}
         config = AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
         if hasattr(config, "quantization_config"):  # the GGUF quantization is gone after dequantization
@@ -174,15 +175,11 @@ def _convert_into(gguf_path: Path, tmp: Path, dtype: torch.dtype) -> None:
         bar.update()
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-
-
 def _report_conversion(gguf_path: Path, out_dir: Path, seconds: float, dtype: torch.dtype) -> None:
     """One line on stderr: what was converted, where the copy is cached, how big it is and how long it took."""
     mib = sum(f.stat().st_size for f in out_dir.iterdir() if f.is_file()) / 2**20
     print(f"converted {gguf_path.name} ({gguf_path.stat().st_size / 2**20:.0f} MiB GGUF) in {seconds:.0f} s: "
-          f"cached as {_dtype_name(dtype)} safetensors, {mib:.0f} MiB, in {out_dir}", file=sys.stderr, flush=True)
+          f"cached as {precision_name(dtype)} safetensors, {mib:.0f} MiB, in {out_dir}", file=sys.stderr, flush=True)
 
 
 def check_gguf(path: Path, field: str = "source") -> None:
@@ -297,7 +294,7 @@ def _cached_copy(gguf_path: Path, name: str, field: str, dtype: torch.dtype | No
     base = cache_dir() / name
     if dtype in (None, torch.float32):
         return str(convert_gguf(gguf_path, base, field))
-    return str(convert_gguf(gguf_path, base.with_name(f"{base.name}-{_dtype_name(dtype)}"), field, dtype))
+    return str(convert_gguf(gguf_path, base.with_name(f"{base.name}-{precision_name(dtype)}"), field, dtype))
 
 
 def resolve_source(source: str, field: str = "source", dtype: torch.dtype | None = None) -> str:
