@@ -273,12 +273,14 @@ class Generator:
     # -------------------------------------------------------------------------------------------- batches
     @property
     def batchable(self) -> bool:
-        """The recipe runs as batched speculative decoding: a drafter whose config allows batches (model-free) or
-        AR, an uncompressed target cache or one whose policy runs per row (StreamingLLM, absolute positions, exact
-        window), chains (no token trees)."""
+        """The recipe runs as batched speculative decoding: a drafter whose config allows batches (model-free, or a
+        draft model with the target's vocabulary and an uncompressed draft cache) or AR, an uncompressed target
+        cache or one whose policy runs per row (StreamingLLM, absolute positions, exact window), chains (no token
+        trees)."""
         spec = self.recipe.spec
         policy_ok = self.target_policy is None or getattr(self.target_policy, "batch_rows", False)
-        return spec.config.batch and policy_ok and not spec.tree
+        draft_ok = not spec.config.uses_draft_model or (self.draft_tokenizer is None and self.draft_policy is None)
+        return spec.config.batch and policy_ok and draft_ok and not spec.tree
 
     def generate_batch(self, prompts: list, batch_size: int | None = None, **overrides) -> list[GenerationResult]:
         """Generate a completion of every prompt, ``batch_size`` of them per target forward (continuous batching:
@@ -296,25 +298,39 @@ class Generator:
         check_int("batch_size", batch_size, low=1, high=BATCH_SIZE_MAX)
         if not self.batchable or batch_size == 1:
             if batch_size > 1:
-                log.info("recipe %s runs its prompts one at a time (batched decoding needs a model-free drafter, the "
-                         "uncompressed cache or StreamingLLM with absolute positions, and chains)", self.recipe.name)
+                log.info("recipe %s runs its prompts one at a time (batched decoding needs a model-free drafter or a "
+                         "draft model with the target's vocabulary and an uncompressed draft cache, the uncompressed "
+                         "cache or StreamingLLM with absolute positions, and chains)", self.recipe.name)
             return [self.generate(p, **overrides) for p in prompts]
         gen = self._generation_spec(overrides)
         inputs = [self.encode(p) for p in prompts]
         for i, input_ids in enumerate(inputs):
             self.check_request(input_ids, gen, f"prompts[{i}]")
         spec = self.recipe.spec
-        root = self._drafter(gen)
-        make = (lambda: root.fork()) if spec.config.persistent else (lambda: self._drafter(gen))  # noqa: E731
         k = spec.num_draft_tokens if spec.config.speculates else 0
         curve = self.verify_cost_for(batch_size * (k + 1))
         if self._batch_cost is None or self._batch_cost.curve is not curve:  # learned batched costs, kept per curve
             self._batch_cost = BatchCost(curve)
-        decoder = BatchDecoder(self.target, make if spec.config.speculates else (lambda: None), self._batch_cost,
-                               self.calibrator, max(k, 1), batch_size, self.target_policy)
+        decoder = BatchDecoder(self.target, self._batch_drafter(gen), self._batch_cost, self.calibrator, max(k, 1),
+                               batch_size, self.target_policy)
         rows = decoder.decode(inputs, gen, self.eos_token_ids(gen), self._stop_check(gen))
         return [GenerationResult(self._text(ids, gen), ids, x[0].tolist(), stats)
                 for (ids, stats), x in zip(rows, inputs)]
+
+    def _batch_drafter(self, gen: GenerationSpec):
+        """What drafts for a batch (:mod:`toolkit.speculative.batch_drafters`): the draft model over all rows at
+        once, or a model-free drafter per row (persistent ones forked from the Generator's, sharing its memory)."""
+        from toolkit.speculative.batch_draft import BatchDraftModel
+
+        config = self.recipe.spec.config
+        if not config.speculates:
+            return lambda: None
+        if config.uses_draft_model:
+            return BatchDraftModel(self.draft_model, do_sample=gen.do_sample, temperature=gen.temperature,
+                                   top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,
+                                   confidence_threshold=config.confidence_threshold)
+        root = self._drafter(gen)
+        return (lambda: root.fork()) if config.persistent else (lambda: self._drafter(gen))
 
 
 def _is_prompt_list(prompt) -> bool:

@@ -3,7 +3,10 @@ of draft tokens (ragged acceptance), rows leaving when they finish and waiting r
 
 One round over the ``B`` active rows::
 
-    propose      each row's drafter proposes up to K tokens (model-free drafters: every row its own state)
+    propose      every row gets up to K draft tokens: model-free drafters each row from its own state; a draft
+                 model in one forward per step over all rows (:mod:`toolkit.speculative.batch_draft`), as many
+                 steps as pay for themselves (its measured step cost + the verify cost vs expected acceptance;
+                 0 steps = a plain step)
     width W      one verify width for the batch, 1 + the draft tokens it verifies: the W with the most expected
                  committed tokens (summed over rows, calibrated confidences) per millisecond of a forward over B x W
                  tokens (the target's verify cost curve); W = 1 is a batched plain step
@@ -16,9 +19,10 @@ One round over the ``B`` active rows::
 
 Greedy output of every row is the target's own greedy output for that prompt (fp32: token-identical to decoding it
 alone; tested), whatever the batch composition. Supported here: model-free drafters (``lookup``, ``ngram``,
-``suffix``) with the uncompressed KV cache or StreamingLLM per row (absolute positions, exact window: each row as it
-decodes alone under the policy); :meth:`toolkit.generator.Generator.generate_batch` runs other recipes one request
-at a time and says so.
+``suffix``) and draft models sharing the target's vocabulary (``draft_model``, ``self``; uncompressed draft cache),
+with the uncompressed KV cache or StreamingLLM per row (absolute positions, exact window: each row as it decodes
+alone under the policy); :meth:`toolkit.generator.Generator.generate_batch` runs other recipes one request at a time
+and says so.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from transformers import DynamicCache
 
 from toolkit.kv import ops as kv_ops
 from toolkit.speculative.batch_cache import BatchCache
+from toolkit.speculative.batch_drafters import RowDrafters
 from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.decoder import SpeculativeDecoder
 from toolkit.speculative.stats import GenerationStats
@@ -76,18 +81,21 @@ class BatchCost:
 
 @dataclass
 class Row:
-    """One request in flight: its index in the input order, committed ids, drafter, stats and generator."""
+    """One request in flight: its index in the input order, committed ids, stats, generator; this round's proposal
+    with its confidences and draft probabilities ``q`` ``(len(proposal), vocab)`` (``None``: one-hot), set by the
+    batch drafter (:mod:`toolkit.speculative.batch_drafters`), and the row's own drafter where it has one."""
 
     index: int
     prompt_len: int
     ids: list[int]
-    drafter: object
     stats: GenerationStats
     generator: torch.Generator | None
     started: float
     new_ids: list[int] = field(default_factory=list)
+    drafter: object = None
     proposal: list[int] = field(default_factory=list)
     confidence: list[float] | None = None
+    q: torch.Tensor | None = None
     checked: int = 0  # new ids already checked for stop conditions
 
 
@@ -96,7 +104,9 @@ class BatchDecoder:
 
     Args:
         target: the HF causal LM (batch dimension used).
-        make_drafter: ``() -> drafter`` for a new request (``None`` for AR); a model-free drafter.
+        drafter: a batch drafter (:mod:`toolkit.speculative.batch_drafters`: e.g. a
+            :class:`~toolkit.speculative.batch_draft.BatchDraftModel`), or ``() -> drafter`` making a model-free
+            drafter for each new request (``None`` for AR), run per row by :class:`RowDrafters`.
         cost: the target's verify cost curve (milliseconds of a forward over n tokens), or a :class:`BatchCost`
             kept across calls (learned batched costs).
         calibrator: shared acceptance calibration of the drafters' confidences.
@@ -106,10 +116,11 @@ class BatchDecoder:
             with ``batch_rows`` (absolute positions, exact window), applied per row.
     """
 
-    def __init__(self, target, make_drafter: Callable, cost: VerifyCost | BatchCost,
+    def __init__(self, target, drafter, cost: VerifyCost | BatchCost,
                  calibrator: Calibrator | None = None,
                  num_draft_tokens: int = 8, batch_size: int = 8, policy=None):
-        self.target, self.make_drafter = target, make_drafter
+        self.target = target
+        self.drafters = drafter if hasattr(drafter, "step_ms") else RowDrafters(drafter)  # a batch drafter, or a maker
         self.cost = cost if isinstance(cost, BatchCost) else BatchCost(cost)
         self.calibrator = calibrator or Calibrator()
         self.k, self.batch_size, self.policy = num_draft_tokens, batch_size, policy
@@ -134,12 +145,9 @@ class BatchDecoder:
         if self.policy is not None:
             kv_ops.commit(cache)
         first = int(self._choose(logits, gen, generator))
-        drafter = self.make_drafter()
-        if drafter is not None:
-            drafter.reset()
         stats = GenerationStats(prompt_tokens=len(ids), target_forwards=1)
         stats.ttft_ms = (time.perf_counter() - started) * 1000
-        return Row(index, len(ids), ids + [first], drafter, stats, generator, started, [first]), cache
+        return Row(index, len(ids), ids + [first], stats, generator, started, [first]), cache
 
     @staticmethod
     def _choose(logits: torch.Tensor, gen, generator) -> torch.Tensor:
@@ -149,25 +157,43 @@ class BatchDecoder:
         return logits.argmax(-1)
 
     # ------------------------------------------------------------------------------------------------ a round
-    def _propose(self, rows: list[Row], limit: int) -> None:
-        for row in rows:
-            room = limit - len(row.new_ids) - 1
-            row.proposal, row.confidence = [], None
-            if row.drafter is not None and room > 0:
-                tokens, _ = row.drafter.propose(torch.tensor([row.ids]), min(self.k, room))
-                row.proposal = tokens[0].tolist()
-                row.confidence = row.drafter.confidence()
+    def _propose(self, rows: list[Row], limit: int, draining: bool) -> None:
+        steps = self._draft_steps(rows, limit, draining)
+        self.drafters.propose(rows, [min(steps, limit - len(row.new_ids) - 1) for row in rows])
+
+    @staticmethod
+    def _weights(rows: list[Row], limit: int, draining: bool) -> list[float]:
+        """How much a row's tokens count. While requests wait, every row's alike (a row that finishes early frees
+        its place). Once none waits (``draining``), the batch ends with its longest row, so a row's tokens count in
+        proportion to the work it has left against the most any row has left: speculating on rows far ahead of the
+        others would shorten nothing."""
+        left = [limit - len(r.new_ids) for r in rows]
+        return [x / max(left) for x in left] if draining else [1.0] * len(rows)
+
+    def _draft_steps(self, rows: list[Row], limit: int, draining: bool) -> int:
+        """How many tokens to draft per row: K for free drafters; for a draft model, the count with the most
+        expected committed tokens per ms of drafting (its measured step cost) plus verifying (0: a plain step)."""
+        step_ms = self.drafters.step_ms(len(rows))
+        if step_ms is None:
+            return self.k
+        weight, acceptance = self._weights(rows, limit, draining), self.drafters.acceptance
+        rooms = [limit - len(r.new_ids) - 1 for r in rows]
+        best, best_rate = 0, sum(weight) / self.cost.ms(len(rows), 1)
+        chains, expected = [1.0] * len(rows), sum(weight)
+        for s in range(1, self.k + 1):
+            for i in range(len(rows)):
+                if s <= rooms[i]:
+                    chains[i] *= acceptance.prob(None, s)
+                    expected += weight[i] * chains[i]
+            rate = expected / (s * step_ms + self.cost.ms(len(rows), s + 1))
+            if rate > best_rate:
+                best, best_rate = s, rate
+        return best
 
     def _width(self, rows: list[Row], limit: int, draining: bool) -> int:
-        """The verify width with the most expected committed tokens per ms over the batch (1 = a plain step).
-
-        While requests wait, every row's tokens count alike (a row that finishes early frees its place). Once
-        none waits (``draining``), the batch ends with its longest row, so a row's tokens count in proportion to
-        the work it has left against the most any row has left: speculating on rows far ahead of the others would
-        shorten nothing.
-        """
-        left = [limit - len(r.new_ids) for r in rows]
-        weight = [x / max(left) for x in left] if draining else [1.0] * len(rows)
+        """The verify width with the most expected committed tokens per ms over the batch (1 = a plain step),
+        rows weighted by :meth:`_weights`."""
+        weight = self._weights(rows, limit, draining)
         best_width, best_rate = 1, sum(weight) / self.cost.ms(len(rows), 1)
         chains = [1.0] * len(rows)
         expected = sum(weight)
@@ -201,7 +227,7 @@ class BatchDecoder:
         for i, (row, d) in enumerate(zip(rows, drafted)):
             p = process_logits(logits[i, : d + 1], gen.temperature, gen.top_k, gen.top_p)
             draft = torch.tensor(row.proposal[:d], dtype=torch.long, device=self.device)
-            a, t = speculative_sample(draft, None, p, row.generator)
+            a, t = speculative_sample(draft, None if row.q is None else row.q[:d], p, row.generator)
             results.append((int(a), int(t)))
         return results
 
@@ -230,6 +256,7 @@ class BatchDecoder:
                     done[row.index] = self._close(row)
                     continue
                 rows.append(row)
+                self.drafters.join(row)
                 evicted = 0 if self.policy is None else prefill.get_seq_length() - prefill.physical_length(0)
                 batch.join(prefill, len(row.ids), evicted)
             if not rows:
@@ -242,6 +269,7 @@ class BatchDecoder:
                 keep = [i for i in range(len(rows)) if i not in finished]
                 rows = [rows[i] for i in keep]
                 batch.remove(keep)
+                self.drafters.remove(keep)
         for _, stats in done.values():
             stats.peak_kv_bytes_batch = peak_kv
         return [done[i] for i in range(len(prompts))]
@@ -250,7 +278,7 @@ class BatchDecoder:
         """Propose, verify, accept and commit once for every row; returns the batch cache's bytes after the verify
         forward (its allocated buffers: the round's peak)."""
         started = time.perf_counter()
-        self._propose(rows, limit)
+        self._propose(rows, limit, draining)
         width = self._width(rows, limit, draining)
         drafted_at = time.perf_counter()
         results = self._verify(rows, batch, width, gen)
@@ -258,14 +286,13 @@ class BatchDecoder:
         peak_kv = batch.kv_bytes()
         batch.accept(torch.tensor([a + 1 for a, _ in results], device=self.device))
         batch.compress()  # the commit point: StreamingLLM rows past their budget drop what no query sees again
+        self.drafters.commit(rows, [a for a, _ in results])
         for row, (accepted, nxt) in zip(rows, results):
             drafted = min(len(row.proposal), width - 1)
             committed = row.proposal[:accepted] + [nxt]
             row.checked = len(row.new_ids)
             row.ids += committed
             row.new_ids += committed
-            if row.drafter is not None and row.proposal:
-                row.drafter.commit(accepted)
             if drafted:
                 self.calibrator.observe(row.confidence, drafted, accepted)
             row.stats.record_round(drafted, accepted)
@@ -285,7 +312,5 @@ class BatchDecoder:
     def _close(self, row: Row) -> tuple[list[int], GenerationStats]:
         row.stats.new_tokens = len(row.new_ids)
         row.stats.total_ms = (time.perf_counter() - row.started) * 1000
-        if row.drafter is not None:
-            row.stats.draft_forwards = row.drafter.forwards
-            row.drafter.close()
+        self.drafters.close(row)
         return row.new_ids, row.stats

@@ -123,6 +123,21 @@ class BatchCache:
         its length and are overwritten by its next forward."""
         self.committed = self.committed + kept
 
+    def rollback(self, held: torch.Tensor) -> None:
+        """Row ``r`` keeps only its first ``held[r]`` slots (``held`` ``(B,)`` long, at most its length): a draft
+        cache dropping the draft tokens the target rejected. What lies past a row's length is overwritten by its
+        next forward. The next forward's first input of row ``r`` sits at position ``held[r]``.
+
+        Raises:
+            ValueError: with a StreamingLLM policy (its slots do not map to positions one to one), or a row asked
+                to keep more than it holds.
+        """
+        if self.streaming is not None:
+            raise ValueError("BatchCache.rollback: not with a StreamingLLM policy")
+        if bool((held > self.lengths).any()) or bool((held < 0).any()):
+            raise ValueError(f"BatchCache.rollback: held {held.tolist()} outside 0..{self.lengths.tolist()}")
+        self.committed = held + 1
+
     def compress(self) -> None:
         """StreamingLLM's commit point: every row holding more than ``sinks + window + interval`` slots keeps its
         sinks and its last ``window`` slots (moved down behind the sinks); nothing without a policy."""

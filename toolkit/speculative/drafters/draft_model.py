@@ -28,6 +28,7 @@ class DraftModelConfig(DrafterConfig):
     name = "draft_model"
     draft = DRAFT_MODEL
     tree = True
+    batch = True  # in one draft forward per step over the batch (toolkit.speculative.batch_draft)
     hf_baseline = "assisted"
     vllm_method = "draft_model"
     sglang_algorithm = "STANDALONE"

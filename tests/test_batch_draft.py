@@ -1,0 +1,124 @@
+"""A draft model drafting for a whole batch (toolkit/speculative/batch_draft.py): every row's greedy output is its
+prompt's output alone, the draft cache keeps exactly each row's committed prefix after ragged acceptance, and
+sampling per row stays lossless with the draft's q."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import perturbed_copy, tiny_llama
+from test_batch import prompts
+from test_decoder import INIT, hf_greedy, make_prompt
+from transformers import DynamicCache
+
+import toolkit
+from toolkit.recipe import GenerationSpec
+from toolkit.speculative.batch import BatchDecoder, Row
+from toolkit.speculative.batch_draft import BatchDraftModel
+from toolkit.speculative.cost_model import VerifyCost
+from toolkit.speculative.stats import GenerationStats
+
+SLOW_VERIFY = [1000.0] * 256  # a verify forward costs far more than a draft step: every round drafts K
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = tiny_llama(seed=0, **INIT)
+    batch = prompts(7)
+    return target, perturbed_copy(target, scale=0.05), batch, [hf_greedy(target, p, 24) for p in batch]
+
+
+def test_every_row_equals_its_prompt_alone_with_a_draft_model(setup):
+    target, draft, batch, alone = setup
+    per_round = {}
+    for threshold in (None, 0.6):
+        decoder = BatchDecoder(target, BatchDraftModel(draft, confidence_threshold=threshold),
+                               VerifyCost(list(SLOW_VERIFY), learn=False), num_draft_tokens=5, batch_size=3)
+        rows = decoder.decode(batch, GenerationSpec(max_new_tokens=24, ignore_eos=True))
+        for (ids, stats), ref in zip(rows, alone):  # 7 prompts through 3 slots: rows leave and join
+            assert ids == ref
+            assert stats.new_tokens == 24 and stats.committed == stats.accepted + stats.rounds
+            assert 0 < stats.accepted < stats.drafted  # the perturbed draft is right often, not always
+            assert stats.draft_forwards >= stats.rounds  # its prefill, then one per drafted step
+        per_round[threshold] = sum(s.drafted for _, s in rows) / sum(s.rounds for _, s in rows)
+    assert per_round[None] > 4.0 > per_round[0.6]  # K = 5 but near the token limit; low confidence stops early
+
+
+def test_the_target_as_its_own_draft_is_always_accepted(setup):
+    """The draft cache after ragged rounds holds exactly each row's committed tokens: with the target's own weights
+    as draft, every drafted token is the target's (one stale or missing entry would change a proposal)."""
+    target, _, batch, alone = setup
+    decoder = BatchDecoder(target, BatchDraftModel(target), VerifyCost(list(SLOW_VERIFY), learn=False),
+                           num_draft_tokens=4, batch_size=4)
+    rows = decoder.decode(batch, GenerationSpec(max_new_tokens=24, ignore_eos=True))
+    for (ids, stats), ref in zip(rows, alone):
+        assert ids == ref and stats.accepted == stats.drafted > 0
+
+
+def test_draft_cache_rolls_back_to_each_rows_committed_prefix(setup):
+    _, draft, batch, _ = setup
+    drafter = BatchDraftModel(draft)
+    rows = []
+    for i, p in enumerate(batch[:3]):
+        ids = p[0].tolist()
+        rows.append(Row(i, len(ids), ids + [7], GenerationStats(), None, 0.0, [7]))
+        drafter.join(rows[-1])
+    drafter.propose(rows, [4, 2, 4])  # row 1 keeps 2 proposals of the 4 steps drafted
+    assert [len(r.proposal) for r in rows] == [4, 2, 4]
+    accepted = [3, 2, 0]
+    drafter.commit(rows, accepted)
+    for row, a in zip(rows, accepted):
+        row.ids += row.proposal[:a] + [5]  # the target's correction / bonus token
+    # held: the old ids, plus the accepted drafts that were fed back (at most steps - 1 = 3)
+    held = [len(r.ids) - 1 - a + min(a, 3) for r, a in zip(rows, accepted)]
+    assert drafter.cache.lengths.tolist() == held
+    layer = drafter.cache.cache.layers[0]
+    for r, row in enumerate(rows):
+        fresh = DynamicCache()
+        with torch.no_grad():
+            draft(input_ids=torch.tensor([row.ids[:held[r]]]), past_key_values=fresh, use_cache=True)
+        torch.testing.assert_close(layer.keys[r, :, :held[r]], fresh.layers[0].keys[0], rtol=1e-4, atol=1e-5)
+    drafter.propose(rows, [2, 2, 2])  # the catch-up feeds each row its missing 1 or 2 tokens
+    assert drafter.cache.lengths.tolist() == [len(r.ids) + 1 for r in rows]
+
+
+def test_sampling_per_row_with_a_draft_model_follows_the_target():
+    """Rows' tokens follow the target, and the draft's q enters the rejection sampling: a draft token is accepted
+    with probability sum_x min(p(x), q(x)) (Leviathan et al.), not the sum_x p(x) q(x) of a one-hot verification
+    (which is lossless too, so only the acceptance tells them apart)."""
+    from scipy.stats import binomtest, chisquare
+
+    target = tiny_llama(seed=4, vocab=12, initializer_range=0.3)
+    draft = tiny_llama(seed=9, vocab=12, initializer_range=0.3)
+    prompt = make_prompt(2, vocab=12, length=6)
+    with torch.no_grad():  # the law of the 2nd token (the 1st from the prefill, the 2nd from a drafted round)
+        p1 = target(prompt).logits[0, -1].softmax(-1).double()
+        seq = torch.cat([prompt.expand(12, -1), torch.arange(12).view(-1, 1)], dim=1)
+        p2_given = target(seq).logits[:, -1].softmax(-1).double()  # (first token, vocab)
+        q2_given = draft(seq).logits[:, -1].softmax(-1).double()
+    p2 = (p1[:, None] * p2_given).sum(0).numpy()
+    alpha = float((p1 * torch.minimum(p2_given, q2_given).sum(-1)).sum())
+    counts, accepted = np.zeros(12), 0
+    for chunk in range(50):  # 400 rows, 8 per forward, every row its own seeds
+        gen = GenerationSpec(max_new_tokens=3, do_sample=True, ignore_eos=True, seed=chunk * 8)  # room for 1 draft
+        drafter = BatchDraftModel(draft, do_sample=True, seed=gen.seed)
+        decoder = BatchDecoder(target, drafter, VerifyCost(list(SLOW_VERIFY), learn=False), num_draft_tokens=1,
+                               batch_size=8)
+        for ids, stats in decoder.decode([prompt] * 8, gen):
+            counts[ids[1]] += 1
+            accepted += stats.accepted
+            assert stats.drafted == 1
+    assert chisquare(counts, p2 / p2.sum() * counts.sum()).pvalue > 0.01
+    assert binomtest(accepted, 400, alpha).pvalue > 0.001
+
+
+def test_generate_batch_runs_draft_model_recipes_batched(setup):
+    target, draft, batch, alone = setup
+    recipe = toolkit.Recipe.from_dict({"name": "draft-batch", "target": {"device": "cpu"}, "draft": {"device": "cpu"},
+                                       "spec": {"drafter": "draft_model", "num_draft_tokens": 4},
+                                       "generation": {"max_new_tokens": 24, "ignore_eos": True}})
+    generator = toolkit.build(recipe, target=target, tokenizer=None, draft_model=draft)
+    assert generator.batchable
+    rows = generator.generate_batch(batch[:4], batch_size=4)
+    assert [r.token_ids for r in rows] == alone[:4]
