@@ -123,6 +123,7 @@ class QuantizedKV(KVPolicy):
 
     window = None  # class attributes, not fields: the standalone cache evicts nothing
     exact_window = False
+    batch_rows = True  # runs per row in batched decoding (toolkit.speculative.batch_quant)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -193,6 +194,7 @@ class QuantizedStreamingLLM(StreamingLLM):
 
     new_layers = QuantizedKV.new_layers
     compress_layer = QuantizedKV.compress_layer
+    batch_rows = False  # batches run the uncompressed, StreamingLLM or quantized cache per row, not both at once
 
     def make_cache(self, model) -> QuantizedKVCache:
         self.check_model(model, getattr(self, "_prefix", "kv"))

@@ -20,8 +20,8 @@ One round over the ``B`` active rows::
 Greedy output of every row is the target's own greedy output for that prompt (fp32: token-identical to decoding it
 alone; tested), whatever the batch composition. Supported here: model-free drafters (``lookup``, ``ngram``,
 ``suffix``) and draft models sharing the target's vocabulary (``draft_model``, ``self``; uncompressed draft cache),
-with the uncompressed KV cache or StreamingLLM per row (absolute positions, exact window: each row as it decodes
-alone under the policy); :meth:`toolkit.generator.Generator.generate_batch` runs other recipes one request at a time
+with the uncompressed KV cache, StreamingLLM (absolute positions, exact window) or the KIVI-quantized cache per row
+(each row as it decodes alone under the policy); :meth:`toolkit.generator.Generator.generate_batch` runs other recipes one request at a time
 and says so.
 """
 
@@ -112,8 +112,9 @@ class BatchDecoder:
         calibrator: shared acceptance calibration of the drafters' confidences.
         num_draft_tokens: most draft tokens per row per round (K).
         batch_size: most rows per forward.
-        policy: the target's KV policy: ``None`` (uncompressed) or a :class:`~toolkit.kv.streaming.StreamingLLM`
-            with ``batch_rows`` (absolute positions, exact window), applied per row.
+        policy: the target's KV policy, applied per row: ``None`` (uncompressed), a
+            :class:`~toolkit.kv.streaming.StreamingLLM` with ``batch_rows`` (absolute positions, exact window) or a
+            :class:`~toolkit.kv.quantized.QuantizedKV` (:mod:`toolkit.speculative.batch_quant`).
     """
 
     def __init__(self, target, drafter, cost: VerifyCost | BatchCost,
@@ -246,7 +247,7 @@ class BatchDecoder:
         waiting = list(enumerate(prompts))
         rows: list[Row] = []
         layers = self.target.config.get_text_config(decoder=True).num_hidden_layers
-        batch = BatchCache(layers, self.device, streaming=self.policy)
+        batch = self._new_cache(layers)
         done: dict[int, tuple[list[int], GenerationStats]] = {}
         peak_kv = 0  # bytes of the batch cache's buffers (allocated capacity) after the largest verify forward
         while waiting or rows:
@@ -273,6 +274,16 @@ class BatchDecoder:
         for _, stats in done.values():
             stats.peak_kv_bytes_batch = peak_kv
         return [done[i] for i in range(len(prompts))]
+
+    def _new_cache(self, layers: int) -> BatchCache:
+        """The batch's target cache: uncompressed, StreamingLLM or KIVI-quantized per row."""
+        from toolkit.kv.quantized import QuantizedKV
+
+        if isinstance(self.policy, QuantizedKV):
+            from toolkit.speculative.batch_quant import QuantBatchCache
+
+            return QuantBatchCache(layers, self.device, self.policy)
+        return BatchCache(layers, self.device, streaming=self.policy)
 
     def _round(self, rows: list[Row], batch: BatchCache, gen, limit: int, draining: bool = False) -> int:
         """Propose, verify, accept and commit once for every row; returns the batch cache's bytes after the verify

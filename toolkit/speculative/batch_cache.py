@@ -78,8 +78,10 @@ class BatchCache:
         committed: ``(B,)`` long, tokens committed per row (prompt included).
     """
 
+    layer_class = RaggedLayer
+
     def __init__(self, num_layers: int, device: torch.device, streaming=None):
-        self.cache = Cache(layers=[RaggedLayer(self) for _ in range(num_layers)])
+        self.cache = Cache(layers=[self.layer_class(self) for _ in range(num_layers)])
         self.committed = torch.zeros(0, dtype=torch.long, device=device)
         self.evicted = torch.zeros(0, dtype=torch.long, device=device)
         self.streaming = streaming  # a StreamingLLM policy applied per row (``batch_rows``), or None
