@@ -61,6 +61,8 @@ bench-main: $(STAMP)
 bench-batch: $(STAMP)
 	$(BIN)/toolkit run short-exact --batch-size 8 --compare --prompts repeat --out bench/results/batch
 	$(BIN)/toolkit run short-exact --batch-size 8 --compare --out bench/results/batch
+	$(BIN)/toolkit run short-draft --batch-size 8 --compare --out bench/results/batch
+	$(BIN)/toolkit run bench/batch-kvquant.yaml --batch-size 8 --compare --out bench/results/batch
 
 ## Token trees vs chains and the suffix drafter vs n-gram / HF prompt lookup, short and repeated-request suites.
 bench-tree: $(STAMP)

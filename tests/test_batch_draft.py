@@ -45,6 +45,28 @@ def test_every_row_equals_its_prompt_alone_with_a_draft_model(setup):
     assert per_round[None] > 4.0 > per_round[0.6]  # K = 5 but near the token limit; low confidence stops early
 
 
+def test_each_row_drafts_as_the_single_sequence_draft_model(setup):
+    """Drafting free and every draft verified (K = 5), each row drafts and accepts exactly what the single-sequence
+    draft-model drafter does with K = 5: its draft cache after ragged rounds is its committed prefix."""
+    from test_decoder import speculate
+
+    from toolkit.speculative.adaptive import ConstantK
+    from toolkit.speculative.drafters import DraftModel
+
+    class FreeSteps(BatchDraftModel):
+        def step_ms(self, rows: int) -> float:
+            return 0.0
+
+    target, draft, batch, alone = setup
+    singles = [speculate(target, DraftModel(draft), p, ConstantK(5), max_new_tokens=24) for p in batch]
+    decoder = BatchDecoder(target, FreeSteps(draft), VerifyCost([1.0] * 256, learn=False), num_draft_tokens=5,
+                           batch_size=3)
+    rows = decoder.decode(batch, GenerationSpec(max_new_tokens=24, ignore_eos=True))
+    for (ids, stats), (ref, ref_stats, _) in zip(rows, singles):
+        assert ids == ref
+        assert (stats.drafted, stats.accepted) == (ref_stats.drafted, ref_stats.accepted)
+
+
 def test_the_target_as_its_own_draft_is_always_accepted(setup):
     """The draft cache after ragged rounds holds exactly each row's committed tokens: with the target's own weights
     as draft, every drafted token is the target's (one stale or missing entry would change a proposal)."""

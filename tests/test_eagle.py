@@ -424,3 +424,31 @@ def test_eagle3_head_trains_decodes_as_ar_and_serves_in_the_speculators_layout(t
     loaded = load_head(tmp_path / "spec", target)
     again, _, _ = speculate(target, EagleDrafter(target, loaded), prompt, ConstantK(3))
     assert again == ids
+
+
+def test_batched_eagle_rows_equal_each_prompt_alone_and_draft_as_one_sequence(target, trained_head):
+    """An EAGLE head drafting for a whole batch (toolkit/speculative/batch_eagle.py): every row's greedy output is
+    its prompt's output alone, and — drafting free, verifying every draft (K = 4, a flat verify curve) — each row
+    drafts and accepts exactly what the single-sequence EAGLE drafter does with K = 4 (stale or misplaced true pairs
+    in the ragged head cache would change the proposals)."""
+    from toolkit.recipe import GenerationSpec
+    from toolkit.speculative.batch import BatchDecoder
+    from toolkit.speculative.batch_eagle import BatchEagle
+    from toolkit.speculative.cost_model import VerifyCost
+
+    class FreeSteps(BatchEagle):
+        def step_ms(self, rows: int) -> float:
+            return 0.0
+
+    # prompts the head was trained on (it agrees often) and others (it mostly misses), of different lengths
+    batch = [make_prompt(100 + i, length=8) for i in range(3)] + [make_prompt(20 + i, length=6 + 2 * i)
+                                                                  for i in range(2)]
+    alone = [speculate(target, EagleDrafter(target, trained_head), p, ConstantK(4)) for p in batch]
+    decoder = BatchDecoder(target, FreeSteps(target, trained_head), VerifyCost([1.0] * 64, learn=False),
+                           num_draft_tokens=4, batch_size=3)
+    rows = decoder.decode(batch, GenerationSpec(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    for (ids, stats), (ref, ref_stats, _) in zip(rows, alone):  # 5 prompts through 3 slots: rows leave and join
+        assert ids == ref
+        assert (stats.drafted, stats.accepted) == (ref_stats.drafted, ref_stats.accepted)
+    assert 0 < sum(s.accepted for _, s in rows) < sum(s.drafted for _, s in rows)
+    assert not target.model.layers[-1]._forward_hooks, "the feature hook must be removed after the batched call"

@@ -273,8 +273,8 @@ class Generator:
     # -------------------------------------------------------------------------------------------- batches
     @property
     def batchable(self) -> bool:
-        """The recipe runs as batched speculative decoding: a drafter whose config allows batches (model-free, or a
-        draft model with the target's vocabulary and an uncompressed draft cache) or AR, an uncompressed target
+        """The recipe runs as batched speculative decoding: a drafter whose config allows batches (model-free, an
+        EAGLE head, or a draft model with the target's vocabulary and an uncompressed draft cache) or AR, an uncompressed target
         cache or one whose policy runs per row (StreamingLLM, absolute positions, exact window), chains (no token
         trees)."""
         spec = self.recipe.spec
@@ -318,13 +318,18 @@ class Generator:
                 for (ids, stats), x in zip(rows, inputs)]
 
     def _batch_drafter(self, gen: GenerationSpec):
-        """What drafts for a batch (:mod:`toolkit.speculative.batch_drafters`): the draft model over all rows at
-        once, or a model-free drafter per row (persistent ones forked from the Generator's, sharing its memory)."""
+        """What drafts for a batch (:mod:`toolkit.speculative.batch_drafters`): the draft model or EAGLE head over
+        all rows at once, or a model-free drafter per row (persistent ones forked from the Generator's, sharing its memory)."""
         from toolkit.speculative.batch_draft import BatchDraftModel
+        from toolkit.speculative.batch_eagle import BatchEagle
+        from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD
 
         config = self.recipe.spec.config
         if not config.speculates:
             return lambda: None
+        if config.draft == DRAFT_EAGLE_HEAD:
+            return BatchEagle(self.target, self.draft_model, do_sample=gen.do_sample, temperature=gen.temperature,
+                              top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed)
         if config.uses_draft_model:
             return BatchDraftModel(self.draft_model, do_sample=gen.do_sample, temperature=gen.temperature,
                                    top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,

@@ -237,7 +237,7 @@ class BatchDecoder:
                should_stop: Callable[[list[int]], int | None] | None = None) -> list[tuple[list[int], GenerationStats]]:
         """Generate after each of ``prompts`` (``(1, prompt_len)`` each); returns ``(new ids, stats)`` in input
         order. Stops every row as :meth:`SpeculativeDecoder.decode` does (``max_new_tokens``, EOS, stop strings)."""
-        with kv_ops.attached(self.policy, self.target):  # whatever the policy installs, for this call only
+        with kv_ops.attached(self.policy, self.target), self.drafters.attached():  # for this call only
             return self._decode(prompts, gen, eos_token_ids, should_stop)
 
     @torch.inference_mode()

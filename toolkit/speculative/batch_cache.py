@@ -183,6 +183,25 @@ class BatchCache:
         self.committed = torch.cat([self.committed, self.committed.new_tensor([committed])])
         self.evicted = torch.cat([self.evicted, self.evicted.new_tensor([evicted])])
 
+    def join_empty(self) -> None:
+        """Append a row holding nothing yet (filled later by :meth:`fill`: a draft prefilled only once it drafts)."""
+        for layer in self._layers():
+            layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(1, *layer.keys.shape[1:])])
+            layer.values = torch.cat([layer.values, layer.values.new_zeros(1, *layer.values.shape[1:])])
+        self.committed = torch.cat([self.committed, self.committed.new_tensor([1])])
+        self.evicted = torch.cat([self.evicted, self.evicted.new_tensor([0])])
+
+    def fill(self, row: int, prefill: Cache, committed: int) -> None:
+        """Write into the empty row ``row`` a request prefilled alone: ``prefill`` (batch 1) holds its
+        ``committed - 1`` first tokens."""
+        held = committed - 1
+        for layer, single in zip(self.cache.layers, prefill.layers):
+            keys, values = single.keys[:, :, :held], single.values[:, :, :held]
+            if not layer.is_initialized or layer.keys.shape[-2] < held:
+                layer.reserve(held, layer.keys if layer.is_initialized else keys.expand(self.rows, -1, -1, -1))
+            layer.keys[row, :, :held], layer.values[row, :, :held] = keys[0], values[0]
+        self.committed[row] = committed
+
     def kv_bytes(self) -> int:
         """Bytes of the batch's key and value buffers (allocated capacity: what is held)."""
         return sum(layer.keys.nbytes + layer.values.nbytes for layer in self._layers())

@@ -3,6 +3,8 @@ own ragged cache (:class:`~toolkit.speculative.batch_cache.BatchCache`), with ex
 
 A round (see the batch drafter protocol in :mod:`toolkit.speculative.batch_drafters`)::
 
+    prefill    rows drafting for the first time: the prompt alone into the row's empty slots (a row that only
+               ever takes plain steps never pays it)
     catch up   ONE forward over (B, c): row r feeds the committed tokens its draft cache has not seen (1 or 2 after
                a speculative round, more after plain steps), padded to the widest c; its next-token logits are
                read at its own last real input
@@ -12,8 +14,8 @@ A round (see the batch drafter protocol in :mod:`toolkit.speculative.batch_draft
                target accepted that were fed (``min(accepted, steps - 1)``); the rest lies past its length and is
                overwritten by its next forward (no copy, no recomputation)
 
-The number of steps is chosen by the decoder from :meth:`BatchDraftModel.step_ms` (a moving average of what a draft
-forward over B rows takes, measured) and the acceptance per draft position (:attr:`BatchDraftModel.acceptance`,
+The number of steps is chosen by the decoder from :meth:`BatchDraftModel.step_ms` (what a draft forward over B rows
+takes: a probe forward, then the moving average of the drafting rounds) and the acceptance per draft position (:attr:`BatchDraftModel.acceptance`,
 learned from the rounds), so that drafting pays: ``0`` steps makes the round a batched plain step. This is the
 draft-model path of HF assisted generation (Leviathan et al., 2023) over a batch, with vLLM's rule that the draft
 length shrinks as the batch grows (a draft step over B rows costs more as B grows, a verify token costs more once
@@ -31,14 +33,11 @@ import torch
 from transformers import DynamicCache
 
 from toolkit.speculative.batch_cache import BatchCache
-from toolkit.speculative.verify import process_logits, sample_token
-from toolkit.speculative.verify_length import Calibrator
-
-#: weight of a new timing in the moving average of a draft step's milliseconds
-STEP_OBSERVE_WEIGHT = 0.3
+from toolkit.speculative.batch_drafters import ModelBatchDrafter
+from toolkit.speculative.verify import process_logits
 
 
-class BatchDraftModel:
+class BatchDraftModel(ModelBatchDrafter):
     """A causal LM sharing the target's vocabulary, drafting for a whole batch (see the module docstring).
 
     Args:
@@ -48,55 +47,33 @@ class BatchDraftModel:
         seed: row ``i`` of a call samples its draft tokens with a generator seeded ``seed + 1 + i``.
         confidence_threshold: a row stops drafting in a round once the draft's top probability falls below it (HF
             dynamic speculation); ``None`` drafts every step.
-
-    Attributes:
-        acceptance: per-position acceptance learned from the rounds (:class:`Calibrator` by position), used to
-            choose the number of steps before drafting.
     """
 
     def __init__(self, model, *, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, confidence_threshold: float | None = None):
-        self.model = model
-        self.do_sample, self.temperature, self.top_k, self.top_p = do_sample, temperature, top_k, top_p
-        self.seed, self.confidence_threshold = seed, confidence_threshold
+        super().__init__(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        self.model, self.confidence_threshold = model, confidence_threshold
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         self.dtype = dtype if dtype.is_floating_point else torch.float32
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self.cache = BatchCache(layers, self.device)
-        self.acceptance = Calibrator()
-        self._step_ms: dict[int, float] = {}  # rows -> ms of one draft forward, moving average
-        self._generators: list[torch.Generator | None] = []
-        self._steps = 0  # draft forwards of the current round after the catch-up, + 1
+        self._steps = 0  # draft forwards of the current round (the catch-up and the steps after it)
 
     # ------------------------------------------------------------------------------------------------ rows
-    @torch.inference_mode()
     def join(self, row) -> None:
-        """Prefill the draft with the row's prompt alone (all of ``row.ids`` but its first generated token)."""
-        prompt = torch.tensor([row.ids[:-1]], device=self.device)
-        prefill = DynamicCache()
-        self.model(input_ids=prompt, past_key_values=prefill, use_cache=True, logits_to_keep=1)
-        self.cache.join(prefill, prompt.shape[1] + 1)
-        row.stats.draft_forwards += 1
-        seeded = torch.Generator(device=self.device).manual_seed(self.seed + 1 + row.index) if self.do_sample else None
-        self._generators.append(seeded)
+        """A new row: its draft cache stays empty until the row first drafts (:meth:`_prefill`), so rounds that
+        only take plain steps never pay a draft prefill."""
+        self.cache.join_empty()
+        self._join_generator(row, self.device)
 
     def remove(self, keep: list[int]) -> None:
         self.cache.remove(keep)
-        self._generators = [self._generators[i] for i in keep]
+        self._remove_generators(keep)
 
-    def close(self, row) -> None:
-        pass  # the row's cache slots go with remove()
-
-    def step_ms(self, rows: int) -> float | None:
-        """Milliseconds of one draft forward over ``rows`` rows (measured; unmeasured: the nearest batch size
-        measured, scaled by rows; never measured: 0, so the first round drafts and measures)."""
-        if rows in self._step_ms:
-            return self._step_ms[rows]
-        if not self._step_ms:
-            return 0.0
-        nearest = min(self._step_ms, key=lambda b: abs(b - rows))
-        return self._step_ms[nearest] * max(1.0, rows / nearest)
+    def _probe(self, rows: int) -> None:
+        self.model(input_ids=torch.zeros(rows, 1, dtype=torch.long, device=self.device), use_cache=False,
+                   logits_to_keep=1)
 
     # ------------------------------------------------------------------------------------------------ a round
     @torch.inference_mode()
@@ -109,8 +86,9 @@ class BatchDraftModel:
             row.proposal, row.confidence, row.q = [], None, None
         if steps == 0:
             return
-        started = time.perf_counter()
+        self._prefill(rows)
         logits = self._catch_up(rows)
+        started = time.perf_counter()
         live = [room > 0 for room in rooms]
         drafted, confidences, probs = [], [], []
         for step in range(steps):
@@ -128,7 +106,8 @@ class BatchDraftModel:
                 break
             logits = self._forward(token.view(-1, 1), torch.ones(len(rows), dtype=torch.long, device=self.device))
         self._steps = len(drafted)
-        self._observe_time(len(rows), (time.perf_counter() - started) * 1000 / len(drafted))
+        if len(drafted) > 1:  # the (B, 1) steps after the catch-up
+            self._observe_time(len(rows), (time.perf_counter() - started) * 1000 / (len(drafted) - 1))
         tokens, conf = torch.stack(drafted, 1).tolist(), torch.stack(confidences, 1).tolist()
         q = torch.stack(probs, 1) if self.do_sample else None  # (B, steps, vocab)
         for i, row in enumerate(rows):
@@ -140,13 +119,21 @@ class BatchDraftModel:
     def commit(self, rows: list, accepted: list[int]) -> None:
         """Keep each row's committed prefix in the draft cache (see the module docstring)."""
         fed = max(0, self._steps - 1)  # drafted tokens fed back (the last one never is)
-        for row, a in zip(rows, accepted):
-            if row.proposal:
-                self.acceptance.observe(None, len(row.proposal), a)
+        self._observe_acceptance(rows, accepted)
         kept = torch.tensor([min(a, fed) for a in accepted], device=self.device)
         self.cache.rollback(self.cache.lengths - fed + kept)
 
     # ------------------------------------------------------------------------------------------------ forwards
+    def _prefill(self, rows: list) -> None:
+        """Prefill alone, into its empty row, every row drafting for the first time: its prompt (``row.ids`` but
+        its first generated token)."""
+        for r in torch.nonzero(self.cache.lengths == 0).flatten().tolist():
+            prompt = torch.tensor([rows[r].ids[:rows[r].prompt_len]], device=self.device)
+            prefill = DynamicCache()
+            self.model(input_ids=prompt, past_key_values=prefill, use_cache=True, logits_to_keep=1)
+            self.cache.fill(r, prefill, prompt.shape[1] + 1)
+            rows[r].stats.draft_forwards += 1
+
     def _catch_up(self, rows: list) -> torch.Tensor:
         """Feed every row the committed tokens its cache lacks; returns next-token logits ``(B, vocab)``."""
         held = self.cache.lengths.tolist()
@@ -167,10 +154,4 @@ class BatchDraftModel:
         return out.logits.gather(1, last)[:, 0]
 
     def _choose(self, logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        if not self.do_sample:
-            return logits.argmax(-1)
-        return torch.stack([sample_token(probs[i:i + 1], g)[0] for i, g in enumerate(self._generators)])
-
-    def _observe_time(self, rows: int, ms: float) -> None:
-        old = self._step_ms.get(rows)
-        self._step_ms[rows] = ms if old is None else old + STEP_OBSERVE_WEIGHT * (ms - old)
+        return self._sample(probs) if self.do_sample else logits.argmax(-1)

@@ -10,18 +10,28 @@ A batch drafter serves every row in flight, in the batch's row order:
 * ``commit(rows, accepted)`` — after verification: row ``i`` kept the first ``accepted[i]`` of its proposal;
 * ``close(row)`` — the row is done (counts its draft forwards into its stats);
 * ``step_ms(rows)`` — milliseconds one draft step costs the batch (``None`` when drafting is free next to a target
-  forward: model-free drafters), used to choose how many steps to draft.
+  forward: model-free drafters), used to choose how many steps to draft, with ``acceptance`` (per position);
+* ``attached()`` — a context manager around a whole batched call (an EAGLE head's feature hook on the target).
 
 :class:`RowDrafters` gives every row its own model-free drafter (n-gram, prompt lookup, suffix: their state is
-host-side, so a batch loops over rows); :class:`~toolkit.speculative.batch_draft.BatchDraftModel` runs a draft LM
-over all rows in one forward per step.
+host-side, so a batch loops over rows); :class:`ModelBatchDrafter` is the base of the drafters that run a network
+over all rows in one forward per step: a draft LM (:class:`~toolkit.speculative.batch_draft.BatchDraftModel`) or an
+EAGLE head (:class:`~toolkit.speculative.batch_eagle.BatchEagle`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
 
 import torch
+
+from toolkit.speculative.verify import sample_token
+from toolkit.speculative.verify_length import Calibrator
+
+#: weight of a new timing in the moving average of a draft step's milliseconds
+STEP_OBSERVE_WEIGHT = 0.3
 
 
 class RowDrafters:
@@ -46,6 +56,9 @@ class RowDrafters:
     def step_ms(self, rows: int) -> float | None:
         return None
 
+    def attached(self):
+        return contextlib.nullcontext()
+
     def propose(self, rows: list, rooms: list[int]) -> None:
         for row, room in zip(rows, rooms):
             row.proposal, row.confidence, row.q = [], None, None
@@ -63,3 +76,61 @@ class RowDrafters:
         if row.drafter is not None:
             row.stats.draft_forwards = row.drafter.forwards
             row.drafter.close()
+
+
+class ModelBatchDrafter:
+    """What the drafters running a network over the whole batch share: sampling settings, a generator per row
+    (row ``i`` of a call seeded ``seed + 1 + i``), the per-position acceptance learned from the rounds
+    (``acceptance``, a :class:`Calibrator` by position) and the cost of one draft step (:meth:`step_ms`).
+
+    Subclasses implement ``_probe(rows)`` (one forward over ``(rows, 1)`` tokens, for timing) and the protocol's
+    ``join`` / ``propose`` / ``commit``; they call :meth:`_observe_time` with what their steps took.
+    """
+
+    def __init__(self, *, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int = 0):
+        self.do_sample, self.temperature, self.top_k, self.top_p = do_sample, temperature, top_k, top_p
+        self.seed = seed
+        self.acceptance = Calibrator()
+        self._step_ms: dict[int, float] = {}  # rows -> ms of one draft forward, moving average
+        self._generators: list[torch.Generator | None] = []
+
+    def attached(self):
+        return contextlib.nullcontext()
+
+    def close(self, row) -> None:
+        pass  # the row's slots go with remove()
+
+    def _join_generator(self, row, device: torch.device) -> None:
+        seeded = torch.Generator(device=device).manual_seed(self.seed + 1 + row.index) if self.do_sample else None
+        self._generators.append(seeded)
+
+    def _remove_generators(self, keep: list[int]) -> None:
+        self._generators = [self._generators[i] for i in keep]
+
+    def _sample(self, probs: torch.Tensor) -> torch.Tensor:
+        """One token per row of ``probs`` ``(B, vocab)``, each with its row's generator."""
+        return torch.stack([sample_token(probs[i:i + 1], g)[0] for i, g in enumerate(self._generators)])
+
+    @torch.inference_mode()
+    def step_ms(self, rows: int) -> float | None:
+        """Milliseconds of one draft forward over ``rows`` rows: measured on drafting rounds (a moving average);
+        before that, one probe forward over ``(rows, 1)`` tokens (timed after a warm-up one)."""
+        if rows not in self._step_ms:
+            for _ in range(2):
+                started = time.perf_counter()
+                self._probe(rows)
+            self._step_ms[rows] = (time.perf_counter() - started) * 1000
+        return self._step_ms[rows]
+
+    def _probe(self, rows: int) -> None:
+        raise NotImplementedError
+
+    def _observe_time(self, rows: int, ms: float) -> None:
+        old = self._step_ms.get(rows)
+        self._step_ms[rows] = ms if old is None else old + STEP_OBSERVE_WEIGHT * (ms - old)
+
+    def _observe_acceptance(self, rows: list, accepted: list[int]) -> None:
+        for row, a in zip(rows, accepted):
+            if row.proposal:
+                self.acceptance.observe(None, len(row.proposal), a)

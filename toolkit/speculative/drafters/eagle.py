@@ -45,6 +45,7 @@ class EagleConfig(DrafterConfig):
     name = "eagle"
     draft = DRAFT_EAGLE_HEAD
     tree = True
+    batch = True  # in one head forward per step over the batch (toolkit.speculative.batch_eagle)
     vllm_method = "eagle"
     sglang_algorithm = "EAGLE"
 
