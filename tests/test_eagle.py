@@ -134,10 +134,9 @@ def test_head_cache_crop_is_exact():
 
 
 # ------------------------------------------------------------------------------------------------------ sampling
-def test_sampling_reproduces_target_joint_law(target, trained_head):
-    """Chi-square on the first two committed tokens (top_k 3 for a small support). The head (the trained one's layer
-    read through a 40-token draft vocabulary) agrees with the target often, and its q is zero on the target's
-    favourite second token, which is left out of the draft vocabulary."""
+def _joint_law_head(target, trained_head):
+    """The prompt, the target's joint law of its first two tokens (top_k 3) and a head reading the trained one's layer
+    through a 40-token draft vocabulary without the target's favourite second token (q is zero there)."""
     prompt = make_prompt(5)
     with torch.no_grad():
         logits0 = target(prompt).logits[0, -1]
@@ -160,6 +159,20 @@ def test_sampling_reproduces_target_joint_law(target, trained_head):
     head.load_state_dict(own | {"lm_head.weight": head.lm_head.weight.detach()})
     head.eval().requires_grad_(False)
     assert excluded not in head.draft_to_target.tolist()
+    return prompt, joint, head
+
+
+def _assert_joint_law(observed: dict, joint: dict, n: int) -> None:
+    keys = list(joint)
+    expected = np.array([joint[k] for k in keys])
+    pvalue = chisquare(np.array([observed[k] for k in keys]), expected / expected.sum() * n).pvalue
+    assert pvalue > 0.01
+
+
+def test_sampling_reproduces_target_joint_law(target, trained_head):
+    """Chi-square on the first two committed tokens (top_k 3 for a small support). The head agrees with the target
+    often, and its q is zero on the target's favourite second token, which is left out of the draft vocabulary."""
+    prompt, joint, head = _joint_law_head(target, trained_head)
     n = 1200
     observed = {key: 0 for key in joint}
     drafted = 0
@@ -170,11 +183,33 @@ def test_sampling_reproduces_target_joint_law(target, trained_head):
                                   seed=seed)
         observed[(ids[0], ids[1])] += 1
         drafted += stats.accepted
-    keys = list(joint)
-    expected = np.array([joint[k] for k in keys])
     assert 0 < drafted < n * 2  # both acceptances and rejections happened
-    pvalue = chisquare(np.array([observed[k] for k in keys]), expected / expected.sum() * n).pvalue
-    assert pvalue > 0.01
+    _assert_joint_law(observed, joint, n)
+
+
+def test_batched_eagle_sampling_reproduces_target_joint_law(target, trained_head):
+    """The same law with the head drafting for batches of 8 (toolkit/speculative/batch_eagle.py): every row its own
+    generators, the head's q (zero outside its draft vocabulary) in each row's rejection sampling."""
+    from toolkit.recipe import GenerationSpec
+    from toolkit.speculative.batch import BatchDecoder
+    from toolkit.speculative.batch_eagle import BatchEagle
+    from toolkit.speculative.cost_model import VerifyCost
+
+    class FreeSteps(BatchEagle):
+        def step_ms(self, rows: int) -> float:
+            return 0.0
+
+    prompt, joint, head = _joint_law_head(target, trained_head)
+    n, observed, accepted = 1200, {key: 0 for key in joint}, 0
+    for chunk in range(n // 8):
+        gen = GenerationSpec(max_new_tokens=3, do_sample=True, top_k=3, ignore_eos=True, seed=8 * chunk)
+        decoder = BatchDecoder(target, FreeSteps(target, head, do_sample=True, top_k=3, seed=gen.seed),
+                               VerifyCost([1.0] * 64, learn=False), num_draft_tokens=2, batch_size=8)
+        for ids, stats in decoder.decode([prompt] * 8, gen):
+            observed[(ids[0], ids[1])] += 1
+            accepted += stats.accepted
+    assert 0 < accepted < n  # one draft token per row (room for 1 of the 3 tokens): accepted and rejected
+    _assert_joint_law(observed, joint, n)
 
 
 # ------------------------------------------------------------------------------------------------------ layouts
