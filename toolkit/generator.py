@@ -274,9 +274,9 @@ class Generator:
     @property
     def batchable(self) -> bool:
         """The recipe runs as batched speculative decoding: a drafter whose config allows batches (model-free, an
-        EAGLE head, or a draft model with the target's vocabulary and an uncompressed draft cache) or AR, an uncompressed target
-        cache or one whose policy runs per row (StreamingLLM, absolute positions, exact window), chains (no token
-        trees)."""
+        EAGLE head, or a draft model with the target's vocabulary and an uncompressed draft cache) or AR; an
+        uncompressed target cache or one whose policy runs per row (StreamingLLM with absolute positions and the
+        exact window, KIVI-quantized); chains (no token trees)."""
         spec = self.recipe.spec
         policy_ok = self.target_policy is None or getattr(self.target_policy, "batch_rows", False)
         draft_ok = not spec.config.uses_draft_model or (self.draft_tokenizer is None and self.draft_policy is None)
@@ -319,7 +319,8 @@ class Generator:
 
     def _batch_drafter(self, gen: GenerationSpec):
         """What drafts for a batch (:mod:`toolkit.speculative.batch_drafters`): the draft model or EAGLE head over
-        all rows at once, or a model-free drafter per row (persistent ones forked from the Generator's, sharing its memory)."""
+        all rows at once, or a model-free drafter per row (persistent ones forked from the Generator's, sharing its
+        memory)."""
         from toolkit.speculative.batch_draft import BatchDraftModel
         from toolkit.speculative.batch_eagle import BatchEagle
         from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD

@@ -4,9 +4,9 @@ of draft tokens (ragged acceptance), rows leaving when they finish and waiting r
 One round over the ``B`` active rows::
 
     propose      every row gets up to K draft tokens: model-free drafters each row from its own state; a draft
-                 model in one forward per step over all rows (:mod:`toolkit.speculative.batch_draft`), as many
-                 steps as pay for themselves (its measured step cost + the verify cost vs expected acceptance;
-                 0 steps = a plain step)
+                 model or EAGLE head in one forward per step over all rows (``batch_draft``, ``batch_eagle``), as
+                 many steps as pay for themselves (its measured step cost + the verify cost vs expected
+                 acceptance; 0 steps = a plain step)
     width W      one verify width for the batch, 1 + the draft tokens it verifies: the W with the most expected
                  committed tokens (summed over rows, calibrated confidences) per millisecond of a forward over B x W
                  tokens (the target's verify cost curve); W = 1 is a batched plain step
@@ -19,10 +19,10 @@ One round over the ``B`` active rows::
 
 Greedy output of every row is the target's own greedy output for that prompt (fp32: token-identical to decoding it
 alone; tested), whatever the batch composition. Supported here: model-free drafters (``lookup``, ``ngram``,
-``suffix``) and draft models sharing the target's vocabulary (``draft_model``, ``self``; uncompressed draft cache),
-with the uncompressed KV cache, StreamingLLM (absolute positions, exact window) or the KIVI-quantized cache per row
-(each row as it decodes alone under the policy); :meth:`toolkit.generator.Generator.generate_batch` runs other recipes one request at a time
-and says so.
+``suffix``), draft models sharing the target's vocabulary (``draft_model``, ``self``; uncompressed draft cache) and
+EAGLE heads (:mod:`toolkit.speculative.batch_eagle`), with the uncompressed KV cache, StreamingLLM (absolute
+positions, exact window) or the KIVI-quantized cache per row (each row as it decodes alone under the policy);
+:meth:`toolkit.generator.Generator.generate_batch` runs other recipes one request at a time and says so.
 """
 
 from __future__ import annotations
@@ -172,8 +172,8 @@ class BatchDecoder:
         return [x / max(left) for x in left] if draining else [1.0] * len(rows)
 
     def _draft_steps(self, rows: list[Row], limit: int, draining: bool) -> int:
-        """How many tokens to draft per row: K for free drafters; for a draft model, the count with the most
-        expected committed tokens per ms of drafting (its measured step cost) plus verifying (0: a plain step)."""
+        """How many tokens to draft per row: K for free drafters; for a draft model or EAGLE head, the count with the
+        most expected committed tokens per ms of drafting (its step cost) plus verifying (0: a plain step)."""
         step_ms = self.drafters.step_ms(len(rows))
         if step_ms is None:
             return self.k

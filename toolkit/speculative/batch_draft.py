@@ -15,11 +15,11 @@ A round (see the batch drafter protocol in :mod:`toolkit.speculative.batch_draft
                overwritten by its next forward (no copy, no recomputation)
 
 The number of steps is chosen by the decoder from :meth:`BatchDraftModel.step_ms` (what a draft forward over B rows
-takes: a probe forward, then the moving average of the drafting rounds) and the acceptance per draft position (:attr:`BatchDraftModel.acceptance`,
-learned from the rounds), so that drafting pays: ``0`` steps makes the round a batched plain step. This is the
-draft-model path of HF assisted generation (Leviathan et al., 2023) over a batch, with vLLM's rule that the draft
-length shrinks as the batch grows (a draft step over B rows costs more as B grows, a verify token costs more once
-the target stops being memory-bound).
+takes: a probe forward, then the moving average of the drafting rounds) and the acceptance per draft position
+(``acceptance``, learned from the rounds), so that drafting pays: ``0`` steps makes the round a batched plain step.
+This is the draft-model path of HF assisted generation (Leviathan et al., 2023) over a batch, with vLLM's rule that
+the draft length shrinks as the batch grows (a draft step over B rows costs more as B grows, a verify token costs
+more once the target stops being memory-bound).
 
 Only a draft with the target's vocabulary and an uncompressed draft cache runs here (``drafter: draft_model`` or
 ``self``); cross-tokenizer drafting and compressed draft caches decode one request at a time.
@@ -86,9 +86,9 @@ class BatchDraftModel(ModelBatchDrafter):
             row.proposal, row.confidence, row.q = [], None, None
         if steps == 0:
             return
-        self._prefill(rows)
-        logits = self._catch_up(rows)
+        self._prefill(rows)  # once per row: not a per-step cost
         started = time.perf_counter()
+        logits = self._catch_up(rows)
         live = [room > 0 for room in rooms]
         drafted, confidences, probs = [], [], []
         for step in range(steps):
@@ -106,8 +106,7 @@ class BatchDraftModel(ModelBatchDrafter):
                 break
             logits = self._forward(token.view(-1, 1), torch.ones(len(rows), dtype=torch.long, device=self.device))
         self._steps = len(drafted)
-        if len(drafted) > 1:  # the (B, 1) steps after the catch-up
-            self._observe_time(len(rows), (time.perf_counter() - started) * 1000 / (len(drafted) - 1))
+        self._observe_time(len(rows), (time.perf_counter() - started) * 1000 / len(drafted))  # catch-up + steps
         tokens, conf = torch.stack(drafted, 1).tolist(), torch.stack(confidences, 1).tolist()
         q = torch.stack(probs, 1) if self.do_sample else None  # (B, steps, vocab)
         for i, row in enumerate(rows):

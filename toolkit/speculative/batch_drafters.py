@@ -114,8 +114,9 @@ class ModelBatchDrafter:
 
     @torch.inference_mode()
     def step_ms(self, rows: int) -> float | None:
-        """Milliseconds of one draft forward over ``rows`` rows: measured on drafting rounds (a moving average);
-        before that, one probe forward over ``(rows, 1)`` tokens (timed after a warm-up one)."""
+        """Milliseconds one draft step costs a round over ``rows`` rows: a drafting round's whole drafting time (the
+        catch-up forward, the steps, the host work between them) per forward, a moving average over the rounds;
+        before the first, one probe forward over ``(rows, 1)`` tokens (timed after a warm-up one)."""
         if rows not in self._step_ms:
             for _ in range(2):
                 started = time.perf_counter()

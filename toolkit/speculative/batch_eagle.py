@@ -107,9 +107,9 @@ class BatchEagle(ModelBatchDrafter):
             row.proposal, row.confidence, row.q = [], None, None
         if steps == 0:
             return
+        started = time.perf_counter()
         last = self._catch_up(rows)
         self._fed = self.cache.lengths.clone()
-        started = time.perf_counter()
         drafted, confidences, probs = [], [], []
         for step in range(steps):
             token, confidence, q = self._choose(self.head.logits(last))
@@ -122,8 +122,7 @@ class BatchEagle(ModelBatchDrafter):
             out = self._forward(self.head.step_input(last[:, None], tok), tok,
                                 torch.ones(len(rows), dtype=torch.long, device=self.device))
             last = out[:, 0]
-        if steps > 1:
-            self._observe_time(len(rows), (time.perf_counter() - started) * 1000 / (steps - 1))
+        self._observe_time(len(rows), (time.perf_counter() - started) * 1000 / steps)  # catch-up + steps - 1
         tokens, conf = torch.stack(drafted, 1).tolist(), torch.stack(confidences, 1).tolist()
         for i, row in enumerate(rows):
             n = min(rooms[i], steps)

@@ -103,6 +103,11 @@ def _head(packed: Packed, tokens: int, token_axis: int) -> Packed:
     return Packed(*(t[:, :, :tokens] for t in packed.tensors()), packed.bits, packed.group)
 
 
+def _append_row(packed: Packed) -> Packed:
+    """``packed`` with one more (zero) row at the end of its batch axis."""
+    return Packed(*(torch.cat((t, t.new_zeros(1, *t.shape[1:]))) for t in packed.tensors()), packed.bits, packed.group)
+
+
 def _write(dest: Packed, row, at: int, src: Packed, token_axis: int) -> None:
     """Copy ``src`` into ``dest``'s row(s) ``row`` from token ``at`` on (whole groups)."""
     if token_axis == -1:
@@ -193,8 +198,7 @@ class QuantBatchCache(BatchCache):
         for layer, single in zip(self._layers(), prefill.layers):
             layer.reserve_packed(max(quantized, self.group), layer.keys)
             if layer.qkeys.data.shape[0] < self.rows:  # the new row's packed space
-                layer.qkeys, layer.qvalues = (Packed(*(torch.cat((t, t.new_zeros(1, *t.shape[1:]))) for t in p.tensors()),
-                                                     p.bits, p.group) for p in (layer.qkeys, layer.qvalues))
+                layer.qkeys, layer.qvalues = (_append_row(p) for p in (layer.qkeys, layer.qvalues))
             if quantized:
                 _write(layer.qkeys, row, 0, single.qkeys, -1)
                 _write(layer.qvalues, row, 0, single.qvalues, -2)
