@@ -21,7 +21,8 @@ Greedy output of every row is the target's own greedy output for that prompt (fp
 alone; tested), whatever the batch composition. Supported here: model-free drafters (``lookup``, ``ngram``,
 ``suffix``), draft models sharing the target's vocabulary (``draft_model``, ``self``; uncompressed draft cache) and
 EAGLE heads (:mod:`toolkit.speculative.batch_eagle`), with the uncompressed KV cache, StreamingLLM (absolute
-positions, exact window) or the KIVI-quantized cache per row (each row as it decodes alone under the policy);
+positions, exact window) or the KIVI-quantized cache per row (each row as it decodes alone under the policy), or
+L2-norm eviction per row (:mod:`toolkit.speculative.batch_evict`: as alone when the rounds commit alike);
 :meth:`toolkit.generator.Generator.generate_batch` runs other recipes one request at a time and says so.
 """
 
@@ -113,8 +114,9 @@ class BatchDecoder:
         num_draft_tokens: most draft tokens per row per round (K).
         batch_size: most rows per forward.
         policy: the target's KV policy, applied per row: ``None`` (uncompressed), a
-            :class:`~toolkit.kv.streaming.StreamingLLM` with ``batch_rows`` (absolute positions, exact window) or a
-            :class:`~toolkit.kv.quantized.QuantizedKV` (:mod:`toolkit.speculative.batch_quant`).
+            :class:`~toolkit.kv.streaming.StreamingLLM` with ``batch_rows`` (absolute positions, exact window), a
+            :class:`~toolkit.kv.quantized.QuantizedKV` (:mod:`toolkit.speculative.batch_quant`) or a
+            :class:`~toolkit.kv.l2norm.L2Norm` (:mod:`toolkit.speculative.batch_evict`).
     """
 
     def __init__(self, target, drafter, cost: VerifyCost | BatchCost,
@@ -276,13 +278,18 @@ class BatchDecoder:
         return [done[i] for i in range(len(prompts))]
 
     def _new_cache(self, layers: int) -> BatchCache:
-        """The batch's target cache: uncompressed, StreamingLLM or KIVI-quantized per row."""
+        """The batch's target cache: uncompressed, StreamingLLM, KIVI-quantized or L2-norm per row."""
+        from toolkit.kv.l2norm import L2Norm
         from toolkit.kv.quantized import QuantizedKV
 
         if isinstance(self.policy, QuantizedKV):
             from toolkit.speculative.batch_quant import QuantBatchCache
 
             return QuantBatchCache(layers, self.device, self.policy)
+        if isinstance(self.policy, L2Norm):
+            from toolkit.speculative.batch_evict import EvictBatchCache
+
+            return EvictBatchCache(layers, self.device, self.policy)
         return BatchCache(layers, self.device, streaming=self.policy)
 
     def _round(self, rows: list[Row], batch: BatchCache, gen, limit: int, draining: bool = False) -> int:

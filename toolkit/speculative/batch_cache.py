@@ -46,14 +46,18 @@ class RaggedLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write ``(B, kv_heads, W, head_dim)`` new states at each row's offset; returns the first ``span`` slots."""
         width = key_states.shape[-2]
-        need = self.owner.span
+        write_at, need = self.offsets()
         if not self.is_initialized or self.keys.shape[-2] < need:
             self.reserve(need, key_states)
-        index = (self.owner.write_at.view(-1, 1) + torch.arange(width, device=key_states.device).view(1, -1))
+        index = (write_at.view(-1, 1) + torch.arange(width, device=key_states.device).view(1, -1))
         index = index[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[-1])
         self.keys.scatter_(2, index, key_states)
         self.values.scatter_(2, index, value_states)
         return self.keys[:, :, :need], self.values[:, :, :need]
+
+    def offsets(self) -> tuple[torch.Tensor, int]:
+        """``(write_at (B,), span)`` of the current forward (set by the owner's ``forward_inputs``)."""
+        return self.owner.write_at, self.owner.span
 
     def reserve(self, slots: int, like: torch.Tensor) -> None:
         """Grow the buffer to at least ``slots`` (doubling, at least :data:`GROW_MIN` more), keeping what it holds."""
@@ -81,12 +85,16 @@ class BatchCache:
     layer_class = RaggedLayer
 
     def __init__(self, num_layers: int, device: torch.device, streaming=None):
-        self.cache = Cache(layers=[self.layer_class(self) for _ in range(num_layers)])
+        self.cache = Cache(layers=[self.new_layer(i) for i in range(num_layers)])
         self.committed = torch.zeros(0, dtype=torch.long, device=device)
         self.evicted = torch.zeros(0, dtype=torch.long, device=device)
         self.streaming = streaming  # a StreamingLLM policy applied per row (``batch_rows``), or None
         self.write_at = self.committed
         self.span = self.width = 0
+
+    def new_layer(self, index: int) -> RaggedLayer:
+        """The storage of decoder layer ``index``."""
+        return self.layer_class(self)
 
     @property
     def rows(self) -> int:

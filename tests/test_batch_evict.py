@@ -1,0 +1,92 @@
+"""L2-norm eviction per row of a batch (toolkit/speculative/batch_evict.py): autoregressive rows (the same commit
+points as alone) equal each prompt decoded alone under the policy, with uncompressed skip layers next to compressed
+ones; speculative rows keep the policy's budget per row, and a compressed row holds exactly the entries the policy
+selects from that row's own keys."""
+
+from __future__ import annotations
+
+import torch
+from conftest import tiny_llama
+from test_batch import prompts
+from test_decoder import INIT
+
+import toolkit
+from toolkit.recipe import Recipe
+
+
+def l2_recipe(drafter: str) -> Recipe:
+    return Recipe.from_dict({"name": "l2-batch", "target": {"device": "cpu"}, "draft": None,
+                             "kv": {"policy": "l2norm", "budget": 12, "sink_tokens": 2, "protect_recent": 4,
+                                    "skip_layers": [0], "compress_interval": 3},
+                             "spec": {"drafter": drafter, "num_draft_tokens": 4},
+                             "generation": {"max_new_tokens": 40, "ignore_eos": True}})
+
+
+def test_l2_per_row_equals_each_prompt_alone_when_rounds_commit_alike():
+    target = tiny_llama(seed=0, **INIT)
+    generator = toolkit.build(l2_recipe("none"), target=target, tokenizer=None)
+    assert generator.batchable
+    batch = prompts(5)  # 12..20 tokens + 40: every row compresses many times, at its own tokens
+    alone = [generator.generate(p).token_ids for p in batch]
+    rows = generator.generate_batch(batch, batch_size=3)
+    assert [r.token_ids for r in rows] == alone
+    plain = toolkit.build(l2_recipe("none").replace(kv=toolkit.recipe.KVSpec()), target=target, tokenizer=None)
+    assert [r.token_ids for r in plain.generate_batch(batch, batch_size=3)] != alone  # eviction changes the text
+
+
+def test_speculative_rows_keep_the_budget_and_the_policys_selection():
+    from toolkit.kv.l2norm import L2Norm
+    from toolkit.recipe import GenerationSpec
+    from toolkit.speculative.batch import BatchDecoder
+    from toolkit.speculative.batch_evict import EvictBatchCache
+    from toolkit.speculative.cost_model import VerifyCost
+    from toolkit.speculative.drafters import LookupDrafter
+
+    target = tiny_llama(seed=0, **INIT)
+    policy = L2Norm(budget=12, sink_tokens=2, protect_recent=4, skip_layers=[0], compress_interval=3)
+    checked = []
+
+    class Watch(EvictBatchCache):
+        def compress(self):
+            before = [(layer.keys.clone(), layer.values.clone()) for layer in self.cache.layers]
+            lengths = self.lengths.tolist()
+            super().compress()
+            for r, (n, m) in enumerate(zip(lengths, self.lengths.tolist())):
+                if m < n:  # row r compressed: layer 1 keeps what L2Norm.select picks from its n entries
+                    keys, values = before[1][0][r:r + 1, :, :n], before[1][1][r:r + 1, :, :n]
+                    keep = policy.select(keys, values, 1, m)
+                    expected = torch.gather(keys, 2, keep[..., None].expand(-1, -1, -1, keys.shape[-1]))
+                    assert torch.equal(self.cache.layers[1].keys[r:r + 1, :, :m], expected)
+                    assert torch.equal(self.cache.layers[0].keys[r, :, :n], before[0][0][r, :, :n])  # skipped
+                    checked.append(m)
+
+    decoder = BatchDecoder(target, lambda: LookupDrafter(max_cached_requests=0), VerifyCost([1.0] * 64, learn=False),
+                           num_draft_tokens=4, batch_size=3, policy=policy)
+    decoder._new_cache = lambda layers: Watch(layers, torch.device("cpu"), policy)
+    with policy.attached(target):
+        rows = decoder.decode(prompts(5), GenerationSpec(max_new_tokens=40, ignore_eos=True))
+    assert checked and set(checked) == {12}
+    assert all(len(ids) == 40 for ids, _ in rows) and sum(s.accepted for _, s in rows) > 0
+
+
+def test_speculative_rows_over_prefill_compressed_caches_equal_each_prompt_alone():
+    """Prompts past budget + interval are compressed by their prefill's commit and then decode 10 tokens without
+    another compression: speculative rows (verify forwards of up to 5 tokens over compressed and skipped layers of
+    different lengths) equal each prompt decoded alone."""
+    from test_decoder import make_prompt
+
+    target = tiny_llama(seed=0, **INIT)
+    recipe = l2_recipe("lookup")
+    recipe = recipe.replace(kv=toolkit.recipe.KVSpec.from_dict(
+        {"policy": "l2norm", "budget": 12, "sink_tokens": 2, "protect_recent": 4, "skip_layers": [0],
+         "compress_interval": 10}, "kv"), generation=toolkit.recipe.GenerationSpec(max_new_tokens=10, ignore_eos=True))
+    generator = toolkit.build(recipe, target=target, tokenizer=None)
+    batch = []
+    for seed in range(5):  # 24..40 tokens with repeats inside: lookup drafts are accepted and rejected
+        base = make_prompt(50 + seed, length=8 + 2 * seed)[0]
+        batch.append(torch.cat([base, base, base]).view(1, -1))
+    alone = [generator.generate(p) for p in batch]
+    rows = generator.generate_batch(batch, batch_size=3)
+    assert [r.token_ids for r in rows] == [a.token_ids for a in alone]
+    assert sum(r.stats.accepted for r in rows) > 0
+    assert any(r.stats.verify_tokens > r.stats.rounds for r in rows)  # some verify forwards were wider than 1
