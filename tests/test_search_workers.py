@@ -96,7 +96,9 @@ def test_two_workers_share_a_postgres_study_and_survive_a_killed_worker(tmp_path
     TS = optuna.trial.TrialState
     complete = study.get_trials(states=(TS.COMPLETE,))
     assert len(complete) >= 6  # the requested number completed (a worker may finish one in flight past it)
-    assert study.trials[killed[0]].state == TS.FAIL  # marked failed by the heartbeat, not left RUNNING
+    # marked failed by the heartbeat, not left RUNNING — unless the worker ended it (pruned) between the poll that
+    # saw it RUNNING and the kill
+    assert study.trials[killed[0]].state in (TS.FAIL, TS.PRUNED)
     assert not study.get_trials(states=(TS.RUNNING,))
     evaluated = [t.user_attrs["config_hash"] for t in complete if "cached_from" not in t.user_attrs]
     assert len(evaluated) == len(set(evaluated))  # no recipe evaluated twice

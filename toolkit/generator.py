@@ -276,7 +276,7 @@ class Generator:
         """The recipe runs as batched speculative decoding: a drafter whose config allows batches (model-free, an
         EAGLE head, or a draft model with the target's vocabulary and an uncompressed draft cache) or AR; an
         uncompressed target cache or one whose policy runs per row (StreamingLLM with absolute positions and the
-        exact window, KIVI-quantized, L2-norm); chains (no token trees)."""
+        exact window, KIVI-quantized, L2-norm, head-aware); chains (no token trees)."""
         spec = self.recipe.spec
         policy_ok = self.target_policy is None or getattr(self.target_policy, "batch_rows", False)
         draft_ok = not spec.config.uses_draft_model or (self.draft_tokenizer is None and self.draft_policy is None)

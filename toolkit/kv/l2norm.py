@@ -48,7 +48,7 @@ class L2Norm(KVPolicy):
     skip_layers: list[int] = field(default_factory=lambda: [0, 1])
 
     uses_attention_hook = True
-    batch_rows = True  # runs per row in batched decoding (toolkit.speculative.batch_evict)
+    batch_rows = True  # runs per row in batched decoding (toolkit.speculative.batch_evict), head-aware too
 
     def __post_init__(self) -> None:
         super().__post_init__()

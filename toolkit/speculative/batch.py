@@ -22,7 +22,8 @@ alone; tested), whatever the batch composition. Supported here: model-free draft
 ``suffix``), draft models sharing the target's vocabulary (``draft_model``, ``self``; uncompressed draft cache) and
 EAGLE heads (:mod:`toolkit.speculative.batch_eagle`), with the uncompressed KV cache, StreamingLLM (absolute
 positions, exact window) or the KIVI-quantized cache per row (each row as it decodes alone under the policy), or
-L2-norm eviction per row (:mod:`toolkit.speculative.batch_evict`: as alone when the rounds commit alike);
+L2-norm / head-aware eviction per row (:mod:`toolkit.speculative.batch_evict`: as alone when the rounds commit
+alike);
 :meth:`toolkit.generator.Generator.generate_batch` runs other recipes one request at a time and says so.
 """
 
@@ -116,7 +117,8 @@ class BatchDecoder:
         policy: the target's KV policy, applied per row: ``None`` (uncompressed), a
             :class:`~toolkit.kv.streaming.StreamingLLM` with ``batch_rows`` (absolute positions, exact window), a
             :class:`~toolkit.kv.quantized.QuantizedKV` (:mod:`toolkit.speculative.batch_quant`) or a
-            :class:`~toolkit.kv.l2norm.L2Norm` (:mod:`toolkit.speculative.batch_evict`).
+            :class:`~toolkit.kv.l2norm.L2Norm` / :class:`~toolkit.kv.head_aware.HeadAware`
+            (:mod:`toolkit.speculative.batch_evict`).
     """
 
     def __init__(self, target, drafter, cost: VerifyCost | BatchCost,
@@ -278,7 +280,7 @@ class BatchDecoder:
         return [done[i] for i in range(len(prompts))]
 
     def _new_cache(self, layers: int) -> BatchCache:
-        """The batch's target cache: uncompressed, StreamingLLM, KIVI-quantized or L2-norm per row."""
+        """The batch's target cache: uncompressed, StreamingLLM, KIVI-quantized, L2-norm or head-aware per row."""
         from toolkit.kv.l2norm import L2Norm
         from toolkit.kv.quantized import QuantizedKV
 
@@ -289,7 +291,7 @@ class BatchDecoder:
         if isinstance(self.policy, L2Norm):
             from toolkit.speculative.batch_evict import EvictBatchCache
 
-            return EvictBatchCache(layers, self.device, self.policy)
+            return EvictBatchCache(layers, self.device, self.policy, self.target)
         return BatchCache(layers, self.device, streaming=self.policy)
 
     def _round(self, rows: list[Row], batch: BatchCache, gen, limit: int, draining: bool = False) -> int:

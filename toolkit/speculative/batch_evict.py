@@ -1,124 +1,202 @@
-"""Score-based eviction per row of a batch: the L2-norm policy (:class:`~toolkit.kv.l2norm.L2Norm`; Devoto et al.,
-EMNLP 2024; kvpress ``KnormPress``) applied to each row at its own commit points.
+"""Score-based eviction per row of a batch: L2-norm (:class:`~toolkit.kv.l2norm.L2Norm`; Devoto et al., EMNLP 2024;
+kvpress ``KnormPress``) and head-aware budgets (:class:`~toolkit.kv.head_aware.HeadAware`; Ada-KV / HeadKV budgets
+in DuoAttention-style dense tiers), each row compressed at its own commit points.
 
-Every row of every compressed layer keeps, per KV head, the same number of entries (its sinks, its most recent
-tokens and its lowest-norm keys), compacted into its first ``length[r]`` slots, so the batch layout of
-:class:`~toolkit.speculative.batch_cache.BatchCache` holds: a row's rejected drafts lie past its length, a row's
-compression gathers its kept entries per head to the front (:meth:`EvictBatchCache.compress`, the single-sequence
-policy's own ``select`` on that row's entries). Layers the policy leaves uncompressed (``skip_layers``) hold every
-position. The two groups of layers have different lengths per row, so their attention cannot share one mask: a layer
-returns its keys as an object that attends with its own group's mask (:class:`GroupKeys`, read by the toolkit's
-attention function :func:`toolkit.kv.attention.compressed_attention`, which the policy installs for the call).
+A layer's KV heads form *tiers*: a compressed L2 layer is one tier of all its heads, a head-aware layer one tier per
+budget factor, a layer the policy skips (``skip_layers``) one uncompressed tier. Every tier is a ragged buffer
+(:class:`TierBuffer`, the layout of :class:`~toolkit.speculative.batch_cache.BatchCache`): row ``r`` holds its
+entries compacted into its first ``length`` slots, the same number for every head of the tier, so its rejected
+drafts lie past its length and are overwritten by its next forward. Tiers of the same budget factor compress at the
+same commit points in every layer, so a row has one length per factor (``evicted[factor][r]`` positions dropped;
+uncompressed tiers hold all ``committed[r] - 1``). At a commit point a row whose tier holds more than its budget +
+``compress_interval`` keeps, per head, what the policy's own ``select`` picks from that row's entries (sinks, recent
+tokens, lowest key norms), gathered to the front (:meth:`EvictBatchCache.compress`). A layer hands the attention an
+object that attends tier by tier with each tier's mask (:class:`TierKeys`, read by the toolkit's attention function
+:func:`toolkit.kv.attention.compressed_attention`, which the policy installs for the call).
 
-Which entries a row keeps depends on when it compresses (every ``compress_interval`` tokens past its budget, at
-commit points), and a batch commits at round boundaries chosen for the whole batch: a row's greedy output equals its
-prompt decoded alone under the policy when the rounds commit the same tokens (autoregressive rows: tested), and is
-the policy applied to that row's own entries in any case.
+Which entries a row keeps depends on when it compresses, and a batch commits at round boundaries chosen for the whole
+batch: a row's greedy output equals its prompt decoded alone under the policy when the rounds commit the same tokens
+(autoregressive rows, or no compression between the prefill and the end: tested), and is the policy applied to that
+row's own entries in any case.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
-from toolkit.kv.attention import sdpa
 from toolkit.kv.base import gather_seq
 from toolkit.speculative.batch_cache import GROW_MIN, BatchCache, RaggedLayer
 
-
-class GroupKeys:
-    """A layer's keys for one forward with the additive mask of its group of layers: what
-    :func:`~toolkit.kv.attention.compressed_attention` calls ``attend`` on."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor):
-        self.keys, self.values, self.mask = keys, values, mask
-
-    def attend(self, query: torch.Tensor, scaling: float, mask=None) -> torch.Tensor:
-        """``(B, q_heads, W, head_dim)`` attention of ``query`` over the group's visible slots."""
-        return sdpa(query, self.keys, self.values, self.mask, scaling)
+#: the tier key of uncompressed layers
+FULL = None
 
 
-class EvictLayer(RaggedLayer):
-    """A :class:`RaggedLayer` of one group: compressed (per-row lengths ``BatchCache.lengths``) or not (every
-    position: ``committed - 1``)."""
+class TierBuffer(RaggedLayer):
+    """One tier's keys and values ``(B, tier_heads, capacity, head_dim)``, written at its factor's row offsets."""
 
-    def __init__(self, owner: EvictBatchCache, compressed: bool):
+    def __init__(self, owner: EvictBatchCache, factor: float | None, heads: torch.Tensor):
         super().__init__(owner)
-        self.compressed = compressed
+        self.factor, self.heads = factor, heads
 
     def offsets(self) -> tuple[torch.Tensor, int]:
-        return self.owner.group_offsets(self.compressed)
+        return self.owner.offsets_of[self.factor]
+
+
+class TierKeys:
+    """A layer's tiers for one forward: what :func:`~toolkit.kv.attention.compressed_attention` calls ``attend`` on.
+
+    ``parts``: ``(kv heads (n,), keys, values, additive mask (B, 1, W, span))`` per tier."""
+
+    def __init__(self, parts: list, num_kv_heads: int):
+        self.parts, self.num_kv_heads = parts, num_kv_heads
+
+    def attend(self, query: torch.Tensor, scaling: float, mask=None) -> torch.Tensor:
+        """``(B, q_heads, W, head_dim)``: each tier's query heads over its own keys, with its own mask."""
+        if len(self.parts) == 1:
+            _, keys, values, tier_mask = self.parts[0]
+            return torch.nn.functional.scaled_dot_product_attention(
+                query, keys, values, attn_mask=tier_mask, scale=scaling, enable_gqa=query.shape[1] != keys.shape[1])
+        groups = query.shape[1] // self.num_kv_heads
+        out = query.new_empty(query.shape[:-1] + (self.parts[0][2].shape[-1],))
+        offsets = torch.arange(groups, device=query.device)
+        for heads, keys, values, tier_mask in self.parts:
+            q_heads = (heads[:, None] * groups + offsets).flatten()
+            out[:, q_heads] = torch.nn.functional.scaled_dot_product_attention(
+                query[:, q_heads], keys, values, attn_mask=tier_mask, scale=scaling, enable_gqa=groups > 1)
+        return out
+
+
+class EvictLayer(DynamicLayer):
+    """One decoder layer: its tiers (:class:`TierBuffer`), updated together."""
+
+    def __init__(self, owner: EvictBatchCache, tiers: list[TierBuffer], num_kv_heads: int):
+        super().__init__()
+        self.owner, self.tiers, self.num_kv_heads = owner, tiers, num_kv_heads
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        keys, values = super().update(key_states, value_states)
-        return GroupKeys(keys, values, self.owner.masks[self.compressed]), values
+        parts = []
+        for tier in self.tiers:
+            heads = tier.heads.to(key_states.device)
+            whole = len(self.tiers) == 1
+            keys, values = tier.update(key_states if whole else key_states.index_select(1, heads),
+                                       value_states if whole else value_states.index_select(1, heads))
+            parts.append((heads, keys, values, self.owner.masks[tier.factor]))
+        self.is_initialized = True
+        return TierKeys(parts, self.num_kv_heads), value_states
+
+    def get_seq_length(self) -> int:
+        return self.owner.span_full - self.owner.width if self.is_initialized else 0
 
 
 class EvictBatchCache(BatchCache):
-    """A batch's cache under a score-based eviction policy, per row (see the module docstring).
+    """A batch's cache under L2-norm or head-aware eviction, per row (see the module docstring).
 
-    ``evicted[r]`` counts the positions row ``r``'s compressed layers dropped; uncompressed layers hold all
-    ``committed[r] - 1``.
+    Args:
+        num_layers / device: as :class:`BatchCache`.
+        policy: an :class:`~toolkit.kv.l2norm.L2Norm` or :class:`~toolkit.kv.head_aware.HeadAware`.
+        model: the target (head-aware tiers come from its calibrated head importance).
     """
 
-    def __init__(self, num_layers: int, device: torch.device, policy):
+    def __init__(self, num_layers: int, device: torch.device, policy, model):
         self.policy = policy
-        self._groups = [policy.compresses_layer(i) for i in range(num_layers)]
+        config = model.config.get_text_config(decoder=True)
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        plan = policy.plan(model) if hasattr(policy, "plan") else [
+            ([torch.arange(self.num_kv_heads)], [1.0]) if policy.compresses_layer(i) else None
+            for i in range(num_layers)]
+        self._plan = [([torch.arange(self.num_kv_heads)], [FULL]) if p is None else p for p in plan]
+        self.factors = sorted({f for _, factors in self._plan for f in factors if f is not FULL})
         super().__init__(num_layers, device)
-        self.masks: dict[bool, torch.Tensor] = {}
-        self._offsets: dict[bool, tuple[torch.Tensor, int]] = {}
+        self.evicted_of = {f: self.committed.new_zeros(0) for f in self.factors}
+        self.masks: dict = {}
+        self.offsets_of: dict = {}
+        self.span_full = 0
 
     def new_layer(self, index: int) -> EvictLayer:
-        return EvictLayer(self, self._groups[index])
+        heads, factors = self._plan[index]
+        return EvictLayer(self, [TierBuffer(self, f, h) for h, f in zip(heads, factors)], self.num_kv_heads)
 
-    def group_offsets(self, compressed: bool) -> tuple[torch.Tensor, int]:
-        """``(write_at (B,), span)`` of the current forward for the compressed or the uncompressed layers."""
-        return self._offsets[compressed]
+    def tier_lengths(self, factor) -> torch.Tensor:
+        """``(B,)`` slots each row holds in the tiers of ``factor`` (``FULL``: every position but the last)."""
+        held = self.committed - 1
+        return held if factor is FULL else held - self.evicted_of[factor]
 
+    def _buffers(self):
+        for layer in self.cache.layers:
+            for tier in layer.tiers:
+                if tier.is_initialized:
+                    yield tier
+
+    # ------------------------------------------------------------------------------------------------ a forward
     def forward_inputs(self, width: int, dtype: torch.dtype) -> dict:
-        """``position_ids`` ``(B, width)`` (absolute) and each group's additive mask ``(B, 1, width, span)``: query
-        ``i`` of row ``r`` sees its group's first ``length + i`` slots."""
+        """``position_ids`` ``(B, width)`` (absolute) and, per factor, the additive mask ``(B, 1, width, span)``:
+        query ``i`` of row ``r`` sees the first ``length + i`` slots of its tiers of that factor."""
         new = torch.arange(width, device=self.committed.device).view(1, -1)
-        positions = (self.committed - 1).view(-1, 1) + new
-        for compressed, lengths in ((True, self.lengths), (False, self.committed - 1)):
+        for factor in [FULL, *self.factors]:
+            lengths = self.tier_lengths(factor)
             span = int(lengths.max()) + width
-            self._offsets[compressed] = (lengths, span)
+            self.offsets_of[factor] = (lengths, span)
             slots = torch.arange(span, device=lengths.device).view(1, 1, -1)
             visible = slots <= (lengths.view(-1, 1) + new)[:, :, None]
-            self.masks[compressed] = torch.zeros(visible.shape, dtype=dtype, device=lengths.device).masked_fill(
+            self.masks[factor] = torch.zeros(visible.shape, dtype=dtype, device=lengths.device).masked_fill(
                 ~visible, torch.finfo(dtype).min)[:, None]
-        self.width = width
-        return {"position_ids": positions, "attention_mask": self.masks[False]}
+        self.width, self.span_full = width, self.offsets_of[FULL][1]
+        return {"position_ids": (self.committed - 1).view(-1, 1) + new, "attention_mask": self.masks[FULL]}
 
     def compress(self) -> None:
-        """The commit point: a row whose compressed layers hold more than ``budget + compress_interval`` entries
-        keeps, per layer and head, the ``budget`` the policy selects, gathered to its first slots."""
+        """The commit point: per row and factor, tiers holding more than their budget + ``compress_interval``
+        keep, per head, the policy's selection, gathered to their first slots."""
         policy = self.policy
-        for r, n in enumerate(self.lengths.tolist()):
-            budget = policy.budget_for(int(self.committed[r]) - 1)
-            if n <= budget + policy.compress_interval:
-                continue
-            for index, layer in enumerate(self.cache.layers):
-                if layer.compressed and layer.is_initialized:
-                    keys, values = layer.keys[r:r + 1, :, :n], layer.values[r:r + 1, :, :n]
-                    keep = policy.select(keys, values, index, budget)
-                    layer.keys[r:r + 1, :, :budget] = gather_seq(keys, keep)
-                    layer.values[r:r + 1, :, :budget] = gather_seq(values, keep)
-            self.evicted[r] += n - budget
+        floor = policy.sink_tokens + policy.protect_recent
+        for factor in self.factors:
+            for r, n in enumerate(self.tier_lengths(factor).tolist()):
+                budget = max(floor, round(factor * policy.budget_for(int(self.committed[r]) - 1)))
+                if n <= budget + policy.compress_interval:
+                    continue
+                for index, layer in enumerate(self.cache.layers):
+                    for tier in layer.tiers:
+                        if tier.factor == factor and tier.is_initialized:
+                            keys, values = tier.keys[r:r + 1, :, :n], tier.values[r:r + 1, :, :n]
+                            keep = policy.select(keys, values, index, budget)
+                            tier.keys[r:r + 1, :, :budget] = gather_seq(keys, keep)
+                            tier.values[r:r + 1, :, :budget] = gather_seq(values, keep)
+                self.evicted_of[factor][r] += n - budget
+
+    # ------------------------------------------------------------------------------------------------ layout
+    def remove(self, keep: list[int]) -> None:
+        index = torch.tensor(keep, dtype=torch.long, device=self.committed.device)
+        for tier in self._buffers():
+            tier.keys, tier.values = tier.keys.index_select(0, index), tier.values.index_select(0, index)
+        self.committed = self.committed.index_select(0, index)
+        self.evicted_of = {f: e.index_select(0, index) for f, e in self.evicted_of.items()}
 
     def join(self, prefill, committed: int, evicted: int = 0) -> None:
         """Append a request prefilled alone under the policy (its commit may have compressed it already): every
-        layer's entries as they are, uncompressed layers holding all ``committed - 1``."""
-        held = [single.keys.shape[-2] for single in prefill.layers]
-        dropped = committed - 1 - min(h for h, c in zip(held, self._groups) if c) if any(self._groups) else 0
+        tier's entries as they are."""
+        dropped = {}
         for layer, single in zip(self.cache.layers, prefill.layers):
-            n = single.keys.shape[-2]
-            if not layer.is_initialized:
-                layer.reserve(n + GROW_MIN, single.keys[:0])
-            elif layer.keys.shape[-2] < n:
-                layer.reserve(n, layer.keys)
-            row_k, row_v = layer.keys.new_zeros(1, *layer.keys.shape[1:]), layer.values.new_zeros(
-                1, *layer.values.shape[1:])
-            row_k[:, :, :n], row_v[:, :, :n] = single.keys, single.values
-            layer.keys, layer.values = torch.cat([layer.keys, row_k]), torch.cat([layer.values, row_v])
+            parts = single.tier_keys if hasattr(single, "tier_keys") else [single.keys]
+            vals = single.tier_values if hasattr(single, "tier_values") else [single.values]
+            for tier, keys, values in zip(layer.tiers, parts, vals):
+                _append_row(tier, keys, values)
+                if tier.factor is not FULL:
+                    dropped[tier.factor] = committed - 1 - keys.shape[-2]
+            layer.is_initialized = True
         self.committed = torch.cat([self.committed, self.committed.new_tensor([committed])])
-        self.evicted = torch.cat([self.evicted, self.evicted.new_tensor([dropped])])
+        self.evicted_of = {f: torch.cat([e, e.new_tensor([dropped.get(f, 0)])]) for f, e in self.evicted_of.items()}
+
+    def kv_bytes(self) -> int:
+        return sum(t.keys.nbytes + t.values.nbytes for t in self._buffers())
+
+
+def _append_row(tier: TierBuffer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Append a row holding ``keys`` / ``values`` ``(1, tier_heads, n, head_dim)`` at its first slots."""
+    n = keys.shape[-2]
+    if not tier.is_initialized:
+        tier.reserve(n + GROW_MIN, keys[:0])
+    elif tier.keys.shape[-2] < n:
+        tier.reserve(n, tier.keys)
+    row_k, row_v = tier.keys.new_zeros(1, *tier.keys.shape[1:]), tier.values.new_zeros(1, *tier.values.shape[1:])
+    row_k[:, :, :n], row_v[:, :, :n] = keys, values
+    tier.keys, tier.values = torch.cat([tier.keys, row_k]), torch.cat([tier.values, row_v])
