@@ -298,9 +298,9 @@ class Generator:
         check_int("batch_size", batch_size, low=1, high=BATCH_SIZE_MAX)
         if not self.batchable or batch_size == 1:
             if batch_size > 1:
-                log.info("recipe %s runs its prompts one at a time (batched decoding needs a model-free drafter or a "
-                         "draft model with the target's vocabulary and an uncompressed draft cache, the uncompressed "
-                         "cache or StreamingLLM with absolute positions, and chains)", self.recipe.name)
+                log.info("recipe %s runs its prompts one at a time (batched decoding does not cover token trees, "
+                         "cross-tokenizer drafts, compressed draft caches, StreamingLLM with reindexed positions or "
+                         "composed with quantization)", self.recipe.name)
             return [self.generate(p, **overrides) for p in prompts]
         gen = self._generation_spec(overrides)
         inputs = [self.encode(p) for p in prompts]
