@@ -330,6 +330,12 @@ class EagleHead(nn.Module):
             out = self.norm(out)
         return self.lm_head(out)
 
+    def to_target_vocab(self, scores: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary scores ``(..., draft_vocab)`` (logits or log-probabilities) -> float32 target-vocabulary
+        scores ``(..., vocab)``, ``-inf`` outside the draft vocabulary (q is exactly zero there)."""
+        full = scores.new_full((*scores.shape[:-1], self.config.vocab_size), float("-inf"), dtype=torch.float32)
+        return full.index_copy_(-1, self.draft_to_target, scores.float())
+
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, cache: HeadCache | None = None,
                 mask: torch.Tensor | None = None, extra_kv=None):
         """Layer over prepared input ``x`` ``(b, s, H)`` (from :meth:`input_features` / :meth:`step_input`) at

@@ -169,7 +169,5 @@ class BatchEagle(ModelBatchDrafter):
             probs = torch.softmax(logits.float(), -1)
             best = probs.argmax(-1)
             return self.head.draft_to_target[best], probs.gather(1, best[:, None])[:, 0], None
-        full = logits.new_full((logits.shape[0], self.head.config.vocab_size), float("-inf"), dtype=torch.float32)
-        full.index_copy_(1, self.head.draft_to_target, logits.float())
-        q = process_logits(full, self.temperature, self.top_k, self.top_p)
+        q = process_logits(self.head.to_target_vocab(logits), self.temperature, self.top_k, self.top_p)
         return self._sample(q), q.max(-1).values, q

@@ -68,7 +68,6 @@ class EagleDrafter(Drafter):
         self.do_sample = do_sample
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.generator = generator
-        self.vocab_size = head.config.vocab_size
         self.dtype = next(head.parameters()).dtype
         self.hook: FeatureHook | None = None
         self.head_cache = HeadCache()
@@ -101,17 +100,12 @@ class EagleDrafter(Drafter):
         """The head's KV cache (its ``kv_bytes()`` is what the decoder reports as draft KV bytes)."""
         return self.head_cache
 
-    def _full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits ``(d,)`` -> target-vocabulary logits ``(vocab,)`` with ``-inf`` outside."""
-        full = draft_logits.new_full((self.vocab_size,), float("-inf"), dtype=torch.float32)
-        return full.index_copy_(0, self.head.draft_to_target, draft_logits.float())
-
     def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Head output logits ``(d,)`` -> (target token id (), full logits or None, the head's top probability ())."""
         if not self.do_sample:
             best = logits.argmax()
             return self.head.draft_to_target[best], None, torch.softmax(logits.float(), -1)[best]
-        full = self._full_logits(logits)
+        full = self.head.to_target_vocab(logits)
         probs = process_logits(full, self.temperature, self.top_k, self.top_p)
         token = sample_token(probs.unsqueeze(0), self.generator)[0]
         return token, full, probs.max()  # known before the token is drawn: see CostAwareK.plan
@@ -165,9 +159,7 @@ class EagleDrafter(Drafter):
 
     def _log_probs(self, out: torch.Tensor) -> torch.Tensor:
         """Head outputs ``(m, H)`` -> target-vocabulary log-probabilities ``(m, vocab)`` (``-inf`` outside)."""
-        logp = torch.log_softmax(self.head.logits(out).float(), dim=-1)
-        full = logp.new_full((logp.shape[0], self.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.head.draft_to_target, logp)
+        return self.head.to_target_vocab(torch.log_softmax(self.head.logits(out).float(), dim=-1))
 
     @torch.inference_mode()
     def propose_tree(self, input_ids: torch.Tensor, budget: int, depth: int, topk: int):
