@@ -181,37 +181,38 @@ class BatchDecoder:
         step_ms = self.drafters.step_ms(len(rows))
         if step_ms is None:
             return self.k
-        weight, acceptance = self._weights(rows, limit, draining), self.drafters.acceptance
-        rooms = [limit - len(r.new_ids) - 1 for r in rows]
-        best, best_rate = 0, sum(weight) / self.cost.ms(len(rows), 1)
-        chains, expected = [1.0] * len(rows), sum(weight)
-        for s in range(1, self.k + 1):
-            for i in range(len(rows)):
-                if s <= rooms[i]:
-                    chains[i] *= acceptance.prob(None, s)
-                    expected += weight[i] * chains[i]
-            rate = expected / (s * step_ms + self.cost.ms(len(rows), s + 1))
-            if rate > best_rate:
-                best, best_rate = s, rate
-        return best
+        acceptance = self.drafters.acceptance
+        return self._most_per_ms(self._weights(rows, limit, draining), [limit - len(r.new_ids) - 1 for r in rows],
+                                 self.k, lambda i, j: acceptance.prob(None, j), lambda n: n * step_ms)
 
     def _width(self, rows: list[Row], limit: int, draining: bool) -> int:
         """The verify width with the most expected committed tokens per ms over the batch (1 = a plain step),
-        rows weighted by :meth:`_weights`."""
-        weight = self._weights(rows, limit, draining)
-        best_width, best_rate = 1, sum(weight) / self.cost.ms(len(rows), 1)
-        chains = [1.0] * len(rows)
-        expected = sum(weight)
-        for j in range(1, max((len(r.proposal) for r in rows), default=0) + 1):
-            for i, row in enumerate(rows):
-                if j <= len(row.proposal):
-                    conf = None if row.confidence is None else row.confidence[j - 1]
-                    chains[i] *= self.calibrator.prob(conf, j)
+        rows weighted by :meth:`_weights`, each draft token by its calibrated confidence."""
+        def prob(i: int, j: int) -> float:
+            confidence = rows[i].confidence
+            return self.calibrator.prob(None if confidence is None else confidence[j - 1], j)
+
+        tokens = [len(r.proposal) for r in rows]
+        return 1 + self._most_per_ms(self._weights(rows, limit, draining), tokens, max(tokens, default=0), prob)
+
+    def _most_per_ms(self, weight: list[float], tokens: list[int], longest: int, prob: Callable[[int, int], float],
+                     extra_ms: Callable[[int], float] = lambda n: 0.0) -> int:
+        """The ``n`` in ``0 .. longest`` with the most expected committed tokens per ms of ``extra_ms(n)`` plus a
+        verify forward over ``(rows, n + 1)``: row ``i`` (weight ``weight[i]``) commits 1 token, plus its first
+        ``min(n, tokens[i])`` draft tokens each with the chained probability ``prob(i, j)`` (``j`` 1-based).
+        The verify width and the number of draft steps are both chosen by this rule."""
+        rows = len(weight)
+        best, best_rate = 0, sum(weight) / (extra_ms(0) + self.cost.ms(rows, 1))
+        chains, expected = [1.0] * rows, sum(weight)
+        for n in range(1, longest + 1):
+            for i in range(rows):
+                if n <= tokens[i]:
+                    chains[i] *= prob(i, n)
                     expected += weight[i] * chains[i]
-            rate = expected / self.cost.ms(len(rows), j + 1)
+            rate = expected / (extra_ms(n) + self.cost.ms(rows, n + 1))
             if rate > best_rate:
-                best_width, best_rate = j + 1, rate
-        return best_width
+                best, best_rate = n, rate
+        return best
 
     def _verify(self, rows: list[Row], batch: BatchCache, width: int, gen) -> list[tuple[int, int]]:
         """One forward over (B, width); returns each row's ``(accepted, next token)``."""
