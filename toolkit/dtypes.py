@@ -22,3 +22,10 @@ def precision_name(dtype: torch.dtype) -> str:
         if value == dtype:
             return name
     raise KeyError(f"{dtype} is not a float precision (allowed: {', '.join(map(str, FLOAT_DTYPES.values()))})")
+
+
+def mask_dtype(model) -> torch.dtype:
+    """The dtype of ``model``'s additive attention masks: its first parameter's, or float32 when that parameter is
+    stored as integers (quantized weights)."""
+    dtype = next(model.parameters()).dtype
+    return dtype if dtype.is_floating_point else torch.float32

@@ -16,6 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from transformers import DynamicCache
 
+from toolkit.dtypes import mask_dtype
+
 
 @runtime_checkable
 class MemoryReport(Protocol):
@@ -76,8 +78,7 @@ class PlainCache(DynamicCache):
     def __init__(self, model):
         super().__init__(config=model.config)
         self.committed = 0
-        dtype = next(model.parameters()).dtype
-        self.dtype = dtype if dtype.is_floating_point else torch.float32
+        self.dtype = mask_dtype(model)
 
     def commit(self) -> None:
         self.committed = self.get_seq_length()

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from toolkit.dtypes import mask_dtype
 from toolkit.kv import ops as kv_ops
 from toolkit.speculative.batch_cache import BatchCache
 from toolkit.speculative.batch_drafters import RowDrafters
@@ -132,8 +133,7 @@ class BatchDecoder:
         if policy is not None and not getattr(policy, "batch_rows", False):
             raise ValueError(f"BatchDecoder: the KV policy {type(policy).__name__} does not run per row in a batch")
         self.device = next(target.parameters()).device
-        dtype = next(target.parameters()).dtype
-        self.dtype = dtype if dtype.is_floating_point else torch.float32
+        self.dtype = mask_dtype(target)
 
     # ------------------------------------------------------------------------------------------------ requests
     def _start(self, index: int, input_ids: torch.Tensor, gen) -> tuple[Row, DynamicCache]:

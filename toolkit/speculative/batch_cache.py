@@ -31,6 +31,20 @@ from transformers.cache_utils import Cache, DynamicLayer
 GROW_MIN = 64
 
 
+def ragged_causal(lengths: torch.Tensor, width: int, span: int) -> torch.Tensor:
+    """Boolean ``(B, width, span)``: query ``i`` of row ``r`` sees slots ``0 .. lengths[r] + i`` (the row's held
+    entries, then the new block causally)."""
+    new = torch.arange(width, device=lengths.device).view(1, -1)
+    slots = torch.arange(span, device=lengths.device).view(1, 1, -1)
+    return slots <= (lengths.view(-1, 1) + new)[:, :, None]
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean visibility ``(B, q, keys)`` -> the additive attention mask ``(B, 1, q, keys)`` in ``dtype``."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]
+
+
 class RaggedLayer(DynamicLayer):
     """One layer's keys and values, written at per-row offsets (see the module docstring).
 
@@ -54,6 +68,18 @@ class RaggedLayer(DynamicLayer):
         self.keys.scatter_(2, index, key_states)
         self.values.scatter_(2, index, value_states)
         return self.keys[:, :, :need], self.values[:, :, :need]
+
+    def append_row(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append a row holding ``keys`` / ``values`` ``(1, kv_heads, n, head_dim)`` in its first ``n`` slots
+        (growing the buffer to ``n`` slots if needed; a first row allocates ``n + GROW_MIN``)."""
+        n = keys.shape[-2]
+        if not self.is_initialized:
+            self.reserve(n + GROW_MIN, keys[:0])
+        elif self.keys.shape[-2] < n:
+            self.reserve(n, self.keys)
+        row_k, row_v = keys.new_zeros(1, *self.keys.shape[1:]), values.new_zeros(1, *self.values.shape[1:])
+        row_k[:, :, :n], row_v[:, :, :n] = keys, values
+        self.keys, self.values = torch.cat([self.keys, row_k]), torch.cat([self.values, row_v])
 
     def offsets(self) -> tuple[torch.Tensor, int]:
         """``(write_at (B,), span)`` of the current forward (set by the owner's ``forward_inputs``)."""
@@ -119,14 +145,12 @@ class BatchCache:
         self.span = int(lengths.max()) + width
         new = torch.arange(width, device=lengths.device).view(1, -1)
         positions = (self.committed - 1).view(-1, 1) + new  # absolute
-        slots = torch.arange(self.span, device=lengths.device).view(1, 1, -1)
-        visible = slots <= (lengths.view(-1, 1) + new)[:, :, None]  # held entries, then the new block causally
+        visible = ragged_causal(lengths, width, self.span)
         if self.streaming is not None:  # the policy's exact window over the positions the slots hold
+            slots = torch.arange(self.span, device=lengths.device).view(1, 1, -1)
             held_at = slots + (slots >= self.streaming.sink_tokens) * self.evicted.view(-1, 1, 1)
             visible &= self.streaming.in_window(held_at, positions[:, :, None])
-        mask = torch.zeros(visible.shape, dtype=dtype, device=lengths.device).masked_fill(~visible,
-                                                                                           torch.finfo(dtype).min)
-        return {"position_ids": positions, "attention_mask": mask[:, None]}
+        return {"position_ids": positions, "attention_mask": additive_mask(visible, dtype)}
 
     def accept(self, kept: torch.Tensor) -> None:
         """After a forward: row ``r`` keeps its first ``kept[r]`` new slots (``1 + accepted``); the rest lie past
@@ -178,16 +202,7 @@ class BatchCache:
         ``evicted`` its policy dropped; its first generated token is committed and not yet in the cache."""
         held = committed - 1 - evicted
         for layer, single in zip(self.cache.layers, prefill.layers):
-            keys, values = single.keys[:, :, :held], single.values[:, :, :held]
-            if not layer.is_initialized:
-                layer.reserve(held + GROW_MIN, keys[:0])
-            elif layer.keys.shape[-2] < held:
-                layer.reserve(held, layer.keys)
-            row_k = keys.new_zeros(1, *layer.keys.shape[1:])
-            row_v = values.new_zeros(1, *layer.values.shape[1:])
-            row_k[:, :, :held], row_v[:, :, :held] = keys, values
-            layer.keys = torch.cat([layer.keys, row_k], dim=0)
-            layer.values = torch.cat([layer.values, row_v], dim=0)
+            layer.append_row(single.keys[:, :, :held], single.values[:, :, :held])
         self.committed = torch.cat([self.committed, self.committed.new_tensor([committed])])
         self.evicted = torch.cat([self.evicted, self.evicted.new_tensor([evicted])])
 

@@ -32,6 +32,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from toolkit.dtypes import mask_dtype
 from toolkit.speculative.batch_cache import BatchCache
 from toolkit.speculative.batch_drafters import ModelBatchDrafter
 from toolkit.speculative.verify import process_logits
@@ -54,8 +55,7 @@ class BatchDraftModel(ModelBatchDrafter):
         super().__init__(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         self.model, self.confidence_threshold = model, confidence_threshold
         self.device = next(model.parameters()).device
-        dtype = next(model.parameters()).dtype
-        self.dtype = dtype if dtype.is_floating_point else torch.float32
+        self.dtype = mask_dtype(model)
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self.cache = BatchCache(layers, self.device)
         self._steps = 0  # draft forwards of the current round (the catch-up and the steps after it)

@@ -26,7 +26,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from toolkit.kv.base import gather_seq
-from toolkit.speculative.batch_cache import GROW_MIN, BatchCache, RaggedLayer
+from toolkit.speculative.batch_cache import BatchCache, RaggedLayer, additive_mask, ragged_causal
 
 #: the tier key of uncompressed layers
 FULL = None
@@ -137,10 +137,7 @@ class EvictBatchCache(BatchCache):
             lengths = self.tier_lengths(factor)
             span = int(lengths.max()) + width
             self.offsets_of[factor] = (lengths, span)
-            slots = torch.arange(span, device=lengths.device).view(1, 1, -1)
-            visible = slots <= (lengths.view(-1, 1) + new)[:, :, None]
-            self.masks[factor] = torch.zeros(visible.shape, dtype=dtype, device=lengths.device).masked_fill(
-                ~visible, torch.finfo(dtype).min)[:, None]
+            self.masks[factor] = additive_mask(ragged_causal(lengths, width, span), dtype)
         self.width, self.span_full = width, self.offsets_of[FULL][1]
         return {"position_ids": (self.committed - 1).view(-1, 1) + new, "attention_mask": self.masks[FULL]}
 
@@ -179,7 +176,7 @@ class EvictBatchCache(BatchCache):
             parts = single.tier_keys if hasattr(single, "tier_keys") else [single.keys]
             vals = single.tier_values if hasattr(single, "tier_values") else [single.values]
             for tier, keys, values in zip(layer.tiers, parts, vals):
-                _append_row(tier, keys, values)
+                tier.append_row(keys, values)
                 if tier.factor is not FULL:
                     dropped[tier.factor] = committed - 1 - keys.shape[-2]
             layer.is_initialized = True
@@ -189,14 +186,3 @@ class EvictBatchCache(BatchCache):
     def kv_bytes(self) -> int:
         return sum(t.keys.nbytes + t.values.nbytes for t in self._buffers())
 
-
-def _append_row(tier: TierBuffer, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Append a row holding ``keys`` / ``values`` ``(1, tier_heads, n, head_dim)`` at its first slots."""
-    n = keys.shape[-2]
-    if not tier.is_initialized:
-        tier.reserve(n + GROW_MIN, keys[:0])
-    elif tier.keys.shape[-2] < n:
-        tier.reserve(n, tier.keys)
-    row_k, row_v = tier.keys.new_zeros(1, *tier.keys.shape[1:]), tier.values.new_zeros(1, *tier.values.shape[1:])
-    row_k[:, :, :n], row_v[:, :, :n] = keys, values
-    tier.keys, tier.values = torch.cat([tier.keys, row_k]), torch.cat([tier.values, row_v])

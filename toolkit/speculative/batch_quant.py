@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from toolkit.kv.quant_pack import Packed, dequantize, quantize
-from toolkit.speculative.batch_cache import GROW_MIN, BatchCache, RaggedLayer
+from toolkit.speculative.batch_cache import GROW_MIN, BatchCache, RaggedLayer, additive_mask, ragged_causal
 
 
 class QuantRaggedLayer(RaggedLayer):
@@ -154,13 +154,11 @@ class QuantBatchCache(BatchCache):
         self.shadow = int((bound[:, -1, 0] - q_end).clamp_min(0).max())
         slots = torch.arange(self.span, device=lengths.device).view(1, 1, -1)
         held_at = slots + (slots >= self.sinks) * self.evicted.view(-1, 1, 1)
-        fp = (slots <= (lengths.view(-1, 1) + new)[:, :, None]) & ((held_at < self.sinks) | (held_at >= bound))
+        fp = ragged_causal(lengths, width, self.span) & ((held_at < self.sinks) | (held_at >= bound))
         packed = torch.arange(self.q_span, device=lengths.device).view(1, 1, -1) < self.evicted.view(-1, 1, 1)
         shadow_at = q_end.view(-1, 1, 1) + torch.arange(self.shadow, device=lengths.device).view(1, 1, -1)
         visible = torch.cat((packed.expand(-1, width, -1), fp, shadow_at < bound), dim=-1)
-        mask = torch.zeros(visible.shape, dtype=dtype, device=lengths.device).masked_fill(~visible,
-                                                                                           torch.finfo(dtype).min)
-        return {"position_ids": positions, "attention_mask": mask[:, None]}
+        return {"position_ids": positions, "attention_mask": additive_mask(visible, dtype)}
 
     def compress(self) -> None:
         """The commit point: every row packs its residual's oldest whole groups up to ``boundary(held tokens)``."""
