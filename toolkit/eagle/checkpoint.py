@@ -71,18 +71,23 @@ def head_state(head: EagleHead) -> dict[str, torch.Tensor]:
 
 def save_head(head: EagleHead, directory: Path, dtype: torch.dtype | None = None) -> None:
     """Write ``config.json`` + ``model.safetensors`` into ``directory`` (created), weights cast to ``dtype``."""
+    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
+             for k, v in head_state(head).items()}
+    write_head_files(Path(directory), state, eagle_config(head.config))
+
+
+def write_head_files(directory: Path, state: dict[str, torch.Tensor], config: dict) -> None:
+    """Write ``state`` as ``model.safetensors`` (contiguous, on the CPU) and ``config`` as ``config.json`` into
+    ``directory`` (created), each file atomically: the one file layout of every head this toolkit writes."""
     from safetensors.torch import save_file
 
     from toolkit.io import atomic_write, atomic_write_json
 
-    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    c = head.config
-    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).cpu()
-             for k, v in head_state(head).items()}
-    atomic_write(directory / "model.safetensors", lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}),
+    tensors = {k: v.contiguous().cpu() for k, v in state.items()}
+    atomic_write(directory / "model.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}),
                  suffix=".safetensors")
-    atomic_write_json(directory / "config.json", eagle_config(c))
+    atomic_write_json(directory / "config.json", config)
 
 
 def eagle_config(c: HeadConfig, toolkit: bool = True) -> dict:

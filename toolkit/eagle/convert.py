@@ -51,22 +51,15 @@ def _check_out(out: Path, source: Path) -> None:
 def _write(out: Path, layout: str, state: dict, config: dict) -> None:
     """Write ``config.json`` + ``model.safetensors`` in ``layout`` into a private sibling of ``out``, then put it in
     place (:func:`toolkit.io.replace_dir`): ``out`` appears complete or not at all."""
-    from safetensors.torch import save_file
-
+    from toolkit.eagle.checkpoint import write_head_files
     from toolkit.eagle.speculators import write_speculators
-    from toolkit.io import _umask, atomic_write, atomic_write_json, replace_dir
+    from toolkit.io import _umask, replace_dir
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the head is an ordinary output directory
     try:
-        if layout == "speculators":
-            write_speculators(tmp, state, config)
-        else:
-            tensors = {k: v.contiguous() for k, v in state.items()}
-            atomic_write(tmp / "model.safetensors",
-                         lambda path: save_file(tensors, str(path), metadata={"format": "pt"}), suffix=".safetensors")
-            atomic_write_json(tmp / "config.json", config)
+        (write_speculators if layout == "speculators" else write_head_files)(tmp, state, config)
         replace_dir(tmp, out)
     finally:
         if tmp.exists():

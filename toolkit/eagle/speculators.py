@@ -158,12 +158,6 @@ def check_exportable(config, field: str = "layout") -> None:
 def write_speculators(directory: Path, state: dict[str, torch.Tensor], config: dict) -> None:
     """Write ``config.json`` + ``model.safetensors`` (tensors in the EAGLE-3 repository's names, renamed here)
     into ``directory``, each file atomically."""
-    from safetensors.torch import save_file
+    from toolkit.eagle.checkpoint import write_head_files
 
-    from toolkit.io import atomic_write, atomic_write_json
-
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.contiguous().cpu() for k, v in rename_from_eagle3(state).items()}
-    atomic_write(directory / "model.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}),
-                 suffix=".safetensors")
-    atomic_write_json(directory / "config.json", config)
+    write_head_files(directory, rename_from_eagle3(state), config)
