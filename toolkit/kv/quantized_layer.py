@@ -70,6 +70,9 @@ class QuantizedLayer(DynamicLayer):
         ``[sinks, dequantized groups, shadow groups, residual]`` ``(b, h, sinks + q_len + shadow + residual, d)``."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        # dequantize into the incoming states' dtype: DynamicLayer's lazily set attributes are not ours to read
+        # (transformers 5.24 stopped setting ``DynamicLayer.dtype``; see toolkit.kv.hf_surface)
+        dtype = key_states.dtype
         if self.residual:
             self.keys = torch.cat((self.keys, key_states), dim=-2)
             self.values = torch.cat((self.values, value_states), dim=-2)
@@ -80,13 +83,13 @@ class QuantizedLayer(DynamicLayer):
             parts_k.append(self.sink_keys)
             parts_v.append(self.sink_values)
         if self.qkeys is not None:
-            parts_k.append(dequantize(self.qkeys, self.dtype).transpose(-1, -2))
-            parts_v.append(dequantize(self.qvalues, self.dtype))
+            parts_k.append(dequantize(self.qkeys, dtype).transpose(-1, -2))
+            parts_v.append(dequantize(self.qvalues, dtype))
         first, last = self.shadow
         if last > first:
             lo, hi = first - self.res_start, last - self.res_start
-            parts_k.append(dequantize(self.quantize_keys(self.keys[:, :, lo:hi]), self.dtype).transpose(-1, -2))
-            parts_v.append(dequantize(self.quantize_values(self.values[:, :, lo:hi]), self.dtype))
+            parts_k.append(dequantize(self.quantize_keys(self.keys[:, :, lo:hi]), dtype).transpose(-1, -2))
+            parts_v.append(dequantize(self.quantize_values(self.values[:, :, lo:hi]), dtype))
         if not parts_k:
             return self.keys, self.values
         return torch.cat((*parts_k, self.keys), dim=-2), torch.cat((*parts_v, self.values), dim=-2)
