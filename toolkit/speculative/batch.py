@@ -187,20 +187,27 @@ class BatchDecoder:
 
     def _width(self, rows: list[Row], limit: int, draining: bool) -> int:
         """The verify width with the most expected committed tokens per ms over the batch (1 = a plain step),
-        rows weighted by :meth:`_weights`, each draft token by its calibrated confidence."""
+        rows weighted by :meth:`_weights`, each draft token by its calibrated confidence. When draft tokens were
+        sampled (a row has ``q``), the width grows only while one more token pays — the stopping rule of
+        :meth:`~toolkit.speculative.verify_length.CostAwareK.plan`: verifying token ``j`` then depends only on what
+        was known before it was drawn, never on the confidences that follow it (which depend on it)."""
         def prob(i: int, j: int) -> float:
             confidence = rows[i].confidence
             return self.calibrator.prob(None if confidence is None else confidence[j - 1], j)
 
         tokens = [len(r.proposal) for r in rows]
-        return 1 + self._most_per_ms(self._weights(rows, limit, draining), tokens, max(tokens, default=0), prob)
+        sampled = any(r.q is not None for r in rows)
+        return 1 + self._most_per_ms(self._weights(rows, limit, draining), tokens, max(tokens, default=0), prob,
+                                     stopping=sampled)
 
     def _most_per_ms(self, weight: list[float], tokens: list[int], longest: int, prob: Callable[[int, int], float],
-                     extra_ms: Callable[[int], float] = lambda n: 0.0) -> int:
+                     extra_ms: Callable[[int], float] = lambda n: 0.0, stopping: bool = False) -> int:
         """The ``n`` in ``0 .. longest`` with the most expected committed tokens per ms of ``extra_ms(n)`` plus a
         verify forward over ``(rows, n + 1)``: row ``i`` (weight ``weight[i]``) commits 1 token, plus its first
         ``min(n, tokens[i])`` draft tokens each with the chained probability ``prob(i, j)`` (``j`` 1-based).
-        The verify width and the number of draft steps are both chosen by this rule."""
+        ``stopping``: the first ``n`` after which ``n + 1`` stops paying, not the best over the whole range (for
+        sampled draft tokens, see :meth:`_width`). The verify width and the number of draft steps are both chosen by
+        this rule."""
         rows = len(weight)
         best, best_rate = 0, sum(weight) / (extra_ms(0) + self.cost.ms(rows, 1))
         chains, expected = [1.0] * rows, sum(weight)
@@ -212,6 +219,8 @@ class BatchDecoder:
             rate = expected / (extra_ms(n) + self.cost.ms(rows, n + 1))
             if rate > best_rate:
                 best, best_rate = n, rate
+            elif stopping:
+                break
         return best
 
     def _verify(self, rows: list[Row], batch: BatchCache, width: int, gen) -> list[tuple[int, int]]:

@@ -1,0 +1,88 @@
+"""Batched speculative sampling stays lossless when the verify width truncates sampled drafts.
+
+The regime the single-sequence planner's stopping rule exists for (``CostAwareK.plan``): a weak first draft token
+that would be verified only because a confident second one follows. The probe drafter samples the first token from
+q = 1/2 on the target's least and most likely tokens, and announces a confident second token only after the least
+likely one. The cost curve makes verifying one token never pay and two tokens pay only behind a confident second.
+Choosing the best width over the whole chain then verifies the first token exactly when it is the unlikely one, and
+the committed token no longer follows the target; a planner that decides token by token, knowing only what preceded
+each, never verifies here and stays exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+from conftest import tiny_llama
+from scipy.stats import chisquare
+from test_decoder import make_prompt
+
+from toolkit.recipe import GenerationSpec
+from toolkit.speculative.batch import BatchDecoder
+from toolkit.speculative.cost_model import VerifyCost
+
+V = 12
+#: ms of a verify forward over n = 1, 2, 3, ... tokens: width 2 (one draft) never pays, width 3 pays only when the
+#: second draft token is confident (expected 1 + 0.525 + 0.525 * 0.975 = 2.04 tokens vs 1.8 ms; 1.55 after a weak one)
+CURVE = [1.0, 3.0, 1.8] + [50.0] * 13
+DRAWS = 1200
+
+
+class TruncationProbe:
+    """A batch drafter (the protocol of :mod:`toolkit.speculative.batch_drafters`) that drafts two sampled tokens
+    per row: the first from q = 1/2 on the target's least / most likely next token (confidence 0.5, known before it
+    is drawn), the second uniform, with confidence 0.99 after the least likely first token and 0.01 otherwise."""
+
+    def __init__(self, target, seed: int):
+        self.target, self.generator = target, torch.Generator().manual_seed(seed)
+
+    def join(self, row):
+        pass
+
+    def remove(self, keep):
+        pass
+
+    def commit(self, rows, accepted):
+        pass
+
+    def close(self, row):
+        pass
+
+    def step_ms(self, rows):
+        return None
+
+    def attached(self):
+        return contextlib.nullcontext()
+
+    def propose(self, rows, rooms):
+        for row, room in zip(rows, rooms):
+            with torch.no_grad():
+                p = self.target(torch.tensor([row.ids])).logits[0, -1].softmax(-1)
+            low, high = int(p.argmin()), int(p.argmax())
+            q1 = torch.zeros(V)
+            q1[[low, high]] = 0.5
+            q2 = torch.full((V,), 1.0 / V)
+            first = int(torch.multinomial(q1, 1, generator=self.generator))
+            second = int(torch.multinomial(q2, 1, generator=self.generator))
+            row.proposal = [first, second][:room]
+            row.confidence = [0.5, 0.99 if first == low else 0.01][:room]
+            row.q = torch.stack([q1, q2])[:room]
+
+
+def test_sampled_drafts_truncated_by_the_cost_curve_keep_the_target_law():
+    target = tiny_llama(seed=4, vocab=V, initializer_range=0.3)
+    prompt = make_prompt(2, vocab=V, length=6)
+    with torch.no_grad():  # the law of the 2nd new token (the 1st comes from the prefill, the 2nd from a round)
+        p1 = target(prompt).logits[0, -1].softmax(-1).double()
+        seq = torch.cat([prompt.expand(V, -1), torch.arange(V).view(-1, 1)], dim=1)
+        p2 = (p1[:, None] * target(seq).logits[:, -1].softmax(-1).double()).sum(0).numpy()
+    counts = np.zeros(V)
+    for draw in range(DRAWS):  # a fresh decoder per draw: its calibration holds only the prior, as in a first round
+        gen = GenerationSpec(max_new_tokens=4, do_sample=True, ignore_eos=True, seed=draw)  # room for 2
+        decoder = BatchDecoder(target, TruncationProbe(target, seed=draw), VerifyCost(list(CURVE), learn=False),
+                               num_draft_tokens=2, batch_size=1)
+        [(ids, _)] = decoder.decode([prompt], gen)
+        counts[ids[1]] += 1
+    assert chisquare(counts, p2 / p2.sum() * counts.sum()).pvalue > 0.01, (counts, p2 * counts.sum())
