@@ -27,7 +27,7 @@ V = 12
 #: ms of a verify forward over n = 1, 2, 3, ... tokens: width 2 (one draft) never pays, width 3 pays only when the
 #: second draft token is confident (expected 1 + 0.525 + 0.525 * 0.975 = 2.04 tokens vs 1.8 ms; 1.55 after a weak one)
 CURVE = [1.0, 3.0, 1.8] + [50.0] * 13
-DRAWS = 1200
+DRAWS = 600  # the old planner failed this with p = 2.8e-19 at 1,200 draws
 
 
 class TruncationProbe:

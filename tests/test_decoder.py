@@ -352,9 +352,9 @@ def _real_prompts(tokenizer) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def embedded_cases(embedded):
-    """{name: (prompt ids, HF greedy reference of 64 tokens)} for the three real prompts, computed once."""
+    """{name: (prompt ids, HF greedy reference of 48 tokens)} for the three real prompts, computed once."""
     model, tokenizer = embedded
-    return {name: (prompt, hf_greedy(model, prompt, 64)) for name, prompt in _real_prompts(tokenizer).items()}
+    return {name: (prompt, hf_greedy(model, prompt, 48)) for name, prompt in _real_prompts(tokenizer).items()}
 
 
 @pytest.mark.slow
@@ -364,7 +364,7 @@ def test_embedded_greedy_matches_ar_on_real_prompts(embedded, embedded_int4, emb
     accepted = 0
     for name, (prompt, reference) in embedded_cases.items():
         drafter = DraftModel(embedded_int4[0]) if drafter_kind == "self_int4" else NGramDrafter()
-        ids, stats, _ = speculate(model, drafter, prompt, ConstantK(4), max_new_tokens=64)
+        ids, stats, _ = speculate(model, drafter, prompt, ConstantK(4), max_new_tokens=48)
         assert ids == reference, name
         assert stats.rounds >= 2
         if drafter_kind == "self_int4":

@@ -339,12 +339,12 @@ def test_embedded_greedy_tree_matches_ar(embedded, embedded_int4):
     suffix = SuffixDrafter(max_spec_factor=2.0, min_token_prob=0.05)
     taus = []
     for name, prompt in _real_prompts(tokenizer).items():
-        reference = hf_greedy(model, prompt, 48)
+        reference = hf_greedy(model, prompt, 32)
         drafters = [(suffix, TreeShape(12, 16, 4))]
         if name != "summarize":
             drafters.insert(0, (DraftModel(embedded_int4[0]), TreeShape(12, 4, 3)))
         for drafter, shape in drafters:
-            ids, stats = decode(model, drafter, prompt, tree=shape, new=48)
+            ids, stats = decode(model, drafter, prompt, tree=shape, new=32)
             assert ids == reference, (name, type(drafter).__name__)
             assert stats.rounds >= 2
             taus.append(stats.tokens_per_round)
