@@ -89,7 +89,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow"
 
 ## The newest releases pyproject.toml admits, resolved into a scratch venv (.venv-upgrade), then the fast tests there:
 ## prints what moved and what breaks. PIN=1 rewrites constraints.txt when they pass (one command, one commit).

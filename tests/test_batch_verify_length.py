@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
+import pytest
 import torch
 from conftest import tiny_llama
 from scipy.stats import chisquare
@@ -71,6 +72,7 @@ class TruncationProbe:
             row.q = torch.stack([q1, q2])[:room]
 
 
+@pytest.mark.slow
 def test_sampled_drafts_truncated_by_the_cost_curve_keep_the_target_law():
     target = tiny_llama(seed=4, vocab=V, initializer_range=0.3)
     prompt = make_prompt(2, vocab=V, length=6)

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import tiny_llama
 from test_distill import char_tokenizer
@@ -37,6 +38,7 @@ def _tiny_model_dir(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_two_processes_run_the_same_recipe_into_the_same_out(tmp_path):
     model = _tiny_model_dir(tmp_path / "model")
     spec = {"source": str(model), "precision": "fp32", "device": "cpu"}

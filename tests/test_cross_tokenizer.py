@@ -79,6 +79,7 @@ def test_a_right_draft_is_translated_into_accepted_target_tokens(pair):
     assert stats.acceptance_rate > 0.9  # boundary merges are the target's own: every whole drafted word holds
 
 
+@pytest.mark.slow
 def test_sampling_stays_exact(pair):
     from scipy.stats import chisquare
 

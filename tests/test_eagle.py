@@ -169,6 +169,7 @@ def _assert_joint_law(observed: dict, joint: dict, n: int) -> None:
     assert pvalue > 0.01
 
 
+@pytest.mark.slow
 def test_sampling_reproduces_target_joint_law(target, trained_head):
     """Chi-square on the first two committed tokens (top_k 3 for a small support). The head agrees with the target
     often, and its q is zero on the target's favourite second token, which is left out of the draft vocabulary."""
@@ -187,6 +188,7 @@ def test_sampling_reproduces_target_joint_law(target, trained_head):
     _assert_joint_law(observed, joint, n)
 
 
+@pytest.mark.slow
 def test_batched_eagle_sampling_reproduces_target_joint_law(target, trained_head):
     """The same law with the head drafting for batches of 8 (toolkit/speculative/batch_eagle.py): every row its own
     generators, the head's q (zero outside its draft vocabulary) in each row's rejection sampling."""
@@ -388,6 +390,7 @@ def test_shipped_head_greedy_matches_ar_on_embedded_model(embedded):
     assert not model.model.layers[-1]._forward_hooks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "phi3", "gpt_neox", "gpt2"])
 def test_eagle_head_for_other_architectures_trains_and_decodes_as_ar(arch):
     """Features are read through the family's own layer list and final norm (``base_model``): a head built for a
@@ -412,6 +415,7 @@ def test_eagle_head_for_other_architectures_trains_and_decodes_as_ar(arch):
     assert ids == hf_greedy(target, prompt, 16) and stats.drafted > 0
 
 
+@pytest.mark.slow
 def test_eagle3_head_trains_decodes_as_ar_and_serves_in_the_speculators_layout(tmp_path, target):
     """``variant: eagle3``: the head reads three target layers' raw outputs (``aux``), trains its own LM head on the
     token-level loss only, beats its untrained self on held-out acceptance, decodes token-identical to AR, and

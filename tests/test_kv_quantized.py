@@ -255,6 +255,7 @@ QUANT_POLICIES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [tiny_llama, tiny_neox])
 @pytest.mark.parametrize("name,params", QUANT_POLICIES)
 def test_speculative_equals_ar_under_quantized_cache(make, name, params):
@@ -283,6 +284,7 @@ TREE_POLICIES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [tiny_llama, tiny_neox])
 @pytest.mark.parametrize("name,params", TREE_POLICIES)
 def test_tree_speculation_equals_ar_under_quantized_cache(make, name, params):

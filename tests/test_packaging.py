@@ -35,6 +35,7 @@ def _run(site: Path, cwd: Path, *args: str, timeout: int = 600) -> subprocess.Co
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_wheel_ships_recipes_prompts_and_spaces(installed, tmp_path):
     probe = ("import toolkit, toolkit_cli, eval; from toolkit.resources import shipped; "
              "print(toolkit.__file__); print(sorted(p.name for p in shipped('').glob('*.yaml'))); "

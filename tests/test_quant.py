@@ -201,6 +201,7 @@ _QUIET = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_quantized_loads_are_quiet_and_name_the_kernel_once(tiny_dir):
     backends = ["bitsandbytes"] + (["torchao"] if __import__("importlib").util.find_spec("torchao") else [])
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1")

@@ -64,6 +64,7 @@ def _run(tmp_path, tiny, calls=None, fail_at=None, **kw):
                         heldout_prompts=heldout, progress=False, **kw)
 
 
+@pytest.mark.slow
 def test_tiny_search_end_to_end_infeasible_never_chosen_and_recipe_runs(tmp_path, tiny):
     # budget between one and two models' weights: every draft-model trial is infeasible
     weights_mb = sum(p.numel() * 4 for p in tiny["target"].parameters()) / 2**20
@@ -114,6 +115,7 @@ def test_no_feasible_trial_writes_no_recipe(tmp_path, tiny):
     assert not (tmp_path / "found" / "short.yaml").exists()
 
 
+@pytest.mark.slow
 def test_resume_after_interrupt_does_not_repeat_finished_trials(tmp_path, tiny):
     calls: list[str] = []
     with pytest.raises(KeyboardInterrupt):
@@ -160,6 +162,7 @@ test_search._run(Path(sys.argv[1]), {"target": target, "draft": perturbed_copy(t
 """
 
 
+@pytest.mark.slow
 def test_resume_after_kill_9_reruns_only_what_was_lost(tmp_path, tiny):
     """A search killed with SIGKILL in the middle of its third trial (a subprocess): the SQLite study stays
     readable with two finished trials and the killed one RUNNING; the lock dies with the process; ``--resume``
@@ -285,6 +288,7 @@ def test_conditional_dimensions_exist_only_where_their_condition_holds():
         load_space(bad)
 
 
+@pytest.mark.slow
 def test_invalid_combinations_are_counted_and_never_evaluated(tmp_path, tiny):
     space = _cond_space()
     space["space"].pop("backend")
@@ -339,6 +343,7 @@ def test_seeds_are_measured_first_once_and_bad_seeds_are_named(tmp_path, tiny):
         load_space(dict(space, seeds={"typo": {**seed, "kv_windw": 12}}))
 
 
+@pytest.mark.slow
 def test_a_trial_that_raises_is_failed_with_its_error_and_the_study_goes_on(tmp_path, tiny, monkeypatch):
     import eval.evaluate as E
 
@@ -362,6 +367,7 @@ def test_a_trial_that_raises_is_failed_with_its_error_and_the_study_goes_on(tmp_
     assert result["best"]["params"]["drafter"] == "draft"
 
 
+@pytest.mark.slow
 def test_resume_with_other_settings_is_refused_and_reuse_follows_what_changes_a_result(tmp_path, tiny):
     first = _run(tmp_path, tiny, heldout=False, trials=2)
     assert first["counts"]["complete"] == 2
@@ -416,6 +422,7 @@ def test_storage_password_never_written_or_passed_on_the_command_line(tmp_path, 
         assert not any("s3cret" in part for part in cmd) and env[S.STORAGE_ENV] == url
 
 
+@pytest.mark.slow
 def test_throughput_search_scores_batched_runs_and_writes_a_batched_recipe(tmp_path, tiny):
     """The throughput scenario: batch size searched, trials scored on the batched run (HF batched AR reused across
     trials), the memory bound on weights + the batch cache, the found recipe carries its batch size."""

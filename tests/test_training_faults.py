@@ -279,6 +279,7 @@ def _no_stale_files(out: Path) -> None:
     assert not [p for p in out.rglob(".*") if p.name not in (".gitignore", ".toolkit-output")], list(out.rglob(".*"))
 
 
+@pytest.mark.slow
 def test_distillation_killed_mid_checkpoint_resumes_without_loss(tmp_path, model_dir):
     from typer.testing import CliRunner
 
@@ -318,6 +319,7 @@ def test_distillation_killed_mid_checkpoint_resumes_without_loss(tmp_path, model
         torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_eagle_training_killed_mid_checkpoint_resumes_without_loss(tmp_path, model_dir):
     from toolkit.distill.eagle_train import train_head
     from toolkit.eagle.checkpoint import load_head
@@ -348,6 +350,7 @@ def test_eagle_training_killed_mid_checkpoint_resumes_without_loss(tmp_path, mod
     load_head(out / "best", target)  # the published best head is complete
 
 
+@pytest.mark.slow
 def test_an_eagle3_run_trains_from_its_own_feature_caches_and_resumes(tmp_path, tokenizer):
     """``variant: eagle3`` end to end (data, training, checkpoints, ``best/``): the feature caches carry the three
     layers' outputs (an EAGLE-1 run's caches in the same directory are recomputed, not misread), ``best/`` is an

@@ -101,6 +101,7 @@ def det_tree():
     return deterministic_tree()
 
 
+@pytest.mark.slow
 def test_deterministic_tree_sampling_is_lossless(tables, det_tree):
     counts = run(tables, lambda q1, q2, g: det_tree, draws=40_000)
     assert p_value(tables, counts) > 1e-3
@@ -112,6 +113,7 @@ def test_stochastic_tree_sampling_is_lossless(tables):
     assert p_value(tables, counts) > 1e-3
 
 
+@pytest.mark.slow
 def test_a_sampler_without_the_residual_is_detected(tables, det_tree, monkeypatch):
     monkeypatch.setattr(tree_verify, "residual", lambda p, q: p)
     counts = run(tables, lambda q1, q2, g: det_tree, draws=20_000)  # the bug's bias is large: 20k draws suffice

@@ -196,6 +196,7 @@ class _PeekingController(CostAwareK):
         return (proposed, proposed + 1) if self.peek() else (0, 1)
 
 
+@pytest.mark.slow
 def test_sampling_with_cost_aware_verify_length_is_lossless():
     from scipy.stats import chisquare
 
@@ -208,6 +209,7 @@ def test_sampling_with_cost_aware_verify_length_is_lossless():
         assert chisquare(counts[row], exact[row] * counts[row].sum()).pvalue > 0.01
 
 
+@pytest.mark.slow
 def test_the_sampling_test_catches_a_verify_length_that_peeks_at_the_drafted_tokens():
     from scipy.stats import chisquare
 
