@@ -42,8 +42,8 @@ def surface_problems() -> list[str]:
                  if not callable(getattr(DynamicCache, name, None))]
     for cls in (Cache, DynamicCache):
         params = inspect.signature(cls.__init__).parameters
-        problems += [f"{where}: {cls.__name__}.__init__ no longer takes {kw}=" for kw in CONSTRUCTOR_KWARGS[cls.__name__]
-                     if kw not in params]
+        problems += [f"{where}: {cls.__name__}.__init__ no longer takes {kw}="
+                     for kw in CONSTRUCTOR_KWARGS[cls.__name__] if kw not in params]
     layer = DynamicLayer()
     problems += [f"{where}: DynamicLayer() no longer sets .{name}" for name in LAYER_ATTRIBUTES
                  if not hasattr(layer, name)]
