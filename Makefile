@@ -7,7 +7,7 @@ RECIPE ?= recipes/short.yaml
 SCENARIO ?= short
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf test test-fast upgrade-check distill clean
+.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-gpu test test-fast upgrade-check distill clean
 
 setup: $(STAMP)
 
@@ -80,6 +80,15 @@ bench-gguf: $(STAMP)
 ## Weight quantization: decode / verify ms, top-1 agreement, PPL and exact bytes for every backend x precision here.
 bench-quant: $(STAMP)
 	$(BIN)/python bench/quant_bench.py
+
+## GPU benchmark kit (bench/README.md): every GPU stage in <= 8 minutes into $(GPU_OUT). It runs on the machine's own
+## torch + transformers when those import (an offline GPU machine: nothing is installed), else in .venv. DRY=1: the same
+## stages on the CPU with tiny models (seconds).
+GPU_OUT ?= bench/results/gpu
+bench-gpu:
+	@if $(PYTHON) -c "import torch, transformers" 2>/dev/null; then py=$(PYTHON); \
+	else $(MAKE) --no-print-directory setup && py=$(BIN)/python; fi; \
+	PYTHONPATH=. $$py bench/gpu_bench.py --out $(GPU_OUT) $(if $(DRY),--dry-run)
 
 distill: $(STAMP)
 	$(BIN)/toolkit draft distill --target embedded --layers 2 --out results/distill/smollm2-2l --max-minutes 20

@@ -45,3 +45,36 @@ def repeat(fn: Callable[[], T], repeats: int = 3, warmup: int = 1) -> list[T]:
     for _ in range(warmup):
         fn()
     return [fn() for _ in range(repeats)]
+
+
+def time_ms(fn: Callable[[], T], device: torch.device | str = "cpu", repeats: int = 5,
+            warmup: int = 2) -> tuple[Summary, T]:
+    """Milliseconds of ``fn()`` on ``device``: median / min / max of ``repeats`` calls after ``warmup`` calls, and
+    the last call's result.
+
+    CUDA: each call is bracketed by ``torch.cuda.Event(enable_timing=True)`` records on the current stream and read
+    after ``Event.synchronize`` (GPU time of the queued work, no host-side sleep in it); CPU: ``time.perf_counter``
+    around the call. Raises ``ValueError`` for ``repeats < 1``.
+    """
+    import time
+
+    if repeats < 1:
+        raise ValueError(f"repeats: must be >= 1, got {repeats}")
+    cuda = torch.device(device).type == "cuda"
+    result = None
+    for _ in range(warmup):
+        result = fn()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = fn()
+            end.record()
+            end.synchronize()
+            times.append(float(start.elapsed_time(end)))
+        else:
+            began = time.perf_counter()
+            result = fn()
+            times.append((time.perf_counter() - began) * 1000.0)
+    return Summary.of(times), result

@@ -1,0 +1,159 @@
+"""The GPU benchmark kit: every GPU stage in one command, each stage on its own (a failure is recorded and the next
+stage runs), at most 3 files written, a summary table printed last.
+
+    PYTHONPATH=. python bench/gpu_bench.py --out DIR            # on a lent GPU (make bench-gpu), <= 8 minutes
+    PYTHONPATH=. python bench/gpu_bench.py --dry-run --out DIR  # the same stages on the CPU with tiny models
+
+It needs only torch and transformers (plus what they import); torchao, bitsandbytes and gguf are used when installed
+or carried as wheels in ``.gpu-carry/wheels`` (``bench/gpu_carry.py`` prepares that folder here), and skipped with one
+line otherwise. Models are random-weight models of real shapes built on the device from configs (no hub); the real
+embedded model joins when its GGUF was relayed in parts (``bench/README.md``). Stages:
+
+1. ``environment`` — versions, device, which carried packages loaded;
+2. ``greedy`` — every decoding path (AR, lookup, draft model, EAGLE head, tree, a batch of 8) token-identical to HF
+   greedy ``generate`` on the same fp32 weights (and the real embedded model when relayed);
+3. ``sampling`` — a chi-square test that speculative sampling reproduces the target distribution;
+4. ``kv`` — each KV policy's greedy tokens on the device equal the same policy on the CPU;
+5. ``verify_cost`` — ms of a forward over 1..64 new tokens at B = 1, 8, 32 per shape;
+6. ``speed`` — tok/s of HF AR, HF static-cache compiled AR, HF assisted, HF prompt lookup and ours with each drafter,
+   peak device memory, alpha / tau and the per-round split (host overhead);
+7. ``projection`` — speedups projected from CPU-measured acceptance (real weights) and this device's verify curve.
+
+Writes ``DIR/gpu_bench.json`` (everything), ``DIR/gpu_bench.md`` (the tables) and ``DIR/gpu_bench.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+import torch  # noqa: E402
+from gpu_kit import carry  # noqa: E402
+
+STAGES = ("environment", "greedy", "sampling", "kv", "verify_cost", "speed", "projection")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, type=Path, help="directory for gpu_bench.{json,md,log}")
+    parser.add_argument("--dry-run", action="store_true", help="the same stages on the CPU with tiny models")
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                        help="auto: cuda when available (the dry run always uses the CPU)")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the speed stages")
+    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES, metavar="STAGE",
+                        help=f"stages to run (default: all of {', '.join(STAGES)})")
+    parser.add_argument("--budget-s", type=float, default=450.0,
+                        help="seconds after which remaining work is skipped and said so (default 450)")
+    parser.add_argument("--carry", type=Path, default=ROOT / ".gpu-carry",
+                        help="carried wheels / tokenizer / GGUF parts (default .gpu-carry)")
+    parser.add_argument("--compile-backend", default=None,
+                        help="torch.compile backend of HF's compiled AR: inductor (default), eager (the dry run's "
+                             "default: no code generation), none (skip)")
+    parser.add_argument("--compile-mode", default=None,
+                        help="torch.compile mode (default: reduce-overhead on CUDA, i.e. CUDA graphs; none on CPU)")
+    args = parser.parse_args(argv)
+    if args.budget_s <= 0:
+        parser.error(f"--budget-s: must be > 0, got {args.budget_s}")
+    return args
+
+
+def make_kit(args, log):
+    from gpu_kit.context import Kit
+
+    if args.dry_run or args.device == "cpu":
+        device = torch.device("cpu")
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device (use --device cpu or --dry-run)")
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = args.compile_backend or ("eager" if args.dry_run else "inductor")
+    mode = args.compile_mode or ("reduce-overhead" if device.type == "cuda" and backend == "inductor" else None)
+    dtype = DTYPES[args.dtype]
+    return Kit(device=device, dtype=dtype, dry_run=args.dry_run, carry_dir=args.carry, budget_s=args.budget_s,
+               compile_backend=backend, compile_mode=None if mode == "none" else mode, log=log)
+
+
+def environment(kit, wheels: dict) -> dict:
+    import transformers
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "device": str(kit.device), "dtype": str(kit.dtype), "dry_run": kit.dry_run, "packages": wheels,
+           "tokenizer": "embedded SmolLM2" if kit.tokenizer is not None else "none (token-id prompts)",
+           "compile": {"backend": kit.compile_backend, "mode": kit.compile_mode},
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if kit.device.type == "cuda":
+        props = torch.cuda.get_device_properties(kit.device)
+        env.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda,
+                   capability=list(torch.cuda.get_device_capability()))
+    else:
+        env.update(gpu=None, cpu_count=torch.get_num_threads(), machine=platform.machine())
+    return env
+
+
+def run_stage(kit, name: str, fn) -> None:
+    """Run one stage; store ``{"status", "seconds", "result" | "error"}`` in ``kit.results[name]``."""
+    kit.log(f"== stage {name}")
+    began = time.perf_counter()
+    if kit.out_of_time(f"stage {name}"):
+        kit.results[name] = {"status": "skipped", "seconds": 0.0, "error": "time budget spent"}
+        return
+    try:
+        result = fn()
+        kit.results[name] = {"status": "ok", "seconds": time.perf_counter() - began, "result": result}
+    except Exception as exc:  # noqa: BLE001 - a failing stage is recorded, the next one runs
+        kit.log(traceback.format_exc())
+        kit.results[name] = {"status": "failed", "seconds": time.perf_counter() - began,
+                             "error": f"{type(exc).__name__}: {exc}"[:1000]}
+    finally:
+        if kit.device.type == "cuda":
+            torch.cuda.synchronize()
+    kit.log(f"   {name}: {kit.results[name]['status']} in {kit.results[name]['seconds']:.1f} s")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    logger = _logger(args.out / "gpu_bench.log")
+    wheels = carry.load_wheels(args.carry / "wheels", log=logger.info)
+    from gpu_kit import checks, speed
+    from gpu_kit.report import markdown, summary
+
+    kit = make_kit(args, logger.info)
+    stages = {"environment": lambda: environment(kit, wheels), "greedy": lambda: checks.greedy_identity(kit),
+              "sampling": lambda: checks.sampling(kit), "kv": lambda: checks.kv_policies(kit),
+              "verify_cost": lambda: speed.verify_cost(kit), "speed": lambda: speed.speed(kit),
+              "projection": lambda: speed.projection(kit, ROOT)}
+    for name in STAGES:
+        if name in args.stages:
+            run_stage(kit, name, stages[name])
+    from toolkit.io import atomic_write_json, atomic_write_text
+
+    atomic_write_json(args.out / "gpu_bench.json", {"args": {k: str(v) for k, v in vars(args).items()},
+                                                    "seconds": kit.elapsed(), "stages": kit.results})
+    atomic_write_text(args.out / "gpu_bench.md", markdown(kit.results))
+    print(summary(kit.results), flush=True)
+    return 0 if all(r["status"] != "failed" for r in kit.results.values()) else 1
+
+
+def _logger(path: Path) -> logging.Logger:
+    logger = logging.getLogger("gpu_bench")
+    logger.setLevel(logging.INFO)
+    logger.handlers.clear()
+    for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(path, mode="w")):
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+    return logger
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The run's settings and shared state (:class:`Kit`): device, dtype, sizes of the full run or the dry run, built
+models, the tokenizer, the relayed embedded model, the results so far and the time budget."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from gpu_kit import carry, shapes
+
+#: the full run on a GPU (<= 8 minutes on an H100), a real shape on a CPU (``--device cpu``: the 0.5B shape, shorter
+#: curves; <= 8 minutes on 2 cores) and the dry run (the CPU, tiny models, seconds)
+FULL = {"speed_shapes": ["llama-3.2-1b", "qwen2.5-0.5b", "llama-3.1-8b"], "draft_shape": "draft-68m",
+        "batch_sizes": [1, 8, 32], "widths": [1, 2, 4, 8, 16, 32, 64], "context": 512, "new_tokens": 64,
+        "prompt_tokens": 128, "num_prompts": 3, "repeats": 1, "timing_repeats": 5, "sampling_draws": 1500}
+CPU = {"speed_shapes": ["qwen2.5-0.5b"], "draft_shape": "draft-68m", "batch_sizes": [1, 4],
+       "widths": [1, 2, 4, 8, 16], "context": 128, "new_tokens": 32, "prompt_tokens": 64, "num_prompts": 2,
+       "repeats": 1, "timing_repeats": 3, "sampling_draws": 500}
+DRY = {"speed_shapes": ["tiny"], "draft_shape": "tiny-draft", "batch_sizes": [1, 2], "widths": [1, 2, 4],
+       "context": 16, "new_tokens": 10, "prompt_tokens": 20, "num_prompts": 1, "repeats": 1, "timing_repeats": 2,
+       "sampling_draws": 200}
+
+
+@dataclass
+class Kit:
+    """One run of the kit. ``budget_s``: seconds after which stages that have not started are skipped."""
+
+    device: torch.device
+    dtype: torch.dtype
+    dry_run: bool
+    carry_dir: Path
+    budget_s: float
+    compile_backend: str
+    compile_mode: str | None
+    log: object = print
+    results: dict = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+    _models: dict = field(default_factory=dict)
+    _embedded: object = None
+
+    def __post_init__(self):
+        profile = DRY if self.dry_run else FULL if self.device.type == "cuda" else CPU
+        for key, value in profile.items():
+            setattr(self, key, value)
+        self.tokenizer = shapes.tokenizer(self.carry_dir)
+
+    # ------------------------------------------------------------------------------------------------ time
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def out_of_time(self, what: str) -> bool:
+        """True (and one log line) once the budget is spent: the caller skips ``what``."""
+        if self.elapsed() < self.budget_s:
+            return False
+        self.log(f"skip {what}: the {self.budget_s:.0f} s budget is spent")
+        return True
+
+    # ------------------------------------------------------------------------------------------------ models
+    def model(self, name: str, dtype: torch.dtype, seed: int = 0):
+        """The random-weight model of shape ``name`` on the device (built once per name, dtype and seed; other
+        speed shapes are dropped first so one large model at a time holds device memory)."""
+        key = (name, dtype, seed)
+        if key not in self._models:
+            if name in self.speed_shapes:
+                for other in [k for k in self._models if k[0] in self.speed_shapes]:
+                    del self._models[other]
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+            began = time.perf_counter()
+            self._models[key] = shapes.build(name, self.device, dtype, seed)
+            self.log(f"built {name} ({shapes.SHAPES[name].params() / 1e6:.0f}M parameters, {dtype}) on "
+                     f"{self.device} in {time.perf_counter() - began:.1f} s")
+        return self._models[key]
+
+    def embedded_model(self):
+        """``(model, tokenizer)`` of the real embedded SmolLM2 at fp32 on the device, from the relayed GGUF parts
+        (``<carry>/gguf``) or, on a machine that has it, the toolkit's embedded source; ``None`` otherwise."""
+        if self._embedded is None:
+            self._embedded = self._load_embedded() or False
+        return self._embedded or None
+
+    def _load_embedded(self):
+        from toolkit.models import load_model
+        from toolkit.recipe import ModelSpec
+
+        source = "embedded"
+        parts = self.carry_dir / "gguf"
+        if (parts / carry.MANIFEST).is_file():
+            try:
+                source = str(carry.join_parts(parts, Path("/tmp/gpu-kit-gguf")))
+            except (FileNotFoundError, ValueError) as exc:
+                self.log(f"skip the embedded model: {exc}")
+                return None
+        try:
+            return load_model(ModelSpec(source=source, precision="fp32", device=self.device.type), "target")
+        except Exception as exc:  # noqa: BLE001 - no embedded model here: the checks say so and go on
+            self.log(f"skip the embedded model: {type(exc).__name__}: {str(exc)[:200]}")
+            return None
+
+    def head_step_ms(self, shape: str) -> float | None:
+        """ms of one EAGLE head step on ``shape`` from the speed stage (the head's drafting per round / K)."""
+        rows = self.results.get("speed", {}).get("result", {}).get(shape, {}).get("rows", {})
+        draft = rows.get("ours EAGLE-1 head (K=3)", {}).get("round_draft")
+        return draft / 3 if draft else None

@@ -1,0 +1,216 @@
+"""The kit's speed stages: the verify cost curve, end-to-end tok/s of HF's decoders and ours with each drafter
+(with peak device memory and host overhead per round), and projected speedups from CPU-measured acceptance.
+
+Times: CUDA events on a GPU, ``time.perf_counter`` on the CPU (:func:`toolkit.measure.timing.time_ms`); every
+method runs on the same model objects, prompts and ``max_new_tokens``, EOS disabled, methods interleaved per prompt.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from eval.metrics import PeakMemory
+from gpu_kit import shapes
+from gpu_kit.checks import eagle_drafter, ours
+from toolkit.measure.baselines import hf_generate
+from toolkit.measure.timing import synchronize, time_ms
+from toolkit.recipe import GenerationSpec
+from toolkit.speculative.adaptive import ConstantK
+from toolkit.speculative.cost_model import VerifyCost
+from toolkit.speculative.drafters import DraftModel, LookupDrafter
+from toolkit.speculative.verify_length import Calibrator, CostAwareK
+
+
+def verify_cost(kit) -> dict:
+    """ms of one target forward over ``n`` new tokens per row after ``kit.context`` cached tokens, for every speed
+    shape, batch size and ``n``; each timed forward is rolled back (``crop``) so the context stays fixed."""
+    out = {}
+    for name in kit.speed_shapes:
+        model = kit.model(name, kit.dtype)
+        per_batch = {}
+        for batch in kit.batch_sizes:
+            if kit.out_of_time(f"verify cost of {name} at B = {batch}"):
+                break
+            cache = DynamicCache(config=model.config)
+            context = torch.randint(1, shapes.VOCAB, (batch, kit.context), device=kit.device)
+            with torch.no_grad():
+                model(input_ids=context, past_key_values=cache, use_cache=True)
+            row = {}
+            for n in kit.widths:
+                if row and kit.out_of_time(f"verify cost of {name} at B = {batch}, n = {n}"):
+                    break
+                tokens = torch.randint(1, shapes.VOCAB, (batch, n), device=kit.device)
+
+                def forward(tokens=tokens, n=n):
+                    with torch.no_grad():
+                        model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=n)
+                    cache.crop(-n)
+
+                summary, _ = time_ms(forward, kit.device, repeats=kit.timing_repeats)
+                row[n] = summary.median
+            per_batch[batch] = {"ms": row, "relative": {n: ms / row[kit.widths[0]] for n, ms in row.items()}}
+        out[name] = {"params": shapes.SHAPES[name].params(), "context": kit.context, "batches": per_batch}
+    return out
+
+
+def hf_static_compiled(model, ids: torch.Tensor, gen: GenerationSpec, backend: str, mode: str | None):
+    """HF ``generate`` on a ``StaticCache`` sized prompt + ``max_new_tokens`` with ``model.forward`` compiled
+    (``torch.compile(dynamic=False)``; ``mode="reduce-overhead"`` adds CUDA graphs): the strongest HF baseline.
+    Returns the new ids; the caller times it. The model's own forward is restored afterwards."""
+    from transformers import StaticCache
+
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id, config.do_sample, config.min_new_tokens = [], False, None
+    config.max_new_tokens = gen.max_new_tokens
+    config.disable_compile = True  # we compile the forward ourselves, the same way on every device
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + gen.max_new_tokens)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, generation_config=config)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def _compiled_forward(model, backend: str, mode: str | None):
+    eager = model.forward
+    model.forward = torch.compile(eager, backend=backend, mode=mode, dynamic=False)
+    return eager
+
+
+def _our_methods(kit, target, draft, cost_curve):
+    cost = CostAwareK(VerifyCost(cost_curve, learn=False), Calibrator(), 16, 17)
+    return {
+        "ours AR": lambda p, gen: ours(target, None, p, gen.max_new_tokens),
+        "ours lookup (cost-aware K)": lambda p, gen: ours(target, LookupDrafter(max_cached_requests=0), p,
+                                                          gen.max_new_tokens, cost),
+        "ours draft model (K=4)": lambda p, gen: ours(target, DraftModel(draft), p, gen.max_new_tokens),
+        "ours EAGLE-1 head (K=3)": lambda p, gen: ours(target, eagle_drafter(target), p, gen.max_new_tokens,
+                                                       ConstantK(3)),
+    }
+
+
+def _hf_methods(kit, target, draft, compiled: bool):
+    methods = {
+        "HF AR": lambda p, gen: hf_generate(target, p, gen, [], method="ar"),
+        "HF assisted (draft, K=4)": lambda p, gen: hf_generate(target, p, gen, [], method="assisted",
+                                                                  assistant_model=draft, num_draft_tokens=4),
+        "HF prompt lookup (K=10)": lambda p, gen: hf_generate(target, p, gen, [], method="prompt_lookup",
+                                                                num_draft_tokens=10),
+    }
+    if compiled:
+        methods["HF static cache + compiled AR"] = lambda p, gen: (
+            hf_static_compiled(target, p, gen, kit.compile_backend, kit.compile_mode), None)
+    return methods
+
+
+def _time_call(kit, fn, prompt, gen) -> tuple[float, object]:
+    synchronize(kit.device)
+    summary, (ids, stats) = time_ms(lambda: fn(prompt, gen), kit.device, repeats=1, warmup=0)
+    return gen.max_new_tokens / (summary.median / 1000.0), stats
+
+
+def speed(kit) -> dict:
+    """tok/s (prefill included) of every method per speed shape, with peak memory, alpha, tau and the per-round
+    split of ours (draft / verify / host overhead ms); the first speed shape also runs HF static-cache compiled AR
+    (its compile time reported)."""
+    out = {}
+    gen = GenerationSpec(max_new_tokens=kit.new_tokens, ignore_eos=True)
+    for index, name in enumerate(kit.speed_shapes):
+        if kit.out_of_time(f"speed of {name}"):
+            break
+        target, draft = kit.model(name, kit.dtype), kit.model(kit.draft_shape, kit.dtype, seed=1)
+        curve = kit.results.get("verify_cost", {}).get("result", {}).get(name, {}).get("batches", {}).get(1)
+        cost_curve = [curve["ms"][n] for n in sorted(curve["ms"])] if curve else [1.0] * 17
+        prompts = [p.to(kit.device) for p in shapes.prompts(kit.tokenizer, kit.num_prompts, kit.prompt_tokens)]
+        compiled = index == 0 and kit.compile_backend != "none"
+        methods = {**_hf_methods(kit, target, draft, compiled), **_our_methods(kit, target, draft, cost_curve)}
+        rows = {}
+        eager = None
+        for method, fn in methods.items():
+            if kit.out_of_time(f"{method} on {name}"):
+                continue
+            row = rows.setdefault(method, {"tok_s": [], "alpha": [], "tau": [], "round_ms": [], "peaks": []})
+            try:
+                if method.startswith("HF static"):  # the first call compiles: timed apart, reported as such
+                    eager = _compiled_forward(target, kit.compile_backend, kit.compile_mode)
+                    began = time.perf_counter()
+                    fn(prompts[0], gen)
+                    synchronize(kit.device)
+                    row["first_call_s"] = time.perf_counter() - began
+                else:
+                    fn(prompts[0], gen)  # warm-up
+                with PeakMemory(str(kit.device)) as meter:
+                    for prompt in prompts * kit.repeats:
+                        tok_s, stats = _time_call(kit, fn, prompt, gen)
+                        row["tok_s"].append(tok_s)
+                        if stats is not None and method.startswith("ours"):
+                            row["alpha"].append(stats.acceptance_rate)
+                            row["tau"].append(stats.tokens_per_round)
+                            row["round_ms"].append(stats.round_ms)
+                row["peak"] = meter.result
+            except Exception as exc:  # noqa: BLE001 - one method failing must not stop the others
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            finally:
+                if eager is not None:
+                    target.forward, eager = eager, None
+        out[name] = {"rows": {m: _summarize(r) for m, r in rows.items()},
+                     "skipped": {"ours compiled / CUDA graphs": "no compiled path in the decoder yet"}}
+    return out
+
+
+def _summarize(row: dict) -> dict:
+    out = {k: v for k, v in row.items() if k not in ("tok_s", "alpha", "tau", "round_ms", "peaks")}
+    if row["tok_s"]:
+        out["tok_s"] = statistics.median(row["tok_s"])
+        out["tok_s_min"], out["tok_s_max"] = min(row["tok_s"]), max(row["tok_s"])
+    if row["alpha"]:
+        out["alpha"], out["tau"] = statistics.median(row["alpha"]), statistics.median(row["tau"])
+        for key in ("draft", "target", "overhead", "overhead_pct"):
+            out[f"round_{key}"] = statistics.median(r[key] for r in row["round_ms"])
+    return out
+
+
+def _interpolate(curve: dict, width: float) -> float:
+    widths = sorted(curve)
+    if width <= widths[0]:
+        return curve[widths[0]]
+    for lo, hi in zip(widths, widths[1:]):
+        if width <= hi:
+            return curve[lo] + (curve[hi] - curve[lo]) * (width - lo) / (hi - lo)
+    return curve[widths[-1]] * width / widths[-1]
+
+
+def projection(kit, root: Path) -> dict:
+    """Projected speedup over our own AR on each speed shape, per CPU-measured recipe: ``tau / ((cost(w) +
+    drafting) / cost(1))`` (Leviathan et al. 2023), where tau and alpha come from the committed CPU reports (real
+    weights), ``w = 1 + (tau - 1) / alpha`` is the mean verify width, ``cost`` is this device's verify curve at
+    B = 1, and drafting is free for lookup and the measured head step for EAGLE. Projections, not measurements."""
+    curves = {name: {int(n): ms for n, ms in data["batches"][1]["ms"].items()}
+              for name, data in kit.results.get("verify_cost", {}).get("result", {}).items() if 1 in data["batches"]}
+    sources = []
+    main = root / "bench/reports/main/main_bench.json"
+    if main.is_file():
+        for run in json.loads(main.read_text())["runs"]:
+            sources.append((f"{run['recipe']} (lookup) on {run['suite']}", run["alpha"], run["tau"], False))
+    eagle = root / "bench/reports/eagle3/eagle_bench.json"
+    if eagle.is_file():
+        for suite, data in json.loads(eagle.read_text())["suites"].items():
+            for head, alpha in data["eagle_alpha"].items():
+                sources.append((f"{head} on {suite}", alpha, data["eagle_tau"][head], True))
+    out = {}
+    for name, curve in curves.items():
+        head_ms = kit.head_step_ms(name)
+        rows = []
+        for label, alpha, tau, drafts_with_head in sources:
+            width = 1 + (tau - 1) / alpha if alpha > 0 else 1
+            drafting = (width - 1) * head_ms if drafts_with_head and head_ms else 0.0
+            rows.append({"source": label, "alpha": alpha, "tau": tau, "mean_verify_width": width,
+                         "projected_speedup_vs_our_ar": tau / ((_interpolate(curve, width) + drafting)
+                                                               / curve[min(curve)])})
+        out[name] = rows
+    return out
