@@ -13,6 +13,7 @@ with :func:`fsync_tree`, renamed into place; :func:`replace_dir` swaps a new dir
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -20,6 +21,15 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of the file at ``path``, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _umask() -> int:

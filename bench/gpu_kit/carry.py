@@ -9,7 +9,6 @@ consecutive calls to a warm machine and is joined there (:func:`join_parts`), ch
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.metadata
 import json
@@ -17,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from toolkit.io import sha256_file
 
 #: import name -> distribution name of the packages the kit uses when present (gguf + platformdirs: the toolkit's
 #: conversion of the relayed embedded GGUF)
@@ -65,14 +66,6 @@ def load_wheels(folder: Path, log=print) -> dict[str, str]:
     return out
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def split_file(path: Path, out_dir: Path, parts: int) -> list[Path]:
     """Write ``path`` as ``parts`` files ``<out_dir>/<name>.part<i>`` of near-equal size and a ``manifest.json``
     (name, bytes, SHA-256, part names). Raises ``ValueError`` for ``parts < 1``."""
@@ -87,7 +80,7 @@ def split_file(path: Path, out_dir: Path, parts: int) -> list[Path]:
             name = f"{path.name}.part{i}"
             (out_dir / name).write_bytes(src.read(step))
             names.append(name)
-    manifest = {"name": path.name, "bytes": size, "sha256": sha256(path), "parts": names}
+    manifest = {"name": path.name, "bytes": size, "sha256": sha256_file(path), "parts": names}
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return [out_dir / n for n in names]
 
@@ -106,12 +99,12 @@ def join_parts(folder: Path, dest_dir: Path) -> Path:
         raise FileNotFoundError(f"{folder}: parts not here yet: {', '.join(missing)} (carry them in this call)")
     dest_dir.mkdir(parents=True, exist_ok=True)
     dest = dest_dir / manifest["name"]
-    if dest.is_file() and dest.stat().st_size == manifest["bytes"] and sha256(dest) == manifest["sha256"]:
+    if dest.is_file() and dest.stat().st_size == manifest["bytes"] and sha256_file(dest) == manifest["sha256"]:
         return dest  # joined by an earlier run: same file, same mtime, so its converted copy is reused
     with open(dest, "wb") as out:
         for part in manifest["parts"]:
             out.write((folder / part).read_bytes())
-    if dest.stat().st_size != manifest["bytes"] or sha256(dest) != manifest["sha256"]:
+    if dest.stat().st_size != manifest["bytes"] or sha256_file(dest) != manifest["sha256"]:
         dest.unlink()
         raise ValueError(f"{folder}: the joined {manifest['name']} differs from the manifest (a part is stale)")
     return dest

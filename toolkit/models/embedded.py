@@ -37,6 +37,7 @@ import torch
 
 from toolkit.dtypes import precision_name
 from toolkit.errors import ModelLoadError
+from toolkit.io import sha256_file
 from toolkit.resources import cache_dir
 
 log = logging.getLogger("toolkit.models")
@@ -66,21 +67,14 @@ def embedded_gguf_path() -> Path:
 
 
 # ------------------------------------------------------------------------------------------------------ manifest
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_manifest(directory: Path) -> dict:
     """Record size (bytes), mtime and SHA-256 of every file in ``directory`` in ``directory / MANIFEST``."""
     files = {}
     for path in sorted(directory.iterdir()):
         if path.is_file() and path.name != MANIFEST:
             stat = path.stat()
-            files[path.name] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256(path)}
+            files[path.name] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                                "sha256": sha256_file(path)}
     manifest = {"format": _CONVERTED_FORMAT, "files": files}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
@@ -129,7 +123,7 @@ def manifest_problem(directory: Path) -> str | None:
         stat = path.stat()
         if stat.st_size != expected["bytes"]:
             return f"{path} has {stat.st_size} bytes, the conversion wrote {expected['bytes']} (truncated or overwritten)"
-        if stat.st_mtime_ns != expected.get("mtime_ns") and _sha256(path) != expected["sha256"]:
+        if stat.st_mtime_ns != expected.get("mtime_ns") and sha256_file(path) != expected["sha256"]:
             return f"{path} was modified after conversion (its SHA-256 differs from the recorded one)"
     for path in sorted(directory.glob("*.safetensors")):
         problem = safetensors_problem(path)
