@@ -16,9 +16,18 @@ scripts/install_torch.sh "$venv/bin/pip"
 "$venv/bin/pip" freeze --exclude-editable | grep -v '^#' | sed 's/+cpu$//' | sort -f > "$out/freeze.txt"
 grep -v '^#' constraints.txt | sort -f > "$out/pinned.txt"
 echo "== versions that moved (pinned -> newest):"
-join -t= -i -j1 -o 0,1.3,2.3 <(sed 's/==/=/' "$out/pinned.txt" | sort -f -t= -k1,1) \
-    <(sed 's/==/=/' "$out/freeze.txt" | sort -f -t= -k1,1) | awk -F= '$2 != $3 {print "  " $1 ": " $2 " -> " $3}' \
-    | tee "$out/moved.txt"
+"$python" - "$out/pinned.txt" "$out/freeze.txt" <<'PY' | tee "$out/moved.txt"
+import sys
+
+def pins(path):
+    rows = (line.strip().split("==", 1) for line in open(path) if "==" in line)
+    return {name.lower().replace("_", "-"): version for name, version in rows}
+
+old, new = pins(sys.argv[1]), pins(sys.argv[2])
+for name in sorted(old.keys() | new.keys()):
+    if old.get(name) != new.get(name):
+        print(f"  {name}: {old.get(name, '(not pinned)')} -> {new.get(name, '(gone)')}")
+PY
 status=0
 "$venv/bin/python" -m pytest -q -m "not slow" -n 2 -p no:cacheprovider 2>&1 | tee "$out/tests.log" || status=$?
 if [ "$status" -ne 0 ]; then
