@@ -88,7 +88,7 @@ GPU_OUT ?= bench/results/gpu
 bench-gpu:
 	@if $(PYTHON) -c "import torch, transformers" 2>/dev/null; then py=$(PYTHON); \
 	else $(MAKE) --no-print-directory setup && py=$(BIN)/python; fi; \
-	PYTHONPATH=. $$py bench/gpu_bench.py --out $(GPU_OUT) $(if $(DRY),--dry-run)
+	PYTHONPATH=. $$py bench/gpu_bench.py --out $(GPU_OUT) $(if $(filter 1,$(DRY)),--dry-run)
 
 distill: $(STAMP)
 	$(BIN)/toolkit draft distill --target embedded --layers 2 --out results/distill/smollm2-2l --max-minutes 20

@@ -12,7 +12,8 @@ embedded model joins when its GGUF was relayed in parts (``bench/README.md``). S
 1. ``environment`` — versions, device, which carried packages loaded;
 2. ``greedy`` — every decoding path (AR, lookup, draft model, EAGLE head, tree, a batch of 8) token-identical to HF
    greedy ``generate`` on the same fp32 weights (and the real embedded model when relayed);
-3. ``sampling`` — a chi-square test that speculative sampling reproduces the target distribution;
+3. ``sampling`` — a chi-square test that speculative sampling (a draft model sampling 3 tokens) reproduces the
+   target distribution;
 4. ``kv`` — each KV policy's greedy tokens on the device equal the same policy on the CPU;
 5. ``verify_cost`` — ms of a forward over 1..64 new tokens at B = 1, 8, 32 per shape;
 6. ``speed`` — tok/s of HF AR, HF static-cache compiled AR, HF assisted, HF prompt lookup and ours with each drafter,
@@ -116,7 +117,10 @@ def run_stage(kit, name: str, fn) -> None:
                              "error": f"{type(exc).__name__}: {exc}"[:1000]}
     finally:
         if kit.device.type == "cuda":
-            torch.cuda.synchronize()
+            try:
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - a broken context must not lose the results so far
+                kit.log(f"CUDA synchronize after {name} failed: {type(exc).__name__}: {exc}")
     kit.log(f"   {name}: {kit.results[name]['status']} in {kit.results[name]['seconds']:.1f} s")
 
 

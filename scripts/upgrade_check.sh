@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Resolve the newest releases that pyproject.toml admits into a scratch venv, run the fast tests there, and report what
 # moved against constraints.txt. With PIN=1 and green tests, constraints.txt is rewritten to the new set.
+# torch is the exception: install_torch.sh installs the pinned CPU build (newer CPU builds come from PyTorch's own
+# index, not PyPI); move it by editing its pin in constraints.txt, then run this.
 # Usage: scripts/upgrade_check.sh            (make upgrade-check [PIN=1])
 set -euo pipefail
 cd "$(dirname "$0")/.."

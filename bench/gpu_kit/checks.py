@@ -120,8 +120,9 @@ def chi_square_p(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
 
 
 def sampling(kit) -> dict:
-    """Speculative sampling reproduces the target: the second new token (the first one a speculative round commits,
-    drafted by a draft model at temperature 1) follows ``sum_x1 p(x1) p(x2 | x1)`` on a 16-token vocabulary."""
+    """Speculative sampling reproduces the target: the second new token (the first one a speculative round commits:
+    a draft model samples 3 tokens from q at temperature 1, the target accepts or resamples) follows
+    ``sum_x1 p(x1) p(x2 | x1)`` on a 16-token vocabulary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -140,12 +141,17 @@ def sampling(kit) -> dict:
     expected = (p1[:, None] * p2).sum(0).cpu()
     counts = torch.zeros(16)
     draws = kit.sampling_draws
-    for seed in range(draws):
-        got, _ = ours(target, DraftModel(draft), prompt, 2, ConstantK(3), do_sample=True, temperature=1.0,
-                      seed=seed)
+    drafted = 0
+    for seed in range(draws):  # 5 new tokens: the round after the prefill has room for all 3 draft tokens
+        drafter = DraftModel(draft, do_sample=True,
+                             generator=torch.Generator(device=kit.device).manual_seed(10_000 + seed))
+        got, stats = ours(target, drafter, prompt, 5, ConstantK(3), do_sample=True, temperature=1.0, seed=seed)
         counts[got[1]] += 1
+        drafted += stats.drafted
+    if not drafted:
+        raise RuntimeError("the sampling stage drafted nothing: it would not test speculative sampling")
     p_value = chi_square_p(counts, expected)
-    return {"draws": draws, "p_value": p_value, "ok": p_value > 0.01,
+    return {"draws": draws, "drafted": drafted, "p_value": p_value, "ok": p_value > 0.01,
             "test": "chi-square of the 2nd new token vs sum_x1 p(x1) p(x2|x1), V = 16, draft model K = 3"}
 
 

@@ -44,7 +44,8 @@ def _greedy(result: dict) -> list[str]:
 
 
 def _sampling(result: dict) -> list[str]:
-    return ["## Sampling", "", f"{result['test']}: {result['draws']} draws, p = {result['p_value']:.3f} "
+    return ["## Sampling", "", f"{result['test']}: {result['draws']} draws ({result['drafted']} draft tokens), "
+            f"p = {result['p_value']:.3f} "
             f"({'passes' if result['ok'] else '**fails**'} p > 0.01)"]
 
 
@@ -88,9 +89,9 @@ def _projection(result: dict) -> list[str]:
     lines = ["## Projected speedups over our AR (CPU-measured acceptance × this device's verify curve)", ""]
     for shape, rows in result.items():
         lines += [f"**{shape}**", ""] + _table(
-            ["source (real weights, CPU)", "α", "τ", "mean verify width", "projected × our AR"],
-            [[r["source"], r["alpha"], r["tau"], r["mean_verify_width"], r["projected_speedup_vs_our_ar"]]
-             for r in rows]) + [""]
+            ["source (real weights, CPU)", "α", "τ", "mean verify width", "projected × our AR", "note"],
+            [[r["source"], r["alpha"], r["tau"], r["mean_verify_width"], r["projected_speedup_vs_our_ar"],
+              r.get("note", "")] for r in rows]) + [""]
     return lines
 
 

@@ -85,20 +85,17 @@ def tokenizer(carry: Path):
 
 
 def prompts(tok, count: int, length: int, seed: int = 0) -> list[torch.Tensor]:
-    """``count`` prompts of ``length`` tokens ``(1, length)`` each: the ``make short`` suite's prompts encoded with
-    ``tok`` (repeated to the length), or, without a tokenizer, random ids with a repeated span (something to look
-    up, like real text)."""
+    """``count`` prompts of ``length`` tokens ``(1, length)`` each, on the CPU: the ``make short`` suite's prompts
+    encoded with ``tok`` (each repeated to the length; the suite cycled when ``count`` exceeds it), or, without a
+    tokenizer or where the suite cannot be read (a source file missing on that machine), random ids with a repeated
+    span (something to look up, like real text)."""
     if tok is not None:
-        from toolkit.measure.prompts import load_suite
-
-        out = []
-        for prompt in load_suite("short")[:count]:
-            text = prompt.prompt if isinstance(prompt.prompt, str) else "\n".join(
-                m["content"] for m in prompt.prompt)
-            ids = tok(text, return_tensors="pt").input_ids
-            ids = ids.repeat(1, -(-length // ids.shape[1]))[:, :length]
-            out.append(ids)
-        if len(out) == count:
+        texts = _suite_texts()
+        if texts:
+            out = []
+            for i in range(count):
+                ids = tok(texts[i % len(texts)], return_tensors="pt").input_ids
+                out.append(ids.repeat(1, -(-length // ids.shape[1]))[:, :length])
             return out
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -106,3 +103,14 @@ def prompts(tok, count: int, length: int, seed: int = 0) -> list[torch.Tensor]:
         base = torch.randint(1, VOCAB, (max(length // 3, 1),), generator=g)
         out.append(torch.cat([base, base, base])[:length].view(1, -1))
     return out
+
+
+def _suite_texts() -> list[str]:
+    from toolkit.errors import ToolkitError
+    from toolkit.measure.prompts import load_suite
+
+    try:
+        suite = load_suite("short")
+    except (ToolkitError, OSError):
+        return []
+    return [p.prompt if isinstance(p.prompt, str) else "\n".join(m["content"] for m in p.prompt) for p in suite]

@@ -25,6 +25,7 @@ from toolkit.recipe import GenerationSpec
 from toolkit.speculative.adaptive import ConstantK
 from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.drafters import DraftModel, LookupDrafter
+from toolkit.speculative.drafters.eagle import EagleDrafter
 from toolkit.speculative.verify_length import Calibrator, CostAwareK
 
 
@@ -56,40 +57,47 @@ def verify_cost(kit) -> dict:
                 summary, _ = time_ms(forward, kit.device, repeats=kit.timing_repeats)
                 row[n] = summary.median
             per_batch[batch] = {"ms": row, "relative": {n: ms / row[kit.widths[0]] for n, ms in row.items()}}
+            cache = None  # freed before the next batch size / shape
         out[name] = {"params": shapes.SHAPES[name].params(), "context": kit.context, "batches": per_batch}
+        model = None
     return out
 
 
 def hf_static_compiled(model, ids: torch.Tensor, gen: GenerationSpec, backend: str, mode: str | None):
-    """HF ``generate`` on a ``StaticCache`` sized prompt + ``max_new_tokens`` with ``model.forward`` compiled
-    (``torch.compile(dynamic=False)``; ``mode="reduce-overhead"`` adds CUDA graphs): the strongest HF baseline.
-    Returns the new ids; the caller times it. The model's own forward is restored afterwards."""
-    from transformers import StaticCache
+    """HF ``generate`` with ``cache_implementation="static"`` and HF's own compile of the decoding step
+    (``CompileConfig(dynamic=False)`` with ``backend`` and ``mode``: ``reduce-overhead`` = CUDA graphs), on every
+    device (HF compiles by default on CUDA only): the strongest HF baseline. Prompts of one length and one
+    ``max_new_tokens`` keep one cache shape, so the first call's compile serves every later call. Returns the new
+    ids; the caller times the call."""
+    from transformers import CompileConfig
 
     config = copy.deepcopy(model.generation_config)
     config.eos_token_id, config.do_sample, config.min_new_tokens = [], False, None
     config.max_new_tokens = gen.max_new_tokens
-    config.disable_compile = True  # we compile the forward ourselves, the same way on every device
-    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + gen.max_new_tokens)
+    config.cache_implementation = "static"
+    config.compile_config = CompileConfig(fullgraph=False, dynamic=False, backend=backend, mode=mode or "default")
+    config.compile_config._compile_all_devices = True
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, generation_config=config)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     return out[0, ids.shape[1]:].tolist()
 
 
-def _compiled_forward(model, backend: str, mode: str | None):
-    eager = model.forward
-    model.forward = torch.compile(eager, backend=backend, mode=mode, dynamic=False)
-    return eager
+def dense_curve(curve_ms: dict, widths: int = 17) -> list[float]:
+    """ms of a verify over n = 1..``widths`` tokens from the measured ``{n: ms}`` (interpolated between measured
+    widths): the dense list :class:`~toolkit.speculative.cost_model.VerifyCost` reads as ``step_ms[n - 1]``."""
+    curve = {int(n): ms for n, ms in curve_ms.items()}
+    return [_interpolate(curve, n) for n in range(1, widths + 1)]
 
 
 def _our_methods(kit, target, draft, cost_curve):
     cost = CostAwareK(VerifyCost(cost_curve, learn=False), Calibrator(), 16, 17)
+    head = eagle_drafter(target).head  # built once per shape, outside every timed call
     return {
         "ours AR": lambda p, gen: ours(target, None, p, gen.max_new_tokens),
         "ours lookup (cost-aware K)": lambda p, gen: ours(target, LookupDrafter(max_cached_requests=0), p,
                                                           gen.max_new_tokens, cost),
         "ours draft model (K=4)": lambda p, gen: ours(target, DraftModel(draft), p, gen.max_new_tokens),
-        "ours EAGLE-1 head (K=3)": lambda p, gen: ours(target, eagle_drafter(target), p, gen.max_new_tokens,
+        "ours EAGLE-1 head (K=3)": lambda p, gen: ours(target, EagleDrafter(target, head), p, gen.max_new_tokens,
                                                        ConstantK(3)),
     }
 
@@ -125,19 +133,17 @@ def speed(kit) -> dict:
             break
         target, draft = kit.model(name, kit.dtype), kit.model(kit.draft_shape, kit.dtype, seed=1)
         curve = kit.results.get("verify_cost", {}).get("result", {}).get(name, {}).get("batches", {}).get(1)
-        cost_curve = [curve["ms"][n] for n in sorted(curve["ms"])] if curve else [1.0] * 17
+        cost_curve = dense_curve(curve["ms"]) if curve else [1.0] * 17
         prompts = [p.to(kit.device) for p in shapes.prompts(kit.tokenizer, kit.num_prompts, kit.prompt_tokens)]
         compiled = index == 0 and kit.compile_backend != "none"
         methods = {**_hf_methods(kit, target, draft, compiled), **_our_methods(kit, target, draft, cost_curve)}
         rows = {}
-        eager = None
         for method, fn in methods.items():
             if kit.out_of_time(f"{method} on {name}"):
                 continue
             row = rows.setdefault(method, {"tok_s": [], "alpha": [], "tau": [], "round_ms": [], "peaks": []})
             try:
                 if method.startswith("HF static"):  # the first call compiles: timed apart, reported as such
-                    eager = _compiled_forward(target, kit.compile_backend, kit.compile_mode)
                     began = time.perf_counter()
                     fn(prompts[0], gen)
                     synchronize(kit.device)
@@ -155,11 +161,9 @@ def speed(kit) -> dict:
                 row["peak"] = meter.result
             except Exception as exc:  # noqa: BLE001 - one method failing must not stop the others
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            finally:
-                if eager is not None:
-                    target.forward, eager = eager, None
         out[name] = {"rows": {m: _summarize(r) for m, r in rows.items()},
                      "skipped": {"ours compiled / CUDA graphs": "no compiled path in the decoder yet"}}
+        del target, draft, methods, fn  # the next shape is built with this one's memory free (Kit.model drops it)
     return out
 
 
@@ -208,9 +212,13 @@ def projection(kit, root: Path) -> dict:
         rows = []
         for label, alpha, tau, drafts_with_head in sources:
             width = 1 + (tau - 1) / alpha if alpha > 0 else 1
-            drafting = (width - 1) * head_ms if drafts_with_head and head_ms else 0.0
-            rows.append({"source": label, "alpha": alpha, "tau": tau, "mean_verify_width": width,
-                         "projected_speedup_vs_our_ar": tau / ((_interpolate(curve, width) + drafting)
-                                                               / curve[min(curve)])})
+            row = {"source": label, "alpha": alpha, "tau": tau, "mean_verify_width": width,
+                   "projected_speedup_vs_our_ar": None}
+            if drafts_with_head and not head_ms:
+                row["note"] = "no head step measured on this shape (speed stage skipped or failed)"
+            else:
+                drafting = (width - 1) * head_ms if drafts_with_head else 0.0
+                row["projected_speedup_vs_our_ar"] = tau / ((_interpolate(curve, width) + drafting) / curve[min(curve)])
+            rows.append(row)
         out[name] = rows
     return out

@@ -53,8 +53,9 @@ def time_ms(fn: Callable[[], T], device: torch.device | str = "cpu", repeats: in
     the last call's result.
 
     CUDA: each call is bracketed by ``torch.cuda.Event(enable_timing=True)`` records on the current stream and read
-    after ``Event.synchronize`` (GPU time of the queued work, no host-side sleep in it); CPU: ``time.perf_counter``
-    around the call. Raises ``ValueError`` for ``repeats < 1``.
+    after ``Event.synchronize``: the stream's timeline from the first record to the second, idle gaps while the host
+    prepares work included (what a tok/s figure needs); CPU: ``time.perf_counter`` around the call. Raises
+    ``ValueError`` for ``repeats < 1``.
     """
     import time
 
