@@ -13,24 +13,23 @@ import torch
 
 from gpu_kit import shapes
 from toolkit.kv import make_policy
+from toolkit.measure.baselines import hf_generate
 from toolkit.recipe import GenerationSpec, KVSpec
 from toolkit.speculative.adaptive import ConstantK
 from toolkit.speculative.batch import BatchDecoder
 from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.decoder import SpeculativeDecoder
 from toolkit.speculative.drafters import DraftModel, LookupDrafter
+from toolkit.speculative.drafters.eagle import EagleDrafter
 from toolkit.speculative.stats import GenerationStats
 from toolkit.speculative.tree import TreeShape
 from toolkit.speculative.verify_length import Calibrator, CostAwareK
 
 
 def hf_greedy(model, ids: torch.Tensor, new: int) -> list[int]:
-    """HF ``generate(do_sample=False)``, EOS disabled: the reference every path must equal."""
-    config = copy.deepcopy(model.generation_config)
-    config.eos_token_id, config.do_sample, config.max_new_tokens, config.min_new_tokens = [], False, new, None
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return out[0, ids.shape[1]:].tolist()
+    """HF ``generate(do_sample=False)``, EOS disabled (the toolkit's AR baseline): the reference every path must
+    equal."""
+    return hf_generate(model, ids, GenerationSpec(max_new_tokens=new, ignore_eos=True), [], method="ar")[0]
 
 
 def ours(target, drafter, ids: torch.Tensor, new: int, controller=None, policy=None, tree=None,
@@ -51,15 +50,14 @@ def compare(got: list[int], reference: list[int]) -> dict:
     return {"ok": first is None, "first_divergence": first}
 
 
-def eagle_drafter(target, seed: int = 0):
-    """An EAGLE-1 head built for ``target`` (untrained: greedy identity does not depend on its quality)."""
+def eagle_head(target, seed: int = 0):
+    """An EAGLE-1 head built for ``target`` on its device and dtype (untrained: greedy identity does not depend on
+    its quality); :class:`~toolkit.speculative.drafters.eagle.EagleDrafter` drafts with it."""
     from toolkit.distill.eagle_init import build_head
-    from toolkit.speculative.drafters.eagle import EagleDrafter
 
     vocab = target.config.vocab_size
     head = build_head(target, min(vocab, 4096), torch.ones(vocab, dtype=torch.float64), seed=seed)
-    head = head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
-    return EagleDrafter(target, head)
+    return head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
 
 
 def greedy_identity(kit) -> dict:
@@ -80,7 +78,7 @@ def greedy_identity(kit) -> dict:
     check("lookup, K=4", lambda p: ours(target, LookupDrafter(max_cached_requests=0), p, new))
     check("lookup, cost-aware K", lambda p: ours(target, LookupDrafter(max_cached_requests=0), p, new, cost))
     check("draft model, K=4", lambda p: ours(target, DraftModel(draft), p, new))
-    check("EAGLE-1 head, K=3", lambda p: ours(target, eagle_drafter(target), p, new, ConstantK(3)))
+    check("EAGLE-1 head, K=3", lambda p: ours(target, EagleDrafter(target, eagle_head(target)), p, new, ConstantK(3)))
     check("draft-model tree (budget 8, depth 4, top-k 2)",
           lambda p: ours(target, DraftModel(draft), p, new, tree=TreeShape(8, 4, 2)))
     decoder = BatchDecoder(target, lambda: LookupDrafter(max_cached_requests=0), VerifyCost([1.0] * 64, learn=False),
@@ -89,7 +87,7 @@ def greedy_identity(kit) -> dict:
         batch = decoder.decode(prompts, GenerationSpec(max_new_tokens=new, ignore_eos=True))
     for i, (ids, _) in enumerate(batch):
         rows.append({"path": f"batch of 8, lookup: row {i}", **compare(ids, reference[i]), "tau": None})
-    real = kit.embedded_model()
+    real = kit.embedded
     if real is not None:
         model, tok = real
         for i, p in enumerate(shapes.prompts(tok, 2, kit.prompt_tokens)):
@@ -105,18 +103,17 @@ def greedy_identity(kit) -> dict:
 
 
 def chi_square_p(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    """Pearson chi-square p-value of ``counts`` (k,) against ``expected_probs`` (k,) (cells of expected count < 5
-    pooled), from the regularized upper incomplete gamma (``torch.special.gammaincc``: no scipy needed)."""
-    n = counts.sum()
-    expected = expected_probs.double() * n
+    """Pearson chi-square p-value (``scipy.stats.chisquare``) of ``counts`` (k,) against ``expected_probs`` (k,),
+    cells of expected count < 5 pooled into one."""
+    from scipy.stats import chisquare
+
+    expected = expected_probs.double() * counts.sum()
     small = expected < 5
     if small.any():
         counts = torch.cat([counts[~small], counts[small].sum().view(1)])
         expected = torch.cat([expected[~small], expected[small].sum().view(1)])
-    stat = float(((counts.double() - expected) ** 2 / expected).sum())
-    dof = len(counts) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+    expected = expected * (counts.sum() / expected.sum())  # scipy wants equal totals to 1e-8
+    return float(chisquare(counts.double().numpy(), expected.numpy()).pvalue)
 
 
 def sampling(kit) -> dict:

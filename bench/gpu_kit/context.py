@@ -3,6 +3,7 @@ models, the tokenizer, the relayed embedded model, the results so far and the ti
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +40,6 @@ class Kit:
     results: dict = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     _models: dict = field(default_factory=dict)
-    _embedded: object = None
 
     def __post_init__(self):
         profile = DRY if self.dry_run else FULL if self.device.type == "cuda" else CPU
@@ -75,14 +75,11 @@ class Kit:
                      f"{self.device} in {time.perf_counter() - began:.1f} s")
         return self._models[key]
 
-    def embedded_model(self):
+    @functools.cached_property
+    def embedded(self):
         """``(model, tokenizer)`` of the real embedded SmolLM2 at fp32 on the device, from the relayed GGUF parts
-        (``<carry>/gguf``) or, on a machine that has it, the toolkit's embedded source; ``None`` otherwise."""
-        if self._embedded is None:
-            self._embedded = self._load_embedded() or False
-        return self._embedded or None
-
-    def _load_embedded(self):
+        (``<carry>/gguf``) or, on a machine that has it, the toolkit's embedded source; ``None`` otherwise (said in
+        the log). Loaded once."""
         from toolkit.models import load_model
         from toolkit.recipe import ModelSpec
 

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from eval.metrics import PeakMemory
 from gpu_kit import shapes
-from gpu_kit.checks import eagle_drafter, ours
+from gpu_kit.checks import eagle_head, ours
 from toolkit.measure.baselines import hf_generate
 from toolkit.measure.timing import synchronize, time_ms
 from toolkit.recipe import GenerationSpec
@@ -82,16 +82,17 @@ def hf_static_compiled(model, ids: torch.Tensor, gen: GenerationSpec, backend: s
     return out[0, ids.shape[1]:].tolist()
 
 
-def dense_curve(curve_ms: dict, widths: int = 17) -> list[float]:
-    """ms of a verify over n = 1..``widths`` tokens from the measured ``{n: ms}`` (interpolated between measured
-    widths): the dense list :class:`~toolkit.speculative.cost_model.VerifyCost` reads as ``step_ms[n - 1]``."""
-    curve = {int(n): ms for n, ms in curve_ms.items()}
-    return [_interpolate(curve, n) for n in range(1, widths + 1)]
+def measured_curve(curve_ms: dict, max_tokens: int | None = None) -> VerifyCost:
+    """The decoder's cost curve (:meth:`VerifyCost.from_points`) from the verify stage's ``{n: ms}``, over
+    ``1 .. max_tokens`` (default: the widest measured; past it :meth:`VerifyCost.ms` extends the last slope)."""
+    widths = sorted(int(n) for n in curve_ms)
+    ms = [curve_ms[n] if n in curve_ms else curve_ms[str(n)] for n in widths]
+    return VerifyCost.from_points(widths, ms, min(max_tokens or widths[-1], widths[-1]), learn=False)
 
 
-def _our_methods(kit, target, draft, cost_curve):
-    cost = CostAwareK(VerifyCost(cost_curve, learn=False), Calibrator(), 16, 17)
-    head = eagle_drafter(target).head  # built once per shape, outside every timed call
+def _our_methods(kit, target, draft, curve: VerifyCost):
+    cost = CostAwareK(curve, Calibrator(), 16, 17)
+    head = eagle_head(target)  # built once per shape, outside every timed call
     return {
         "ours AR": lambda p, gen: ours(target, None, p, gen.max_new_tokens),
         "ours lookup (cost-aware K)": lambda p, gen: ours(target, LookupDrafter(max_cached_requests=0), p,
@@ -133,7 +134,7 @@ def speed(kit) -> dict:
             break
         target, draft = kit.model(name, kit.dtype), kit.model(kit.draft_shape, kit.dtype, seed=1)
         curve = kit.results.get("verify_cost", {}).get("result", {}).get(name, {}).get("batches", {}).get(1)
-        cost_curve = dense_curve(curve["ms"]) if curve else [1.0] * 17
+        cost_curve = measured_curve(curve["ms"], 17) if curve else VerifyCost([1.0] * 17, learn=False)
         prompts = [p.to(kit.device) for p in shapes.prompts(kit.tokenizer, kit.num_prompts, kit.prompt_tokens)]
         compiled = index == 0 and kit.compile_backend != "none"
         methods = {**_hf_methods(kit, target, draft, compiled), **_our_methods(kit, target, draft, cost_curve)}
@@ -179,14 +180,10 @@ def _summarize(row: dict) -> dict:
     return out
 
 
-def _interpolate(curve: dict, width: float) -> float:
-    widths = sorted(curve)
-    if width <= widths[0]:
-        return curve[widths[0]]
-    for lo, hi in zip(widths, widths[1:]):
-        if width <= hi:
-            return curve[lo] + (curve[hi] - curve[lo]) * (width - lo) / (hi - lo)
-    return curve[widths[-1]] * width / widths[-1]
+def _cost_at(curve: VerifyCost, width: float) -> float:
+    """ms of a verify over a (fractional, mean) ``width``: linear between the curve's whole widths."""
+    low = max(1, int(width))
+    return curve.ms(low) + (curve.ms(low + 1) - curve.ms(low)) * (width - low)
 
 
 def projection(kit, root: Path) -> dict:
@@ -194,7 +191,7 @@ def projection(kit, root: Path) -> dict:
     drafting) / cost(1))`` (Leviathan et al. 2023), where tau and alpha come from the committed CPU reports (real
     weights), ``w = 1 + (tau - 1) / alpha`` is the mean verify width, ``cost`` is this device's verify curve at
     B = 1, and drafting is free for lookup and the measured head step for EAGLE. Projections, not measurements."""
-    curves = {name: {int(n): ms for n, ms in data["batches"][1]["ms"].items()}
+    curves = {name: measured_curve(data["batches"][1]["ms"])
               for name, data in kit.results.get("verify_cost", {}).get("result", {}).items() if 1 in data["batches"]}
     sources = []
     main = root / "bench/reports/main/main_bench.json"
@@ -218,7 +215,7 @@ def projection(kit, root: Path) -> dict:
                 row["note"] = "no head step measured on this shape (speed stage skipped or failed)"
             else:
                 drafting = (width - 1) * head_ms if drafts_with_head else 0.0
-                row["projected_speedup_vs_our_ar"] = tau / ((_interpolate(curve, width) + drafting) / curve[min(curve)])
+                row["projected_speedup_vs_our_ar"] = tau / ((_cost_at(curve, width) + drafting) / curve.ms(1))
             rows.append(row)
         out[name] = rows
     return out

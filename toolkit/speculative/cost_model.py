@@ -61,6 +61,12 @@ class VerifyCost:
         """Cost of verifying ``n`` tokens relative to a one-token step (``n`` past the curve: its last slope)."""
         return self.ms(n) / self.step_ms[0]
 
+    @classmethod
+    def from_points(cls, lengths: list[int], ms: list[float], max_tokens: int, **fields) -> VerifyCost:
+        """The curve over ``1 .. max_tokens`` from forwards timed at ascending ``lengths`` (``ms`` each, the first
+        length 1, the last >= ``max_tokens``), linear between them."""
+        return cls(_interpolate(lengths, ms, max_tokens), **fields)
+
     def ms(self, n: int) -> float:
         if n < 1:
             raise ValueError(f"n: must be >= 1, got {n}")
@@ -140,7 +146,7 @@ def measure_verify_cost(model, max_tokens: int = 16, context: int = 256, repeats
                 times[n].append((time.perf_counter() - start) * 1000)
             cache.crop(-n)
     medians = [statistics.median(times[n]) for n in lengths]
-    return VerifyCost(_interpolate(lengths, medians, max_tokens), source="measured")
+    return VerifyCost.from_points(lengths, medians, max_tokens, source="measured")
 
 
 def cost_key(model) -> str:
