@@ -7,7 +7,7 @@ RECIPE ?= recipes/short.yaml
 SCENARIO ?= short
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-gpu test test-fast upgrade-check distill clean
+.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-gpu bench-cpu-engines bench-llamacpp test test-fast upgrade-check distill clean
 
 setup: $(STAMP)
 
@@ -72,6 +72,16 @@ bench-tree: $(STAMP)
 ## EAGLE head vs AR and HF assisted generation (NF4 self-draft), short and unseen prompts.
 bench-eagle: $(STAMP)
 	$(BIN)/python bench/eagle_bench.py
+
+## The main job vs the engines a CPU user would pick instead, same prompts / threads / model: llama.cpp AR and its
+## prompt lookup on the same GGUF, OpenVINO int4 (optimum-intel), HF static-cache compiled AR; speed, PPL, top-1,
+## bytes per token -> bench/reports/cpu-engines/. The engines go into their own .venv-engines (llama.cpp builds from
+## source: a few minutes, once); afterwards `toolkit run --compare` shows them as rows too.
+bench-cpu-engines: $(STAMP)
+	test -f .venv-engines/.installed || (scripts/install_engines.sh .venv-engines && touch .venv-engines/.installed)
+	$(BIN)/python bench/cpu_engines.py
+
+bench-llamacpp: bench-cpu-engines
 
 ## Peak memory of converting a 0.5B GGUF (Qwen2.5-0.5B's shape, written locally) at each cache dtype.
 bench-gguf: $(STAMP)

@@ -1,9 +1,11 @@
 """``toolkit run RECIPE [--compare]``: run a recipe over its prompt suite, print a Markdown table, write JSON.
 
 With ``--compare`` the same prompts also run, on the same model objects and precision, through HF ``generate``
-(autoregressive), HF assisted generation with the same pair and constant K (for model drafters) and HF prompt lookup
-(for the n-gram drafter), all timed by :func:`toolkit.measure.harness.measure` (warm-up, interleaved repetitions, medians
-with min-max). Greedy runs also report whether each method's text is identical to AR greedy.
+(autoregressive, eager and with HF's static cache + compile), HF assisted generation with the same pair and constant K
+(for model drafters) and HF prompt lookup (for the n-gram drafter), and through the CPU engines installed
+(llama.cpp on the same GGUF, OpenVINO int4: :mod:`toolkit.measure.engines`), all timed by
+:func:`toolkit.measure.harness.measure` (warm-up, interleaved repetitions, medians with min-max). Greedy runs also
+report whether each method's text is identical to AR greedy.
 
 Results are a :class:`RunResult`; ``to_dict()`` is the on-disk JSON contract (``results/run/<name>-<hash>.json``).
 """
@@ -17,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eval.fidelity import agreement, first_divergence
-from eval.runners import OURS, PROMPT_LOOKUPS, baseline_methods, runners_for
+from eval.runners import OURS, PROMPT_LOOKUPS, baseline_methods, engine_runners, runners_for, strongest_baselines
 from toolkit.generator import Generator, build
 from toolkit.io import atomic_write_json, atomic_write_text
+from toolkit.measure.engines import ENGINES
 from toolkit.measure.harness import Measurement, Prompt, environment, measure, spread
 from toolkit.measure.prompts import Prompt as SuitePrompt
 from toolkit.measure.prompts import load_suite
@@ -78,6 +81,7 @@ class RunResult:
     summary: dict[str, dict]
     environment: dict = field(default_factory=environment)
     repeats_done: int = 1  # timed repetitions that ran (fewer than asked when a time budget ended them)
+    engine: dict = field(default_factory=dict)  # {"path": the decoding path and why, "compile_s": seconds}
 
     def speedup(self, baseline: str) -> float | None:
         """Our throughput over ``baseline``'s (tokens over the sum of per-prompt median times)."""
@@ -86,7 +90,7 @@ class RunResult:
     def to_dict(self) -> dict:
         return {"recipe": self.recipe.to_dict(), "config_hash": self.recipe.config_hash(), "compare": self.compare,
                 "weight_bytes": self.weight_bytes, "summary": self.summary,
-                "rows": [r.to_dict() for r in self.rows], "repeats_done": self.repeats_done,
+                "rows": [r.to_dict() for r in self.rows], "repeats_done": self.repeats_done, "engine": self.engine,
                 "environment": self.environment}
 
 
@@ -108,6 +112,8 @@ def run_recipe(recipe: Recipe, compare: bool = False, repeats: int = 3, prompts:
     if compare and recipe.target.precision != "fp32":  # fp32 AR next to a low-precision target, for reference
         reference, _ = SHARED_POOL.get(dataclasses.replace(recipe.target, precision="fp32"), "reference")
     methods = [OURS] + (baseline_methods(recipe, reference is not None) if compare else [])
+    if compare:  # the strongest baselines right after plain HF AR
+        methods[2:2] = strongest_baselines(recipe, generator.target)
     items = [Prompt(p.id, p.kind, generator.encode(p.prompt, f"prompts.{p.id}")) for p in prompts]
     for item in items:  # before any forward: empty prompts, prompts past the context, EOS ids outside the vocab
         generator.check_request(item.input_ids, gen, f"prompts.{item.id}")
@@ -123,12 +129,32 @@ def run_recipe(recipe: Recipe, compare: bool = False, repeats: int = 3, prompts:
               f"cost curve){f'; time budget {time_budget_s:.0f} s' if time_budget_s else ''}", file=sys.stderr)
     # every repetition starts from the same drafter state: memory across requests holds only the earlier prompts of
     # the same repetition, never an earlier repetition of the same prompt
-    measured = measure(runners_for(generator, methods, eos, reference), items, gen,
-                       repeats=repeats if compare else 1, warmup=1, progress=progress, desc=f"run {recipe.name}",
-                       warm_gen=dataclasses.replace(gen, max_new_tokens=min(16, gen.max_new_tokens)),
-                       before_repetition=lambda rep: generator.forget(),
-                       deadline=started + time_budget_s if time_budget_s else None)
-    return _result(recipe, generator, measured, compare)
+    engine = _compile_first(generator, items, gen.max_new_tokens, progress)
+    # HF's static cache sized for the longest request, in steps of 256 tokens: one compiled graph across suites
+    static_len = -(-(max(int(i.input_ids.shape[1]) for i in items) + gen.max_new_tokens) // 256) * 256
+    with engine_runners(recipe, methods, eos) as engine_calls:
+        runners = runners_for(generator, methods, eos, reference, static_cache_len=static_len,
+                              engine_calls=engine_calls)
+        measured = measure(runners, items, gen, repeats=repeats if compare else 1, warmup=1, progress=progress,
+                           desc=f"run {recipe.name}",
+                           warm_gen=dataclasses.replace(gen, max_new_tokens=min(16, gen.max_new_tokens)),
+                           before_repetition=lambda rep: generator.forget(),
+                           deadline=started + time_budget_s if time_budget_s else None)
+    result = _result(recipe, generator, measured, compare)
+    result.engine = engine
+    return result
+
+
+def _compile_first(generator: Generator, items: list[Prompt], max_new_tokens: int, progress: bool) -> dict:
+    """Compile the engine's graphs for these requests before any timed call; what path decoding takes."""
+    engine, seconds = generator.engine, 0.0
+    if engine is not None:
+        seconds = engine.warm_up(max(int(i.input_ids.shape[1]) for i in items) + max_new_tokens)
+        engine.verify_cost()  # read, or measured now: not inside a timed call
+    if progress:
+        print(f"decoding path: {generator.engine_note}" + (f"; compiled in {seconds:.0f} s" if engine else ""),
+              file=sys.stderr)
+    return {"path": generator.engine_note, "compile_s": round(seconds, 1)}
 
 
 def _result(recipe: Recipe, generator: Generator, measured: Measurement, compare: bool) -> RunResult:
@@ -147,6 +173,8 @@ def _result(recipe: Recipe, generator: Generator, measured: Measurement, compare
             ours = method == OURS
             same = (ids == ar_ids[prompt.id]) if prompt.id in ar_ids else None
             divergence = None
+            if method in ENGINES:  # other weights (the GGUF, an OpenVINO export): their text is not the target's
+                same = None
             if same is False and method != "ar_fp32" and not recipe.generation.do_sample:
                 divergence = first_divergence(generator.target, prompt.input_ids, ar_ids[prompt.id], ids)
             rows.append(Row(
@@ -235,6 +263,9 @@ def markdown_table(results: RunResult | dict) -> str:
     if results["recipe"]["kv"]["policy"] != "none":
         lines += ["", "(= AR compares with uncompressed HF AR greedy; under a KV policy the text may legitimately "
                   "differ — window-exactness against AR under the same policy is a test, not this column.)"]
+    if results.get("engine"):
+        lines += ["", f"decoding path: {results['engine']['path']} (graphs compiled before timing: "
+                  f"{results['engine']['compile_s']:.0f} s)"]
     lines += ["", f"weights: target {fmt_bytes(wb['target'])}, draft {fmt_bytes(wb['draft'])}; "
               f"device: {results['environment']['hardware']} ({results['environment']['torch_threads']} torch "
               f"threads); {results.get('repeats_done', 1)} timed repetition(s)"]

@@ -2,6 +2,8 @@
 
 * ``ours`` — the recipe's :class:`~toolkit.generator.Generator` decode loop;
 * ``ar`` — the recipe's target with plain HF ``generate`` (autoregressive, uncompressed ``DynamicCache``);
+* ``ar_static`` — the same target with HF's static cache + compiled decoding step, the strongest HF baseline (one
+  graph for the whole suite: the cache is sized to its longest prompt + ``max_new_tokens``);
 * ``assisted`` — HF assisted generation with the same target/draft pair (``draft_model`` and ``self`` drafters);
 * ``prompt_lookup`` — HF prompt lookup decoding (for model-free drafters: the same drafting idea in HF) with
   ``prompt_lookup_num_tokens`` = the recipe's K for a constant-K recipe, else 4; ``prompt_lookup_10`` — the same
@@ -9,15 +11,21 @@
 * ``ar_fp32`` — the fp32 uncompressed reference target with plain ``generate`` (only when the recipe's target is
   not fp32): the quality/fidelity reference and the throughput bar of the memory scenario.
 
-Baselines go through :func:`toolkit.measure.baselines.hf_generate`, which leaves the shared models as it found them.
+* ``llamacpp_ar``, ``llamacpp_lookup``, ``openvino_ar`` — the CPU engines of :mod:`toolkit.measure.engines` when
+  installed (``make bench-cpu-engines``), on the recipe's model files, in their own processes.
+
+HF baselines go through :func:`toolkit.measure.baselines.hf_generate`, which leaves the shared models as it found
+them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
+from toolkit.measure import engines
 from toolkit.measure.baselines import hf_generate
 from toolkit.measure.harness import Call, Runner
 from toolkit.measure.timing import synchronize
@@ -38,6 +46,43 @@ def baseline_methods(recipe: Recipe, has_reference: bool = False) -> list[str]:
     if baseline is not None:
         methods += PROMPT_LOOKUPS if baseline == "prompt_lookup" else [baseline]
     return methods + (["ar_fp32"] if has_reference else [])
+
+
+def strongest_baselines(recipe: Recipe, target) -> list[str]:
+    """What a user would run instead, next to ``toolkit run --compare``: ``ar_static`` (HF static cache + compile)
+    where compiling pays (:func:`toolkit.speculative.compiled.compile_pays`: elsewhere HF eager AR is the strongest
+    HF baseline) and, for greedy recipes, the installed CPU engines that apply to the target (llama.cpp needs a GGUF
+    source: ``embedded`` or a ``.gguf`` file)."""
+    from toolkit.speculative.compiled import compile_pays
+
+    methods = ["ar_static"] if compile_pays(recipe, target) else []
+    if not recipe.generation.do_sample:
+        gguf = recipe.target.source == "embedded" or recipe.target.source.endswith(".gguf")
+        methods += [m for m in engines.available() if gguf or not m.startswith("llamacpp")]
+    return methods
+
+
+def engine_model(recipe: Recipe, method: str) -> str:
+    """The model file an engine ``method`` runs for ``recipe``'s target: the GGUF itself (llama.cpp) or the int4
+    OpenVINO export of the target's HF directory (made once, cached)."""
+    from toolkit.models.embedded import embedded_gguf_path, resolve_source
+
+    if method.startswith("llamacpp"):
+        return str(embedded_gguf_path()) if recipe.target.source == "embedded" else recipe.target.source
+    return str(engines.openvino_model(resolve_source(recipe.target.source, "target.source", torch.float32)))
+
+
+@contextlib.contextmanager
+def engine_runners(recipe: Recipe, methods: list[str], eos_ids: list[int]):
+    """``{method: runner}`` for the engine methods among ``methods``, their worker processes ended on exit."""
+    with contextlib.ExitStack() as stack:
+        out = {}
+        for method in methods:
+            if method in engines.ENGINES:
+                process = stack.enter_context(engines.EngineProcess(engines.ENGINES[method],
+                                                                    engine_model(recipe, method)))
+                out[method] = engines.engine_runner(process, eos_ids)
+        yield out
 
 
 def selected_baselines(recipe: Recipe, has_reference: bool, wanted: bool | list[str]) -> list[str]:
@@ -77,13 +122,14 @@ def ours_runner(generator, eos_ids: list[int], trajectory: bool = False) -> Runn
 
 
 def baseline_runner(method: str, recipe: Recipe, eos_ids: list[int], *, target, draft_model=None,
-                    reference=None, tokenizers: tuple | None = None) -> Runner:
+                    reference=None, tokenizers: tuple | None = None, static_cache_len: int | None = None) -> Runner:
     """A runner for HF baseline ``method``; ``tokenizers`` = ``(target's, draft's)`` when the draft's vocabulary is
-    another (``assisted`` is then HF's universal assisted decoding). Raises ``ValueError`` for an unknown method or a
-    missing model."""
+    another (``assisted`` is then HF's universal assisted decoding); ``static_cache_len``: the static cache's size in
+    tokens for ``ar_static``. Raises ``ValueError`` for an unknown method or a missing model."""
     k = recipe.spec.num_draft_tokens
     universal = {} if tokenizers is None else {"tokenizer": tokenizers[0], "assistant_tokenizer": tokenizers[1]}
     kwargs = {"ar": dict(model=target, method="ar"),
+              "ar_static": dict(model=target, method="ar_static", max_cache_len=static_cache_len),
               "prompt_lookup_10": dict(model=target, method="prompt_lookup", num_draft_tokens=10,
                                        max_ngram=PROMPT_LOOKUP_NGRAM),
               "ar_fp32": dict(model=reference, method="ar"),
@@ -92,8 +138,8 @@ def baseline_runner(method: str, recipe: Recipe, eos_ids: list[int], *, target, 
               "prompt_lookup": dict(model=target, method="prompt_lookup", num_draft_tokens=prompt_lookup_tokens(recipe),
                                     max_ngram=PROMPT_LOOKUP_NGRAM)}.get(method)
     if kwargs is None:
-        raise ValueError(f"method: unknown baseline {method!r} (allowed: ar, ar_fp32, assisted, prompt_lookup, "
-                         "prompt_lookup_10)")
+        raise ValueError(f"method: unknown baseline {method!r} (allowed: ar, ar_static, ar_fp32, assisted, "
+                         "prompt_lookup, prompt_lookup_10)")
     if kwargs["model"] is None:
         raise ValueError(f"method: baseline {method!r} needs a loaded model")
     model = kwargs.pop("model")
@@ -104,14 +150,19 @@ def baseline_runner(method: str, recipe: Recipe, eos_ids: list[int], *, target, 
     return run
 
 
-def runners_for(generator, methods: list[str], eos_ids: list[int], reference=None, trajectory: bool = False) -> dict:
-    """``{method: runner}`` for ``ours`` and the named baselines of ``generator``'s recipe, in that order."""
+def runners_for(generator, methods: list[str], eos_ids: list[int], reference=None, trajectory: bool = False,
+                static_cache_len: int | None = None, engine_calls: dict | None = None) -> dict:
+    """``{method: runner}`` for ``ours`` and the named baselines of ``generator``'s recipe, in that order; engine
+    methods take their runners from ``engine_calls`` (:func:`engine_runners`)."""
     out = {}
     for method in methods:
-        if method == OURS:
+        if engine_calls and method in engine_calls:
+            out[method] = engine_calls[method]
+        elif method == OURS:
             out[method] = ours_runner(generator, eos_ids, trajectory)
         else:
             cross = None if generator.draft_tokenizer is None else (generator.tokenizer, generator.draft_tokenizer)
             out[method] = baseline_runner(method, generator.recipe, eos_ids, target=generator.target,
-                                          draft_model=generator.draft_model, reference=reference, tokenizers=cross)
+                                          draft_model=generator.draft_model, reference=reference, tokenizers=cross,
+                                          static_cache_len=static_cache_len)
     return out

@@ -14,6 +14,8 @@ import torch  # noqa: E402
 
 # verify cost curves measured by tests (tiny random models) go to a throwaway directory, not the user's cache
 os.environ.setdefault("TOOLKIT_VERIFY_COST_DIR", tempfile.mkdtemp(prefix="toolkit-verify-cost-"))
+# the CPU engines a developer installed (.venv-engines) stay out of the suite's --compare runs
+os.environ.setdefault("TOOLKIT_ENGINES_PYTHON", "off")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one process per core (make test: pytest -n 2): one thread each
     torch.set_num_threads(1)

@@ -25,6 +25,7 @@ from toolkit.models.capabilities import check_tree_support
 from toolkit.recipe import GenerationSpec, Recipe
 from toolkit.session import ModelPool, Plan, load_models, plan
 from toolkit.speculative.adaptive import make_controller
+from toolkit.speculative.compiled import engine_for
 from toolkit.speculative.cost_model import VerifyCost, load_or_measure
 from toolkit.speculative.decoder import SpeculativeDecoder
 from toolkit.speculative.drafters import DrafterContext, build_drafter
@@ -34,7 +35,6 @@ from toolkit.speculative.verify_length import Calibrator
 
 log = logging.getLogger(__name__)
 _KV_SECTION = {"target": "kv", "draft": "draft_kv"}
-logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)  # per-call int8 cast notice
 
 
 class Generator:
@@ -62,6 +62,8 @@ class Generator:
                 check_tree_support(draft_model, "draft")
         self._persistent_drafter = None  # a drafter whose config is `persistent` (memory across requests): ONE
         self._verify_cost = None  # the target's verify cost curve (adaptive: cost), measured or read once
+        self._engine = None  # the compiled static engine (recipe.compile), built at first use
+        self.engine_note = ""  # which path single-sequence decoding takes, and why (reports, the run log)
         self._batch_cost = None  # what batched forwards cost (toolkit.speculative.batch.BatchCost), learned online
         self.calibrator = Calibrator()  # acceptance calibration (adaptive: cost), learned across calls
 
@@ -192,14 +194,24 @@ class Generator:
             self._verify_cost = load_or_measure(self.target, max_tokens)
         return self._verify_cost
 
+    @property
+    def engine(self):
+        """The compiled static engine of single-sequence decoding (:mod:`toolkit.speculative.compiled`), or ``None``
+        on the eager path; :attr:`engine_note` says which and why. ``engine.warm_up()`` compiles every graph."""
+        if self._engine is None and not self.engine_note:
+            self._engine, self.engine_note = engine_for(self.recipe, self.target, self.plan)
+            log.info("decoding path: %s", self.engine_note)
+        return self._engine
+
     def decoder(self, gen: GenerationSpec) -> SpeculativeDecoder:
         """A fresh decode loop for one call (the drafter is per call unless its config is persistent; the cost curve
         and the acceptance calibration are per Generator)."""
         spec = self.recipe.spec
         tree = TreeShape(spec.tree_budget, spec.tree_depth, spec.tree_topk) if spec.tree else None
-        cost = self.verify_cost if spec.adaptive == "cost" else None
+        engine = self.engine
+        cost = (engine.verify_cost() if engine is not None else self.verify_cost) if spec.adaptive == "cost" else None
         controller = make_controller(spec, cost, self.calibrator, self.plan.max_query_tokens)
-        return SpeculativeDecoder(self.target, self._drafter(gen), controller, self.target_policy, tree)
+        return SpeculativeDecoder(self.target, self._drafter(gen), controller, self.target_policy, tree, engine)
 
     # -------------------------------------------------------------------------------------------- generation
     def _stop_check(self, gen: GenerationSpec):

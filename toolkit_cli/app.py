@@ -83,7 +83,9 @@ def _load(recipe: str):
 @app.command()
 @reported
 def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped recipe name"),
-        compare: bool = typer.Option(False, "--compare", help="also run HF AR / assisted / prompt-lookup baselines"),
+        compare: bool = typer.Option(False, "--compare", help="also run HF AR (eager and static-cache "
+                                     "compiled) / assisted / prompt-lookup baselines, and llama.cpp / OpenVINO when "
+                                     "installed (make bench-cpu-engines)"),
         repeats: int = typer.Option(3, min=1, help="timed repetitions per prompt and method (with --compare)"),
         max_new_tokens: Optional[int] = typer.Option(None, min=1, help="override generation.max_new_tokens"),
         num_prompts: Optional[int] = typer.Option(None, min=1, help="use N prompts of the suite, spread over kinds"),

@@ -7,7 +7,6 @@ method runs on the same model objects, prompts and ``max_new_tokens``, EOS disab
 
 from __future__ import annotations
 
-import copy
 import json
 import statistics
 import time
@@ -64,22 +63,12 @@ def verify_cost(kit) -> dict:
 
 
 def hf_static_compiled(model, ids: torch.Tensor, gen: GenerationSpec, backend: str, mode: str | None):
-    """HF ``generate`` with ``cache_implementation="static"`` and HF's own compile of the decoding step
-    (``CompileConfig(dynamic=False)`` with ``backend`` and ``mode``: ``reduce-overhead`` = CUDA graphs), on every
-    device (HF compiles by default on CUDA only): the strongest HF baseline. Prompts of one length and one
+    """HF static-cache compiled AR (the ``ar_static`` baseline of :func:`toolkit.measure.baselines.hf_generate`)
+    with ``backend`` and ``mode`` (``reduce-overhead`` = CUDA graphs), EOS ignored. Prompts of one length and one
     ``max_new_tokens`` keep one cache shape, so the first call's compile serves every later call. Returns the new
     ids; the caller times the call."""
-    from transformers import CompileConfig
-
-    config = copy.deepcopy(model.generation_config)
-    config.eos_token_id, config.do_sample, config.min_new_tokens = [], False, None
-    config.max_new_tokens = gen.max_new_tokens
-    config.cache_implementation = "static"
-    config.compile_config = CompileConfig(fullgraph=False, dynamic=False, backend=backend, mode=mode or "default")
-    config.compile_config._compile_all_devices = True
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return out[0, ids.shape[1]:].tolist()
+    new_ids, _ = hf_generate(model, ids, gen, [], method="ar_static", compile_backend=backend, compile_mode=mode)
+    return new_ids
 
 
 def measured_curve(curve_ms: dict, max_tokens: int | None = None) -> VerifyCost:

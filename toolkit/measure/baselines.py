@@ -1,6 +1,10 @@
 """Reference decoders from HF transformers, run on the same model objects, prompts and settings as ours.
 
 * ``ar`` — plain autoregressive ``model.generate``.
+* ``ar_static`` — the same with HF's static cache and HF's own ``torch.compile`` of the decoding step
+  (``cache_implementation="static"`` + ``CompileConfig(dynamic=False)``, forced on every device: HF compiles by
+  default on CUDA only): the strongest HF baseline. ``max_cache_len`` fixes the cache's size for every call, so one
+  compiled graph serves every prompt (the first call compiles: time it apart).
 * ``assisted`` — HF assisted generation (``assistant_model``), constant ``num_assistant_tokens`` = K and no
   confidence-based early stop, so it drafts exactly like our constant-K loop.
 * ``prompt_lookup`` — HF prompt lookup decoding (``prompt_lookup_num_tokens`` = K, ``max_matching_ngram_size``).
@@ -22,7 +26,7 @@ from toolkit.measure.timing import synchronize
 from toolkit.recipe import GenerationSpec
 from toolkit.speculative.stats import GenerationStats
 
-BASELINES = ("ar", "assisted", "prompt_lookup")
+BASELINES = ("ar", "ar_static", "assisted", "prompt_lookup")
 
 
 class _FirstTokenTimer(BaseStreamer):
@@ -43,7 +47,9 @@ class _FirstTokenTimer(BaseStreamer):
 
 def hf_generate(model, input_ids: torch.Tensor, gen: GenerationSpec, eos_token_ids: list[int], *,
                 method: str = "ar", assistant_model=None, num_draft_tokens: int = 4, max_ngram: int = 3,
-                tokenizer=None, assistant_tokenizer=None) -> tuple[list[int], GenerationStats]:
+                tokenizer=None, assistant_tokenizer=None, max_cache_len: int | None = None,
+                compile_backend: str = "inductor", compile_mode: str | None = None
+                ) -> tuple[list[int], GenerationStats]:
     """Run one HF ``generate`` baseline (``method`` in :data:`BASELINES`) and time it.
 
     ``input_ids`` has shape ``(1, prompt_len)``. EOS handling mirrors ours: ``gen.ignore_eos`` removes the EOS ids
@@ -80,6 +86,8 @@ def hf_generate(model, input_ids: torch.Tensor, gen: GenerationSpec, eos_token_i
         assistant_config.num_assistant_tokens_schedule = "constant"
         assistant_config.assistant_confidence_threshold = 0.0
         assistant_model.generation_config = assistant_config
+    elif method == "ar_static":
+        _static_compiled(config, max_cache_len, compile_backend, compile_mode)
     elif method == "prompt_lookup":
         config.prompt_lookup_num_tokens = num_draft_tokens
         config.max_matching_ngram_size = max_ngram
@@ -110,3 +118,14 @@ def hf_generate(model, input_ids: torch.Tensor, gen: GenerationSpec, eos_token_i
     stats.total_ms = (end - start) * 1000
     stats.finish_reason = "length" if len(new_ids) >= gen.max_new_tokens else "eos"
     return new_ids, stats
+
+
+def _static_compiled(config, max_cache_len: int | None, backend: str, mode: str | None) -> None:
+    """Turn ``config`` into HF's static-cache + compiled decoding step (see ``ar_static`` in the module docstring)."""
+    from transformers import CompileConfig
+
+    config.cache_implementation = "static"
+    if max_cache_len is not None and hasattr(config, "max_cache_len"):  # a field of recent releases; older ones size per call
+        config.max_cache_len = max_cache_len
+    config.compile_config = CompileConfig(fullgraph=False, dynamic=False, backend=backend, mode=mode or "default")
+    config.compile_config._compile_all_devices = True

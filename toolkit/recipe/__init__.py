@@ -58,6 +58,9 @@ from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_UNUSED
 BATCH_SIZE_MAX = 256
 #: requests per target forward for a list of prompts when the recipe does not set ``batch_size``
 DEFAULT_BATCH_SIZE = 8
+#: ``compile``: the target's forwards eager (``off``), compiled on a static cache (``on``), or compiled where it was
+#: measured to pay (``auto``: torchao int4 / int8 weights on CPU, and CUDA; see toolkit.speculative.compiled)
+COMPILE_MODES = ("off", "on", "auto")
 
 __all__ = ["Recipe", "ModelSpec", "KVSpec", "SpecSpec", "GenerationSpec", "check_name", "read_text",
            "load_yaml_text", "LOOP_FIELDS", "ADAPTIVE", "ATTN_IMPLEMENTATIONS", "BACKENDS", "COMPUTE_DTYPES",
@@ -75,6 +78,8 @@ class Recipe:
     (YAML, or JSONL of prompts / chat messages). ``batch_size`` is how many requests share a target forward when the
     recipe runs a list of prompts (:meth:`toolkit.generator.Generator.generate_batch`, ``toolkit run --prompts``;
     ``None``: :data:`DEFAULT_BATCH_SIZE`, 1: one request at a time); it is written to YAML only when set.
+    ``compile`` (:data:`COMPILE_MODES`) runs single-sequence decoding on the compiled static engine
+    (:mod:`toolkit.speculative.compiled`); written to YAML only when not ``off``.
     """
 
     name: str = "recipe"
@@ -87,6 +92,7 @@ class Recipe:
     generation: GenerationSpec = field(default_factory=GenerationSpec)
     prompts: str = "short"
     batch_size: int | None = None
+    compile: str = "off"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -116,6 +122,7 @@ class Recipe:
             raise ConfigError("prompts", "must name a prompt suite (short, long, memory) or a suite file path")
         if self.batch_size is not None:
             check_int("batch_size", self.batch_size, low=1, high=BATCH_SIZE_MAX)
+        check_choice("compile", self.compile, COMPILE_MODES)
 
     # ----------------------------------------------------------------------------------------------- (de)serialize
     def to_dict(self) -> dict:
@@ -129,7 +136,8 @@ class Recipe:
             "spec": self.spec.to_dict(),
             "generation": dataclasses.asdict(self.generation),
             "prompts": self.prompts,
-        } | ({"batch_size": self.batch_size} if self.batch_size is not None else {})  # unset: hashes stay as they were
+        } | ({"batch_size": self.batch_size} if self.batch_size is not None else {}) | (
+            {"compile": self.compile} if self.compile != "off" else {})  # unset / default: hashes stay as they were
 
     @classmethod
     def from_dict(cls, data: dict) -> Recipe:
@@ -140,9 +148,11 @@ class Recipe:
         if unknown:
             raise ConfigError(unknown[0], "unknown recipe field", sorted(known))
         kwargs: dict[str, Any] = {}
-        for key in ("name", "description", "prompts", "batch_size"):
+        for key in ("name", "description", "prompts", "batch_size", "compile"):
             if key in data:
                 kwargs[key] = data[key]
+        if isinstance(kwargs.get("compile"), bool):  # YAML 1.1 reads a bare on / off as a boolean
+            kwargs["compile"] = "on" if kwargs["compile"] else "off"
         kwargs["target"] = _section(ModelSpec, data.get("target", {}), "target")
         if "draft" in data:
             kwargs["draft"] = None if data["draft"] is None else _section(ModelSpec, data["draft"], "draft")

@@ -114,8 +114,11 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def measure_verify_cost(model, max_tokens: int = 16, context: int = 256, repeats: int = 5) -> VerifyCost:
-    """Time forwards of 1..``max_tokens`` new tokens after ``context`` tokens (see the module docstring).
+def measure_verify_cost(model, max_tokens: int = 16, context: int = 256, repeats: int = 5,
+                        engine=None) -> VerifyCost:
+    """Time forwards of 1..``max_tokens`` new tokens after ``context`` tokens (see the module docstring); with a
+    :class:`~toolkit.speculative.compiled.CompiledTarget` ``engine``, through its compiled forwards on its static
+    cache (every length timed: a length between buckets pays its bucket, so the curve comes out as steps).
 
     Returns a :class:`VerifyCost` in milliseconds. Raises ``ValueError`` for ``max_tokens < 1``.
     """
@@ -130,8 +133,13 @@ def measure_verify_cost(model, max_tokens: int = 16, context: int = 256, repeats
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (1, context), generator=gen).to(device)
     lengths = [n for n in MEASURED_LENGTHS if n < max_tokens] + [max_tokens]
-    cache = DynamicCache(config=model.config)
-    model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    if engine is not None:
+        cache = engine.new_cache(context + max_tokens)
+        engine.forward(cache, prompt, 0, 1)
+        lengths = list(range(1, max_tokens + 1))
+    else:
+        cache = DynamicCache(config=model.config)
+        model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
     times: dict[int, list[float]] = {n: [] for n in lengths}
     for rep in range(repeats + 1):  # repetition 0 warms every length up (kernel selection, allocator)
         order = lengths[rep % len(lengths):] + lengths[:rep % len(lengths)]
@@ -140,7 +148,11 @@ def measure_verify_cost(model, max_tokens: int = 16, context: int = 256, repeats
             positions = torch.arange(context, context + n, device=device).unsqueeze(0)
             _sync(device)
             start = time.perf_counter()
-            model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=n, position_ids=positions)
+            if engine is not None:
+                engine.forward(cache, tokens, context, n)
+            else:
+                model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=n,
+                      position_ids=positions)
             _sync(device)
             if rep:
                 times[n].append((time.perf_counter() - start) * 1000)
@@ -173,8 +185,9 @@ def _cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
-def load_or_measure(model, max_tokens: int = 16, cache_dir: Path | None = None) -> VerifyCost:
-    """The cached curve of ``model`` on this machine, measured (and cached atomically) on first use.
+def load_or_measure(model, max_tokens: int = 16, cache_dir: Path | None = None, engine=None) -> VerifyCost:
+    """The cached curve of ``model`` on this machine, measured (and cached atomically) on first use; with a compiled
+    ``engine``, the curve of its forwards (its own cache entry: buckets and backend in the key).
 
     ``cache_dir`` defaults to ``$TOOLKIT_VERIFY_COST_DIR`` or :func:`toolkit.resources.cache_dir`
     ``/ "verify-cost"``. A cache file that cannot be read or does not cover ``max_tokens`` is measured again.
@@ -183,6 +196,8 @@ def load_or_measure(model, max_tokens: int = 16, cache_dir: Path | None = None) 
     from toolkit.resources import cache_dir as user_cache_dir
 
     key = cost_key(model)
+    if engine is not None:
+        key += "-compiled-" + hashlib.sha256(f"{engine.widths}|{engine.mode}".encode()).hexdigest()[:8]
     default = os.environ.get("TOOLKIT_VERIFY_COST_DIR") or user_cache_dir() / "verify-cost"
     path = Path(cache_dir or default) / f"{key}.json"
     try:
@@ -192,7 +207,7 @@ def load_or_measure(model, max_tokens: int = 16, cache_dir: Path | None = None) 
     except (OSError, ValueError, KeyError, TypeError):
         pass
     log.info("measuring the verify cost curve of this model on this machine (once; cached in %s)", path.parent)
-    cost = measure_verify_cost(model, max_tokens)
+    cost = measure_verify_cost(model, max_tokens, engine=engine)
     cost.key = key
     try:
         atomic_write_json(path, cost.to_dict())

@@ -54,10 +54,16 @@ class SpeculativeDecoder:
         target_policy: KV compression policy of the target cache (``None`` = uncompressed).
         tree: :class:`~toolkit.speculative.tree.TreeShape` (node budget, depth, top-k) for tree speculation with a
             drafter that implements ``propose_tree``; ``None`` = linear drafting.
+        engine: a :class:`~toolkit.speculative.compiled.CompiledTarget` of ``target``: every target forward runs on
+            its static cache, compiled per width bucket (uncompressed caches and chains only); ``None`` = eager.
+
+    Raises:
+        TypeError: ``tree`` with a drafter that proposes no trees.
+        ValueError: ``engine`` together with a KV policy or token trees.
     """
 
     def __init__(self, target, drafter: Drafter | None = None, controller=None, target_policy=None,
-                 tree: TreeShape | None = None):
+                 tree: TreeShape | None = None, engine=None):
         self.target = target
         self.drafter = drafter
         if tree is not None and drafter is not None and not isinstance(drafter, TreeDrafterProtocol):
@@ -68,6 +74,10 @@ class SpeculativeDecoder:
         self.controller = controller or ConstantK(4)
         self.target_policy = target_policy
         self.device = next(target.parameters()).device
+        if engine is not None and (target_policy is not None or self.tree is not None):
+            raise ValueError("engine: the compiled static engine holds uncompressed caches and chains only (no KV "
+                             "policy, no token trees)")
+        self.engine = engine
         self.cache = None
 
     # ------------------------------------------------------------------------------------------------ internals
@@ -76,6 +86,8 @@ class SpeculativeDecoder:
 
         Returns logits ``(logits_to_keep, vocab)`` for the last positions.
         """
+        if self.engine is not None:
+            return self.engine.forward(self.cache, tokens, start, logits_to_keep)
         positions = torch.arange(start, start + tokens.shape[1], device=self.device).unsqueeze(0)
         out = self.target(input_ids=tokens, past_key_values=self.cache, use_cache=True,
                           logits_to_keep=logits_to_keep, **kv_ops.model_inputs(self.cache, positions))
@@ -156,10 +168,13 @@ class SpeculativeDecoder:
             return logits.argmax(-1)
 
         # Prefill: the whole prompt in one forward, the first token from the target alone.
-        self.cache = kv_ops.new_cache(self.target_policy, self.target)
+        prompt_len = input_ids.shape[1]
+        if self.engine is not None:
+            self.cache = self.engine.new_cache(prompt_len + limit)
+        else:
+            self.cache = kv_ops.new_cache(self.target_policy, self.target)
         if self.drafter is not None:
             self.drafter.reset()
-        prompt_len = input_ids.shape[1]
         stats.prompt_tokens = prompt_len
         input_ids = input_ids.to(self.device)
         first = choose(self._target_forward(input_ids, 0, 1))

@@ -1,0 +1,134 @@
+"""The strongest baselines of ``--compare``: HF static-cache compiled AR (one graph for a whole suite) and the CPU
+engines' worker protocol (llama.cpp / OpenVINO in their own interpreter)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import tiny_llama
+from test_decoder import hf_greedy
+
+from eval.runners import strongest_baselines
+from toolkit.measure import engines
+from toolkit.measure.baselines import hf_generate
+from toolkit.recipe import GenerationSpec, Recipe
+
+
+@pytest.mark.slow
+def test_static_compiled_ar_is_greedy_ar_with_one_graph_for_every_prompt_length():
+    """``ar_static`` gives HF greedy AR's tokens, and a cache sized for the suite (``max_cache_len``) means prompts
+    of other lengths reuse the first call's graph: dynamo compiles no new frame after the first call."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = tiny_llama(seed=3)
+    gen = GenerationSpec(max_new_tokens=8, do_sample=False, ignore_eos=True)
+    prompts = [torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 11, 17)]
+    frames = []
+    for prompt in prompts:
+        ids, stats = hf_generate(model, prompt, gen, [], method="ar_static", max_cache_len=64,
+                                 compile_backend="eager")
+        assert ids == hf_greedy(model, prompt, 8)
+        assert stats.new_tokens == 8 and stats.target_forwards == 8
+        frames.append(counters["stats"]["unique_graphs"])
+    assert frames[0] >= 1, "the decoding step was not compiled"
+    assert frames[1] == frames[0] == frames[2], f"recompiled for another prompt length: {frames}"
+    torch._dynamo.reset()
+
+
+def test_strongest_baselines_name_static_ar_where_compiling_pays_and_only_engines_that_apply(monkeypatch):
+    monkeypatch.setattr(engines, "available", lambda: ["llamacpp_ar", "llamacpp_lookup", "openvino_ar"])
+    recipe = Recipe.load("recipes/short.yaml")  # torchao int4
+    int4 = tiny_llama()
+    int4.toolkit_backend = "torchao"
+    assert strongest_baselines(recipe, int4) == ["ar_static", "llamacpp_ar", "llamacpp_lookup", "openvino_ar"]
+    hub = Recipe.from_dict({**recipe.to_dict(), "target": {**recipe.to_dict()["target"], "source": "org/model"}})
+    assert strongest_baselines(hub, int4) == ["ar_static", "openvino_ar"]  # llama.cpp needs a GGUF
+    sampled = Recipe.from_dict({**recipe.to_dict(), "generation": {"max_new_tokens": 8, "do_sample": True}})
+    assert strongest_baselines(sampled, int4) == ["ar_static"]  # the engines' samplers are not ours: greedy only
+    fp32 = Recipe.load("recipes/short-exact.yaml")  # bytes-bound on CPU: HF eager AR is the strongest HF baseline
+    assert strongest_baselines(fp32, tiny_llama()) == ["llamacpp_ar", "llamacpp_lookup", "openvino_ar"]
+
+
+def test_no_engines_without_their_interpreter(monkeypatch, tmp_path):
+    monkeypatch.setenv("TOOLKIT_ENGINES_PYTHON", "off")
+    assert engines.engines_python() is None
+    monkeypatch.delenv("TOOLKIT_ENGINES_PYTHON", raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(engines, "_CHECKOUT", tmp_path)
+    assert engines.engines_python() is None and engines.available() == []
+    with pytest.raises(engines.EngineError, match="install_engines.sh"):
+        engines.EngineProcess(engines.ENGINES["llamacpp_ar"])
+
+
+@pytest.fixture
+def fake_llama_cpp(tmp_path, monkeypatch):
+    """A ``llama_cpp`` package whose ``Llama`` echoes the prompt backwards: the worker's protocol, without
+    llama.cpp."""
+    package = tmp_path / "site" / "llama_cpp"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(textwrap.dedent("""
+        import numpy as np
+        __version__ = "fake"
+
+        class Llama:
+            def __init__(self, model_path, **kwargs):
+                self.kwargs, self.n_tokens = kwargs, 0
+                print("engine chatter goes to stderr")  # the worker must keep stdout for replies
+
+            def reset(self):
+                self.n_tokens = 0
+
+            def generate(self, tokens, **sampling):
+                assert sampling["temp"] == 0.0 and sampling["top_k"] == 1
+                assert self.n_tokens == 0, "the previous request's prefix was reused"
+                self.n_tokens = len(tokens)
+                for t in reversed(list(tokens) * 10):
+                    yield t
+
+            def eval(self, tokens):
+                self.scores = np.eye(8, dtype=np.float32)[[(t + 1) % 8 for t in tokens]] * 5
+    """))
+    script = tmp_path / "python"
+    script.write_text(f"#!/bin/sh\nPYTHONPATH={package.parent} exec {sys.executable} \"$@\"\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("TOOLKIT_ENGINES_PYTHON", str(script))
+    engines._importable.cache_clear()
+    yield str(script)
+    engines._importable.cache_clear()
+
+
+def test_engine_worker_serves_generate_and_score_and_reports_errors(fake_llama_cpp, tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))
+    assert "llamacpp_ar" in engines.available() and "openvino_ar" not in engines.available()
+    gen = GenerationSpec(max_new_tokens=5, do_sample=False, ignore_eos=False)
+    with engines.EngineProcess(engines.ENGINES["llamacpp_ar"], model, threads=2) as worker:
+        run = engines.engine_runner(worker, eos_ids=[1])
+        call = run(torch.tensor([[4, 3, 2]]), gen)  # backwards: 2, 3, 4, 2, 3 (5 tokens, no EOS)
+        assert call.token_ids == [2, 3, 4, 2, 3] and call.stats.finish_reason == "length"
+        call = run(torch.tensor([[1, 6]]), gen)  # 6, then EOS 1 ends it
+        assert call.token_ids == [6, 1] and call.stats.finish_reason == "eos"
+        assert call.stats.total_ms >= call.stats.ttft_ms >= 0
+        info = worker.request("info")
+        assert info == {"engine": "llama.cpp", "version": "fake", "weight_bytes": 64, "threads": 2}
+        score = worker.request("score", input_ids=[0, 1, 5])
+        assert score["argmax"] == [1, 2]  # the fake's logits favour t + 1
+        assert score["nll"][0] == pytest.approx(-torch.log_softmax(torch.eye(8)[1] * 5, 0)[1].item(), rel=1e-6)
+        with pytest.raises(engines.EngineError, match=r"llamacpp_ar: frobnicate failed: op: unknown 'frobnicate'"):
+            worker.request("frobnicate")
+        with pytest.raises(engines.EngineError, match="greedy only"):
+            run(torch.tensor([[4]]), GenerationSpec(max_new_tokens=2, do_sample=True))
+
+
+def test_engine_worker_replies_are_json_lines_only(fake_llama_cpp, tmp_path):
+    request = json.dumps({"op": "generate", "input_ids": [3, 2], "max_new_tokens": 2, "eos_token_ids": []})
+    out = subprocess.run([fake_llama_cpp, str(engines.WORKER), "--engine", "llamacpp", "--model", "x"],
+                         input=request + "\n", capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(out.stdout)["token_ids"] == [2, 3] and len(out.stdout.splitlines()) == 1
+    assert "engine chatter" in out.stderr
