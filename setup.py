@@ -8,5 +8,7 @@ setup(
     package_dir={"toolkit.recipes": "recipes"},
     package_data={"toolkit.recipes": ["*.yaml", "prompts/*.yaml", "search/*.yaml", "found/*.yaml"],
                   "eval": ["*.json"],
+                  # the HF evaluate metric modules: scripts loaded by path (toolkit.metrics.load), not packages
+                  "toolkit.metrics": ["*/*.py"],
                   "toolkit": ["heads/*/*.json", "heads/*/*.safetensors", "heads/*/*.md", "heads/*/*.png"]},
 )

@@ -99,14 +99,17 @@ def estimate_s(settings, work: Workload, ms) -> float:
     return (timing + perplexity + batch) / 1000.0
 
 
-def fit(settings, work: Workload, ms, budget_s: float) -> Fitted:
+def fit(settings, work: Workload, ms, budget_s: float, min_prompts: int = 1) -> Fitted:
     """Cut ``settings`` (an :class:`eval.evaluate.EvalSettings`) step by step (:data:`STEPS`) until its estimate is
-    at most ``budget_s`` seconds, or every step is taken; returns the settings to run and what was cut."""
+    at most ``budget_s`` seconds, or every step is taken; returns the settings to run and what was cut. The prompt
+    cut stops at ``min_prompts`` (the prompts that keep ``settings.keep_kinds``, e.g. a summarization prompt)."""
     requested = estimate_s(settings, work, ms)
     current, cuts = settings, {}
     for name, value in STEPS:
         if estimate_s(current, work, ms) <= budget_s:
             break
+        if name == "num_prompts":
+            value = max(value, min_prompts)
         before = getattr(current, name)
         if before is not None and before <= value:
             continue
@@ -120,6 +123,7 @@ def fit_evaluation(recipe, settings, generator, prompts: list, batch_prompts: li
     baselines), its prompts (``(1, n)`` token ids in ``.input_ids``), its batch stage and the target's cost curve
     (``generator.verify_cost``); logs what was cut."""
     from eval.batch_run import batch_methods
+    from eval.quality import keep_count
     from eval.runners import selected_baselines
     from toolkit.measure.harness import round_robin
 
@@ -131,7 +135,8 @@ def fit_evaluation(recipe, settings, generator, prompts: list, batch_prompts: li
                     separate, [int(p.input_ids.shape[1]) for p in batch_prompts],
                     len(batch_methods(settings.baselines)) if batch_prompts else 0, recipe.batch_size or 1)
     fitted = fit(dataclasses.replace(settings, max_new_tokens=min(longest, settings.max_new_tokens or longest)),
-                 work, forward_ms(generator.verify_cost), settings.time_budget_s)
+                 work, forward_ms(generator.verify_cost), settings.time_budget_s,
+                 min_prompts=keep_count(prompts, 1, settings.keep_kinds) or 1)
     if fitted.cuts:
         log.warning("eval %s: cut to fit the %.0f s budget (estimate %.0f s -> %.0f s): %s", recipe.name,
                     settings.time_budget_s, fitted.requested_estimate_s, fitted.estimate_s,

@@ -33,6 +33,7 @@ import torch
 
 from eval import metrics as M
 from eval.budget import fit_evaluation, forward_ms, timing_deadline
+from eval.quality import quality_section
 from eval.results import EvalResult
 from eval.runners import (
     OURS,
@@ -82,6 +83,9 @@ class EvalSettings:
         batch_prompts: prompts of the batch stage of a recipe that sets ``batch_size`` (:func:`eval.batch_run.
             batch_section`, the ``batch`` section of the metrics): N of the suite spread over its kinds, ``None`` =
             all; ``num_prompts`` cuts only the per-request stage.
+        keep_kinds: prompt kinds the per-request prompts always include when the suite has them (``num_prompts``
+            is raised and a time budget never cuts below what keeps them): the search sets ``["summarize"]`` when
+            its scenario bounds ROUGE-L (:mod:`eval.quality`). ``None``: no such floor.
     """
 
     num_prompts: int | None = None
@@ -99,6 +103,7 @@ class EvalSettings:
     mode: str = "full"
     batch_prompts: int | None = None
     time_budget_s: float | None = None
+    keep_kinds: list[str] | None = None
 
     def __post_init__(self) -> None:
         """Check every field; raises :class:`ConfigError` naming it (``repeats``, ``ppl_source`` ...)."""
@@ -126,6 +131,10 @@ class EvalSettings:
         check_name("mode", self.mode)  # part of a results directory name
         if self.time_budget_s is not None:
             check_float("time_budget_s", self.time_budget_s, low=0.0, low_open=True, high=7 * 24 * 3600.0)
+        if self.keep_kinds is not None:
+            from toolkit.checks import check_str_list
+
+            self.keep_kinds = check_str_list("keep_kinds", self.keep_kinds, "prompt kinds")
 
     @classmethod
     def fast(cls, **overrides) -> EvalSettings:
@@ -137,7 +146,7 @@ class EvalSettings:
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
-        for name in ("batch_prompts", "time_budget_s"):
+        for name in ("batch_prompts", "time_budget_s", "keep_kinds"):
             if data[name] is None:  # unset: earlier results (and their directory names) stay valid
                 del data[name]
         return data
@@ -173,6 +182,9 @@ def get_model(spec: ModelSpec, field: str = "model"):
 
 
 def clear_model_cache() -> None:
+    from eval.quality import clear
+
+    clear()
     SHARED_POOL.clear()
     _REF_PPL.clear()
     _BASELINES.clear()
@@ -191,7 +203,8 @@ def load_recipe_models(recipe: Recipe, reference: bool = True):
 
 # ------------------------------------------------------------------------------------------------- helpers
 def _prompts(recipe: Recipe, prompts, generator, count: int | None) -> list[Prompt]:
-    """Harness prompts from injected prompts (token-id lists, tensors, suite prompts) or the recipe's suite."""
+    """Harness prompts from injected prompts (token-id lists, tensors, harness prompts with their ids, suite prompts)
+    or the recipe's suite."""
     if prompts is None:
         from toolkit.measure.prompts import load_suite
 
@@ -202,6 +215,8 @@ def _prompts(recipe: Recipe, prompts, generator, count: int | None) -> list[Prom
             out.append(Prompt(f"ids-{i}", "ids", torch.tensor([list(p)])))
         elif torch.is_tensor(p):
             out.append(Prompt(f"ids-{i}", "ids", p.view(1, -1).long()))
+        elif isinstance(p, Prompt):  # already token ids, with an id and a kind (summarize, code, ...)
+            out.append(p)
         else:
             out.append(Prompt(p.id, p.kind, generator.encode(p.prompt, f"prompts.{p.id}")))
     out = spread(out, count)
@@ -324,6 +339,11 @@ class _Run:
             reference_model = target
         requested, started = settings, time.monotonic()
         every = _prompts(recipe, prompts, generator, None)
+        if settings.keep_kinds and settings.num_prompts is not None:  # e.g. a summarization prompt for ROUGE-L
+            from eval.quality import keep_count
+
+            settings = dataclasses.replace(settings, num_prompts=keep_count(every, settings.num_prompts,
+                                                                             settings.keep_kinds))
         batched = recipe.batch_size is not None  # scored as it runs: a list of prompts at its batch size
         batch_items = spread(every, settings.batch_prompts) if batched else []
         asked = _generation(recipe, settings)
@@ -523,6 +543,7 @@ def _document(run: _Run, measured, reused: dict, perplexity: dict, started: floa
         "methods": method_metrics,
         "ratios": _ratios(method_metrics),
         "fidelity": _fidelity(run, first),
+        "quality": quality_section(items, first, run.generator, run.reference_model, gen),
         "trajectories": [{"prompt": it.id, "rows": _downsample(t)} for it, t in zip(items, trajectories)],
         **({"batch": batch} if batch is not None else {}),
         "elapsed_s": time.perf_counter() - started,

@@ -57,6 +57,37 @@ def _batch_lines(batch: dict | None) -> list[str]:
     return lines
 
 
+def _quality_lines(q: dict | None) -> list[str]:
+    """The output-quality section: ROUGE-L (summarization prompts) and exact match / first divergence (code prompts)
+    of the recipe's text against the fp32 AR reference text (``metrics.json`` ``quality``)."""
+    if q is None:
+        return []
+    lines = ["## Output quality vs the fp32 AR reference", ""]
+    if q["reference"] is None:
+        return lines + [f"Not measured: {q.get('reason', 'no reference')}.", ""]
+    lines += [f"Reference: {q['reference']['description']}; same prompts, same max_new_tokens. Computed with the "
+              "shipped evaluate modules (toolkit/metrics)" + ("" if q["greedy"] else "; sampling recipe: one sample "
+                                                                 "per prompt, exact agreement is not expected") + ".",
+              "", "| prompt | metric | value |", "|---|---|---|"]
+    r, c = q["rouge_l"], q["code"]
+    for p in (r["prompts"] if r else []):
+        lines.append(f"| {p['id']} | ROUGE-L F1 (precision / recall) | {p['value']:.3f} ({p['precision']:.3f} / "
+                     f"{p['recall']:.3f}) |")
+    for p in (c["prompts"] if c else []):
+        where = "identical" if p["first_divergence"] is None else f"first divergence at token {p['first_divergence']}"
+        lines.append(f"| {p['id']} | exact match; first divergence (fraction matched) | "
+                     f"{'yes' if p['exact_match'] else 'no'}; {where} ({p['matched_fraction']:.3f} of "
+                     f"{p['reference_tokens']} tokens) |")
+    summary = []
+    if r:
+        summary.append(f"mean ROUGE-L F1 over summarization prompts **{r['value']:.3f}** ({r['tokenization']})")
+    if c:
+        summary.append(f"code exact match **{c['exact_match']:.2f}**, mean matched fraction "
+                       f"{c['matched_fraction']:.3f}")
+    lines += ["", "; ".join(summary) + "." + (f" ({q['reason']}.)" if q.get("reason") else ""), ""]
+    return lines
+
+
 def markdown(m: dict) -> str:
     """The report.md text of a metrics dict."""
     r, p, a, mem, env = m["recipe"], m["perplexity"], m["acceptance"], m["memory"], m["environment"]
@@ -85,7 +116,8 @@ def markdown(m: dict) -> str:
         lines.append(f"| fp32 uncompressed reference | {ref['value']:.3f} | full context over the same "
                      f"{ref['tokens']} predicted tokens, token-level |")
         lines += ["", f"PPL ratio (configured / fp32 reference): **{p['ratio_to_fp32']:.4f}**"]
-    lines += ["", "## Speed", "",
+    lines += [""] + _quality_lines(m.get("quality"))
+    lines += ["## Speed", "",
               f"{proto['num_prompts']} prompts, {proto['max_new_tokens']} new tokens each (EOS "
               f"{'disabled' if proto['ignore_eos'] else 'enabled'}), {proto['warmup']} warm-up call(s) per method, "
               f"{proto['repeats']} repetitions, median [min–max]. {proto.get('timing', '')}", "",

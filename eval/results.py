@@ -37,6 +37,9 @@ class EvalResult:
         baseline_throughput: median tok/s of every baseline that ran (``ar``, ``ar_fp32``, ``assisted``, ...,
             ``hf-batch-ar``, ``ours-single``).
         fidelity_vs_ar / fidelity_vs_fp32: match rate of our greedy text against AR (``None`` when not measured).
+        rouge_l: mean ROUGE-L F1 (in [0, 1]) of our text against the fp32 AR reference text on the summarization
+            prompts; code_exact_match: fraction of code prompts whose tokens equal the reference's; ``None`` when not
+            measured (no such prompt, no reference; ``document["quality"]``, :mod:`eval.quality`).
         skipped: loaded from an earlier run instead of measured.
         document: the full ``metrics.json`` document.
     """
@@ -59,6 +62,8 @@ class EvalResult:
     baseline_throughput: dict[str, float]
     fidelity_vs_ar: float | None
     fidelity_vs_fp32: float | None
+    rouge_l: float | None
+    code_exact_match: float | None
     elapsed_s: float
     skipped: bool
     document: dict = field(repr=False, compare=False)
@@ -70,6 +75,7 @@ class EvalResult:
         kv = m["memory"]["kv_bytes"]
         fid = m["fidelity"]
         batch = m.get("batch")
+        quality = m.get("quality") or {}  # absent from documents written before the quality section existed
         baselines = {k: v["throughput"]["median"] for k, v in m["methods"].items() if k != "ours"}
         ratios = dict(m["ratios"])
         if batch is not None:
@@ -88,6 +94,8 @@ class EvalResult:
             total_peak_bytes=m["memory"]["total_peak_bytes"], ratios=ratios, baseline_throughput=baselines,
             fidelity_vs_ar=fid.get("vs_ar", {}).get("match_rate"),
             fidelity_vs_fp32=fid.get("vs_fp32", {}).get("match_rate"),
+            rouge_l=(quality.get("rouge_l") or {}).get("value"),
+            code_exact_match=(quality.get("code") or {}).get("exact_match"),
             elapsed_s=m.get("elapsed_s", 0.0), skipped=bool(m.get("skipped", False)), document=m)
 
     def to_dict(self) -> dict:
@@ -107,10 +115,14 @@ class EvalResult:
         return self.baseline_throughput.get("ar")
 
     def summary_line(self) -> str:
-        """One line for the terminal: PPL, α, τ, speed, ratios, memory."""
+        """One line for the terminal: PPL, ROUGE-L and code exact match (vs fp32 AR), α, τ, speed, ratios, memory."""
         parts = [f"PPL {self.ppl:.2f}"]
         if self.ppl_ratio is not None:
             parts.append(f"(x{self.ppl_ratio:.3f} of fp32)")
+        if self.rouge_l is not None:
+            parts.append(f"ROUGE-L {self.rouge_l:.3f}")
+        if self.code_exact_match is not None:
+            parts.append(f"code exact match {self.code_exact_match:.2f}")
         parts.append(f"α {self.acceptance_rate:.2f} τ {self.tokens_per_round:.2f}")
         batch = self.document.get("batch")
         parts.append(f"{self.throughput.median:.1f} tok/s [{self.throughput.min:.1f}-{self.throughput.max:.1f}]"

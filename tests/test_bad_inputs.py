@@ -325,6 +325,7 @@ SPACE_PROBES = [
     ("space-not-a-mapping", {"space": ["x"]}, "search.space"),
     ("nan-constraint", {"constraints": {"ppl_ratio_max": float("nan")}}, "search.constraints.ppl_ratio_max"),
     ("unknown-constraint", {"constraints": {"speed": 1}}, "search.constraints.speed"),
+    ("rouge-l-above-one", {"constraints": {"min_rouge_l": 1.5}}, "search.constraints.min_rouge_l"),
     ("inf-timeout", {"timeout_s": float("inf")}, "search.timeout_s"),
     ("huge-trials", {"trials": 10**9}, "search.trials"),
     ("unknown-eval-setting", {"eval": {"num_prompt": 2}}, "search.eval.num_prompt"),

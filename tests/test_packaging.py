@@ -61,3 +61,21 @@ def test_installed_cli_runs_a_shipped_recipe_into_the_working_directory(installe
     assert json.loads(text)["rows"][0]["new_tokens"] == 8
     assert sorted(str(p) for p in installed.rglob("*") if "__pycache__" not in str(p)) == \
         [p for p in before if "__pycache__" not in p]  # nothing written into the installed package
+
+
+@pytest.mark.slow
+def test_wheel_ships_the_evaluate_metric_modules(installed, tmp_path, monkeypatch):
+    from toolkit.metrics import NAMES
+
+    for name in NAMES:  # the scripts are package data (setup.py), not packages
+        assert (installed / "toolkit" / "metrics" / name / f"{name}.py").is_file(), name
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))  # evaluate copies the scripts here
+    monkeypatch.setenv("HF_METRICS_CACHE", str(tmp_path / "metrics"))
+    monkeypatch.setenv("HF_EVALUATE_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    probe = ("import toolkit.metrics as TM; print(TM.path('rouge_l')); "
+             "print(TM.load('rouge_l').compute(predictions=['the cat'], references=['the cat sat'])['rouge_l'])")
+    out = _run(installed, tmp_path, "-c", probe)
+    assert out.returncode == 0, out.stderr[-2000:]
+    where, score = out.stdout.splitlines()[-2:]
+    assert where.startswith(str(installed)) and float(score) == pytest.approx(0.8)  # P 1, R 2/3

@@ -201,6 +201,9 @@ def eval_(recipe: str = typer.Argument(..., help="recipe YAML file or shipped re
 def search(scenario: str = typer.Option(..., help="short, long, memory or throughput"),
            budget_mb: Optional[float] = typer.Option(None, help="memory budget in MiB: weights + peak KV (memory and "
                                                      "throughput scenarios)"),
+           min_rouge_l: Optional[float] = typer.Option(None, help="bound output quality: mean ROUGE-L F1 of a "
+                                                       "recipe's text vs the fp32 AR reference text on the "
+                                                       "summarization prompts, in [0, 1]"),
            trials: Optional[int] = typer.Option(None, min=1, help="completed trials the study should reach"),
            timeout: Optional[float] = typer.Option(None, min=1, help="wall-clock budget of this run in seconds "
                                                    "(default: the space file's timeout_s, <= 30 min)"),
@@ -228,7 +231,7 @@ def search(scenario: str = typer.Option(..., help="short, long, memory or throug
     search_command(scenario, budget_mb=budget_mb, trials=trials, storage=storage, timeout=timeout,
                    out=_check_out(out), workers=workers, study_name=study_name, space=space, enable=enable,
                    finalize_results=finalize, heartbeat_s=heartbeat, target=target, draft=draft,
-                   prompt_suite=prompts)
+                   prompt_suite=prompts, min_rouge_l=min_rouge_l)
 
 
 def _register_distill() -> None:

@@ -98,7 +98,7 @@ def finalize(study, sp: SearchSpace, sc: Scenario, out_dir: Path, found_dir, set
         confirm_winner(best, sp, sc, confirm)
     files = {"trials": str(out_dir / "trials.json"), "table": str(out_dir / "pareto.md"),
              "plot": str(out_dir / "pareto.png")}
-    atomic_write_json(out_dir / "trials.json", {"scenario": dataclasses.asdict(sc), "storage": storage,
+    atomic_write_json(out_dir / "trials.json", {"scenario": sc.to_dict(), "storage": storage,
                                                 "study": study.study_name, "counts": counts,
                                                 "rows": [r.to_dict() for r in rows]})
     atomic_write_text(out_dir / "pareto.md", table(rows, sc, best, counts))

@@ -40,8 +40,9 @@ def table(rows: list[TrialRow], sc: Scenario, best: TrialRow | None, counts: dic
              "(tok/s, median of the repetitions, up), perplexity (recipe's target through its cache, down), memory "
              "(weights + peak KV of target and draft, exact bytes, MiB, down).", "",
              _counts_line(counts), "",
-             "| # | params | tok/s [min–max] | vs AR fp32 (batched: HF batched AR) | PPL (×fp32) | memory MiB | KV MiB "
-             "| α | τ | constraints | feasible | Pareto | chosen |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| # | params | tok/s [min–max] | vs AR fp32 (batched: HF batched AR) | PPL (×fp32) "
+             "| ROUGE-L vs fp32 AR | memory MiB | KV MiB | α | τ | constraints | feasible | Pareto | chosen |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r.number):
         s = r.summary
         _, ar = _vs_baseline(s)
@@ -49,6 +50,7 @@ def table(rows: list[TrialRow], sc: Scenario, best: TrialRow | None, counts: dic
             f"| {r.number} | {', '.join(f'{k}={v}' for k, v in r.params.items())} | "
             f"{s['throughput']:.1f} [{s['throughput_min']:.1f}–{s['throughput_max']:.1f}] | "
             f"{'–' if ar is None else f'{ar:.2f}×'} | {s['ppl']:.2f} (×{(s['ppl_ratio'] or float('nan')):.3f}) | "
+            f"{'–' if s.get('rouge_l') is None else format(s['rouge_l'], '.3f')} | "
             f"{s['memory_mb']:.1f} | {s['kv_peak_mb']:.1f} | {s['alpha']:.2f} | {s['tau']:.2f} | "
             f"{_fmt_cons(r.constraints)} | {'yes' if r.feasible else 'no'} | {'yes' if r.pareto else ''} | "
             f"{'**yes**' if r.chosen else ''} |")
@@ -172,7 +174,8 @@ def _summary_line(s: dict) -> str:
             f"ratios {json.dumps({k: round(v, 3) for k, v in s['ratios'].items()})}, perplexity {s['ppl']:.3f} "
             f"(x{(s['ppl_ratio'] or float('nan')):.4f} of fp32), memory {s['memory_mb']:.2f} MiB "
             f"(weights {s['weights_mb']:.2f} + peak KV {s['kv_peak_mb']:.2f}), alpha {s['alpha']:.3f}, "
-            f"tau {s['tau']:.3f}, TTFT {s['ttft_ms']:.1f} ms")
+            f"tau {s['tau']:.3f}, TTFT {s['ttft_ms']:.1f} ms"
+            + ("" if s.get("rouge_l") is None else f", ROUGE-L vs fp32 AR {s['rouge_l']:.3f}"))
 
 
 def write_found_recipe(path: Path, best: TrialRow, rows: list[TrialRow], sp: SearchSpace, sc: Scenario, settings,

@@ -58,6 +58,7 @@ def summary_of(r: EvalResult) -> dict:
             "kv_peak_mb": r.kv_peak_bytes / 2**20, "weights_mb": r.weight_bytes / 2**20,
             "alpha": r.acceptance_rate, "tau": r.tokens_per_round, "ratios": r.ratios, "ttft_ms": r.ttft_ms.median,
             "fidelity_vs_ar": r.fidelity_vs_ar, "fidelity_vs_fp32": r.fidelity_vs_fp32,
+            "rouge_l": r.rouge_l, "code_exact_match": r.code_exact_match,
             "peak_memory": r.document["memory"]["peak"], "elapsed_s": r.elapsed_s}
 
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from eval.scenarios import DIRECTIONS, SCENARIOS, Scenario
+from eval.quality import SUMMARY_KINDS
+from eval.scenarios import DIRECTIONS, SCENARIOS, Scenario, check_quality_prompts, scenario_of
 from eval.search.confirm import finalize, heldout_confirmation
 from eval.search.select import study_counts
 from eval.search.trials import Deadline, TrialRunner
@@ -39,14 +40,6 @@ TRIALS_PER_BUDGET = 10
 #: environment variable that carries the storage URL to worker processes (never their command line)
 STORAGE_ENV = "TOOLKIT_SEARCH_STORAGE"
 _SAME_DIR = object()  # found_dir default: the --out directory
-
-
-def scenario_of(space: SearchSpace, budget_mb: float | None) -> Scenario:
-    base = SCENARIOS.get(space.scenario, Scenario(space.scenario, primary="throughput"))
-    sc = dataclasses.replace(base, **space.constraints) if space.constraints else base
-    if budget_mb is not None:
-        sc = dataclasses.replace(sc, budget_mb=float(budget_mb))
-    return sc
 
 
 def safe_url(url: str) -> str:
@@ -119,7 +112,7 @@ def study_config(sp: SearchSpace, sc: Scenario, settings) -> dict:
     """What every trial of a study depends on besides its own point."""
     shape = {"base": sp.base, "dimensions": [dataclasses.asdict(d) for d in sp.dimensions]}
     space = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return {"space": space, "scenario": dataclasses.asdict(sc), "eval": settings.to_dict()}
+    return {"space": space, "scenario": sc.to_dict(), "eval": settings.to_dict()}
 
 
 def check_resume(study, config: dict) -> None:
@@ -197,7 +190,7 @@ def start_workers(count: int, args: dict, storage: str) -> list[subprocess.Popen
     for item in args["enable"]:
         cmd += ["--enable", item]
     for flag, key in (("--budget-mb", "budget_mb"), ("--heartbeat", "heartbeat_s"), ("--target", "target"),
-                      ("--draft", "draft"), ("--prompts", "prompt_suite")):
+                      ("--draft", "draft"), ("--prompts", "prompt_suite"), ("--min-rouge-l", "min_rouge_l")):
         if args.get(key) is not None:
             cmd += [flag, str(args[key])]
     env = {**os.environ, STORAGE_ENV: storage,
@@ -229,7 +222,7 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
                heartbeat_s: float | None = None, models_fn: Callable | None = None, prompts=None, ppl_ids=None,
                heldout_prompts=None, progress: bool = True, eval_overrides: dict | None = None,
                study_name: str | None = None, heldout: bool = True, target: str | None = None,
-               draft: str | None = None, prompt_suite: str | None = None) -> dict:
+               draft: str | None = None, prompt_suite: str | None = None, min_rouge_l: float | None = None) -> dict:
     """Run (or resume) the search of ``scenario``; returns a summary dict (best row, Pareto front, counts, files).
 
     Args:
@@ -250,14 +243,16 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
         models_fn / prompts / ppl_ids / heldout_prompts: test injection (``models_fn(recipe) -> dict`` with
             ``target``, ``tokenizer``, ``draft_model``, ``reference_model``; prompts as in :func:`eval.evaluate.evaluate`).
         heldout: confirm the winner on the held-out prompts (and the shipped recipes of ``heldout.compare``).
+        min_rouge_l: bound the mean ROUGE-L F1 vs the fp32 AR reference text (in [0, 1], :mod:`eval.scenarios`).
 
     A trial's evaluation has a time budget (``EvalSettings.time_budget_s``): the space's ``eval.time_budget_s``, else
     its ``timeout_s`` / :data:`TRIALS_PER_BUDGET` (at least 30 s), so a larger model's trials are cut (fewer tokens,
     prompts, repetitions; recorded in each trial's metrics) instead of one trial eating the search's budget.
 
     Raises:
-        ConfigError: unknown scenario, malformed space file, a bad ``--enable`` name, another search on ``--out``,
-            or a resumed study whose configuration differs.
+        ConfigError: unknown scenario, malformed space file, a bad ``--enable`` name, a bound out of range
+            (``--min-rouge-l``), a ROUGE-L bound without a summarization prompt, another search on ``--out``, or a
+            resumed study whose configuration differs.
     """
     from eval.evaluate import EvalSettings
     from toolkit.checks import check_float, check_int
@@ -286,14 +281,17 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
         local = Path(prompt_suite).expanduser()
         sp.base["prompts"] = str(local.resolve()) if local.is_file() else prompt_suite
     trial_budget = {"time_budget_s": max(30.0, sp.timeout_s / TRIALS_PER_BUDGET)} if sp.timeout_s else {}
-    settings = EvalSettings(**{"mode": "search", **trial_budget, **sp.eval, **(eval_overrides or {})})
+    sc = scenario_of(sp, budget_mb, min_rouge_l)
+    check_quality_prompts(sc, sp, prompts)  # before any model loads
+    keep = {"keep_kinds": list(SUMMARY_KINDS)} if sc.min_rouge_l is not None else {}  # a budget never cuts them
+    settings = EvalSettings(**{"mode": "search", **trial_budget, **keep, **sp.eval, **(eval_overrides or {})})
     out = Path(out)
     (out / scenario).mkdir(parents=True, exist_ok=True)
     storage = storage or os.environ.get(STORAGE_ENV)
     if storage is None and workers > 1:  # several local workers share the SQLite file, with heartbeats
         storage = f"sqlite:///{(out / scenario / 'study.db').resolve()}"
     lock = None if storage is not None else lock_out_dir(out / scenario)
-    run = Run(scenario, sp, scenario_of(sp, budget_mb), settings, out, started,
+    run = Run(scenario, sp, sc, settings, out, started,
               trials if trials is not None else sp.trials,
               timeout if timeout is not None else (sp.timeout_s or DEFAULT_TIMEOUT_S),
               {"models_fn": models_fn, "prompts": prompts, "ppl_ids": ppl_ids, "heldout_prompts": heldout_prompts,
@@ -304,6 +302,7 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
                                                "trials": run.n_total, "out": out, "timeout": run.time_left(),
                                                "space": space, "enable": list(enable or []),
                                                "budget_mb": budget_mb, "heartbeat_s": heartbeat_s, "target": target,
+                                               "min_rouge_l": min_rouge_l,
                                                "draft": draft, "prompt_suite": sp.base.get("prompts")
                                                if prompt_suite is not None else None}, storage)
         run.optimize(study, finalize_results and heldout)

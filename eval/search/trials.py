@@ -8,7 +8,6 @@ failed before is skipped; a duplicate running in another worker is skipped. A cr
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -39,7 +38,7 @@ def trial_key(recipe, settings, sc: Scenario, prompts=None) -> str:
         except ConfigError:
             pass
     parts = {"recipe": recipe.config_hash(), "settings": settings.to_dict(), "suite": suite,
-             "scenario": dataclasses.asdict(sc)}
+             "scenario": sc.to_dict()}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
