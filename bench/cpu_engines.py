@@ -13,6 +13,12 @@ apart below), then ``--repeats`` repetitions, methods interleaved per prompt, th
 Quality (teacher-forced, no generation): perplexity and top-1 agreement with fp32 on held-out prose and code
 (``eval.data.heldout_ids``), for the int4 target, the GGUF under llama.cpp and the OpenVINO export.
 
+Also per suite: our own AR path (the recipe with no drafter, same engine: ``ours AR``), timed right after the
+suite's interleaved run (not interleaved with it); and on the first suite HF ``model.generate`` with this toolkit as
+``custom_generate`` (``toolkit.hf.speculative``, the recipe's drafter and engine) against plain HF eager
+``generate``, interleaved, on the same model object (the lookup drafter's memory across requests off: the
+repetitions ask the same prompts again).
+
 Bytes per token: the weight bytes each engine reads per decoded token (its model file; ours: the loaded weights).
 
 Writes ``<out>/cpu_engines.json``, ``<out>/README.md`` and ``<out>/cpu_engines.png``.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -49,6 +56,47 @@ SUITES = {"short": "short", "short-heldout": "short-heldout", "unseen": str(ROOT
 COLUMNS = {"ours": "ours", "ar": "HF AR", "ar_static": "HF static+compile AR", "prompt_lookup": "HF PL K=4",
            "prompt_lookup_10": "HF PL K=10", "llamacpp_ar": "llama.cpp AR", "llamacpp_lookup": "llama.cpp PL 10",
            "openvino_ar": "OpenVINO int4 AR", "ar_fp32": "fp32 HF AR"}
+
+
+def ours_ar(recipe: Recipe, suite: str, num_prompts: int, repeats: int) -> dict:
+    """Our AR path: the recipe without a drafter (same weights, same engine), run alone."""
+    from toolkit.recipe import SpecSpec
+
+    ar = dataclasses.replace(recipe, name=f"{recipe.name}-ar", spec=SpecSpec(drafter="none", adaptive="constant"))
+    result = run_recipe(ar, compare=False, repeats=repeats, prompts=load_suite(SUITES[suite]),
+                        num_prompts=num_prompts).to_dict()
+    return {"throughput": result["summary"]["ours"]["throughput"],
+            "per_prompt": {r["prompt"]: r["throughput"]["median"] for r in result["rows"]}}
+
+
+def through_hf_generate(generator, recipe: Recipe, suite: str, num_prompts: int, repeats: int) -> dict:
+    """tok/s of ``model.generate(custom_generate=toolkit.hf.speculative(...))`` vs plain eager ``generate``."""
+    import toolkit.hf
+    from toolkit.measure.harness import spread
+
+    spec = recipe.spec
+    # no memory across requests: the callable keeps what it learned per model object, and the repetitions ask the
+    # same prompts again (toolkit run forgets between repetitions; here the memory is off instead)
+    custom = toolkit.hf.speculative(spec.drafter, num_draft_tokens=spec.num_draft_tokens, adaptive=spec.adaptive,
+                                    compile=recipe.compile, max_match=spec.max_match, max_cached_requests=0)
+    model, n = generator.target, recipe.generation.max_new_tokens
+    prompts = [generator.encode(p.prompt) for p in spread(load_suite(SUITES[suite]), num_prompts)]
+    kwargs = {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
+    times = {"hf_eager": [], "custom_generate": []}
+    for rep in range(repeats + 1):  # repetition 0 warms up (and compiles)
+        for ids in prompts:
+            for name, extra in (("hf_eager", {}), ("custom_generate", {"custom_generate": custom})):
+                start = time.perf_counter()
+                if name == "custom_generate":  # min_new_tokens is refused there: EOS off instead
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                         eos_token_id=[], pad_token_id=0, **extra)
+                else:
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), eos_token_id=[],
+                                         pad_token_id=0, **kwargs)
+                if rep:
+                    times[name].append((out.shape[1] - ids.shape[1], time.perf_counter() - start))
+    rate = {k: sum(t for t, _ in v) / sum(s for _, s in v) for k, v in times.items()}
+    return {"tok_s": rate, "ratio": rate["custom_generate"] / rate["hf_eager"]}
 
 
 def first_compile_s(generator, recipe: Recipe, prompt_len: int) -> dict:
@@ -104,12 +152,19 @@ def suite_table(suite: str, result: dict) -> list[str]:
     by_prompt: dict[str, dict] = {}
     for row in result["rows"]:
         by_prompt.setdefault(row["prompt"], {})[row["method"]] = row["throughput"]["median"]
-    lines = [f"### {suite}", "", "| prompt | " + " | ".join(COLUMNS[m] for m in methods) + " | ours / HF static | "
-             "ours / llama.cpp AR |", "|---" * (len(methods) + 3) + "|"]
-    for prompt, tps in list(by_prompt.items()) + [("**all**", {m: result["summary"][m]["throughput"]
-                                                              for m in methods})]:
-        ratio = [f"{tps['ours'] / tps[m]:.2f}×" if tps.get(m) else "-" for m in ("ar_static", "llamacpp_ar")]
-        lines.append(f"| {prompt} | " + " | ".join(f"{tps[m]:.1f}" for m in methods) + f" | {' | '.join(ratio)} |")
+    ar = result.get("ours_ar", {})
+    lines = [f"### {suite}", "", "| prompt | " + " | ".join(COLUMNS[m] for m in methods) + " | ours AR | ours / HF "
+             "static | ours / llama.cpp AR | ours AR / HF static | ours AR / llama.cpp AR |",
+             "|---" * (len(methods) + 6) + "|"]
+    everything = {m: result["summary"][m]["throughput"] for m in methods}
+    for prompt, tps in list(by_prompt.items()) + [("**all**", everything)]:
+        tps = {**tps, "ours_ar": ar.get("per_prompt", {}).get(prompt) if prompt != "**all**" else ar.get("throughput")}
+        ratio = [f"{tps[a] / tps[b]:.2f}×" if tps.get(a) and tps.get(b) else "-"
+                 for a, b in (("ours", "ar_static"), ("ours", "llamacpp_ar"), ("ours_ar", "ar_static"),
+                              ("ours_ar", "llamacpp_ar"))]
+        own = f"{tps['ours_ar']:.1f}" if tps.get("ours_ar") else "-"
+        lines.append(f"| {prompt} | " + " | ".join(f"{tps[m]:.1f}" for m in methods) + f" | {own} | "
+                     f"{' | '.join(ratio)} |")
     return lines + [""]
 
 
@@ -120,10 +175,17 @@ def markdown(report: dict) -> str:
              f"transformers {env['transformers']}, {env['date']}. Recipe `{report['recipe']}`, "
              f"{report['max_new_tokens']} new tokens, greedy, tok/s = new tokens / wall time including the prompt, "
              f"median of {report['repeats']} interleaved repetitions. HF static+compile's first call took "
-             f"{compile_s['first_call_s']:.0f} s (compile), a warm one {compile_s['warm_call_s']:.1f} s.", "",
+             f"{compile_s['first_call_s']:.0f} s (compile, from inductor's on-disk cache when warm), a warm one "
+             f"{compile_s['warm_call_s']:.1f} s. `ours AR` = the recipe without a drafter on the same engine, one "
+             "run right after the interleaved ones.", "",
              "## Speed (tok/s)", ""]
     for suite, result in report["suites"].items():
         lines += suite_table(suite, result)
+    hf = report.get("hf_generate")
+    if hf:
+        lines += [f"Through HF `model.generate(custom_generate=toolkit.hf.speculative(...))` on the first suite: "
+                  f"{hf['tok_s']['custom_generate']:.1f} tok/s vs plain HF eager `generate` "
+                  f"{hf['tok_s']['hf_eager']:.1f} tok/s: **{hf['ratio']:.2f}×** (same model object, interleaved).", ""]
     lines += ["## Quality (teacher-forced, held-out text; top-1 = argmax agrees with fp32)", "",
               "| engine | " + " | ".join(f"{s} PPL | {s} top-1" for s in report["quality"]) + " |",
               "|---" * (1 + 2 * len(report["quality"])) + "|"]
@@ -169,7 +231,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quality-tokens", type=int, default=1024)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/reports/cpu-engines")
+    parser.add_argument("--redo-hf-generate", action="store_true",
+                        help="re-measure only the custom_generate comparison into an earlier --out report")
     args = parser.parse_args()
+    if args.redo_hf_generate:
+        report = json.loads((args.out / "cpu_engines.json").read_text())
+        recipe = Recipe.load(resolve(report["recipe"], "", "--recipe"))
+        recipe = recipe.replace(generation=dataclasses.replace(recipe.generation,
+                                                               max_new_tokens=report["max_new_tokens"]))
+        report["hf_generate"] = through_hf_generate(build(recipe, pool=SHARED_POOL), recipe, args.suites[0],
+                                                    args.num_prompts, report["repeats"])
+        atomic_write_json(args.out / "cpu_engines.json", report)
+        atomic_write_text(args.out / "README.md", markdown(report))
+        return
     methods = engines.available()
     if not methods:
         sys.exit("no CPU engine installed: run `make bench-cpu-engines` (scripts/install_engines.sh)")
@@ -181,8 +255,10 @@ def main() -> None:
     for suite in args.suites:
         result = run_recipe(recipe, compare=True, repeats=args.repeats, prompts=load_suite(SUITES[suite]),
                             generator=generator, num_prompts=args.num_prompts).to_dict()
+        result["ours_ar"] = ours_ar(recipe, suite, args.num_prompts, args.repeats)
         report["suites"][suite] = result
         print("\n".join(suite_table(suite, result)), flush=True)
+    report["hf_generate"] = through_hf_generate(generator, recipe, args.suites[0], args.num_prompts, args.repeats)
     report["quality"] = quality(generator, recipe, [m for m in methods if m != "llamacpp_lookup"],
                                 args.quality_tokens)
     report["weight_bytes"] = weight_bytes(generator, recipe, methods)

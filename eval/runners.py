@@ -55,7 +55,7 @@ def strongest_baselines(recipe: Recipe, target) -> list[str]:
     source: ``embedded`` or a ``.gguf`` file)."""
     from toolkit.speculative.compiled import compile_pays
 
-    methods = ["ar_static"] if compile_pays(recipe, target) else []
+    methods = ["ar_static"] if compile_pays(target) else []
     if not recipe.generation.do_sample:
         gguf = recipe.target.source == "embedded" or recipe.target.source.endswith(".gguf")
         methods += [m for m in engines.available() if gguf or not m.startswith("llamacpp")]

@@ -45,7 +45,9 @@ def test_strongest_baselines_name_static_ar_where_compiling_pays_and_only_engine
     monkeypatch.setattr(engines, "available", lambda: ["llamacpp_ar", "llamacpp_lookup", "openvino_ar"])
     recipe = Recipe.load("recipes/short.yaml")  # torchao int4
     int4 = tiny_llama()
-    int4.toolkit_backend = "torchao"
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    quantize_(int4, Int8WeightOnlyConfig())  # torchao weights: compiling pays on CPU
     assert strongest_baselines(recipe, int4) == ["ar_static", "llamacpp_ar", "llamacpp_lookup", "openvino_ar"]
     hub = Recipe.from_dict({**recipe.to_dict(), "target": {**recipe.to_dict()["target"], "source": "org/model"}})
     assert strongest_baselines(hub, int4) == ["ar_static", "openvino_ar"]  # llama.cpp needs a GGUF

@@ -194,7 +194,8 @@ def _kv_spec(value, field: str) -> KVSpec:
 
 
 def speculative(drafter: str = "lookup", *, num_draft_tokens: int = 16, adaptive: str | None = None, kv=None,
-                draft_kv=None, draft_model=None, batch_size: int | None = None, **options) -> SpeculativeGenerate:
+                draft_kv=None, draft_model=None, batch_size: int | None = None, compile: str = "off",
+                **options) -> SpeculativeGenerate:
     """A ``custom_generate`` callable that decodes with this toolkit on the caller's own model::
 
         out = model.generate(**inputs, max_new_tokens=64, custom_generate=toolkit.hf.speculative("lookup"))
@@ -212,6 +213,8 @@ def speculative(drafter: str = "lookup", *, num_draft_tokens: int = 16, adaptive
             (``draft_model``; ``self``: the target's own weights at another precision) or an EAGLE head
             (``eagle``: :func:`toolkit.eagle.checkpoint.load_head`).
         batch_size: rows per target forward for a batch of prompts (``None``: 8).
+        compile: ``off``, ``on`` or ``auto``: single sequences on the compiled static engine
+            (:mod:`toolkit.speculative.compiled`; the first call compiles, about a minute per width bucket on CPU).
         options: the drafter's own fields and the loop's (``max_ngram``, ``max_match``, ``max_cached_requests``,
             ``tree``, ``k_min``, ...), as in a recipe's ``spec`` section.
 
@@ -234,7 +237,8 @@ def speculative(drafter: str = "lookup", *, num_draft_tokens: int = 16, adaptive
         raise ConfigError("draft_model", f"drafter {drafter!r} uses no draft model; leave draft_model=None")
     draft = None if needs == DRAFT_UNUSED else ModelSpec(source=_DRAFT_LABEL)
     recipe = Recipe(name="hf-generate", target=ModelSpec(source=_TARGET_LABEL), draft=draft,
-                    kv=_kv_spec(kv, "kv"), draft_kv=_kv_spec(draft_kv, "draft_kv"), spec=spec, batch_size=batch_size)
+                    kv=_kv_spec(kv, "kv"), draft_kv=_kv_spec(draft_kv, "draft_kv"), spec=spec, batch_size=batch_size,
+                    compile=compile)
     from toolkit.session import plan
 
     plan(recipe)  # every cross-section check (a KV window holding a verify forward, ...) before generate

@@ -36,9 +36,9 @@ from toolkit.kv.static import StaticKVCache, capacity_for
 
 log = logging.getLogger("toolkit.speculative")
 
-#: verify widths a graph is compiled for (a plain step runs the width-2 graph: on this CPU the compiled one-row
-#: int4 forward is no faster than the two-row one)
-DEFAULT_WIDTHS = (2, 4, 8, 16)
+#: verify widths a graph is compiled for below the recipe's widest forward (K + 1), which gets its own; a plain step
+#: runs the width-2 graph: on this CPU the compiled one-row int4 forward is no faster than the two-row one
+DEFAULT_WIDTHS = (2, 4, 8)
 #: compile modes: CPU -> inductor's default; CUDA -> CUDA graphs
 MODES = {"cpu": "default", "cuda": "reduce-overhead"}
 
@@ -75,7 +75,7 @@ class CompiledTarget:
         ValueError: empty or unsorted ``widths``, or a model :func:`supports_static` refuses.
     """
 
-    def __init__(self, model, widths: tuple[int, ...] = DEFAULT_WIDTHS, backend: str = "inductor",
+    def __init__(self, model, widths: tuple[int, ...] = (*DEFAULT_WIDTHS, 16), backend: str = "inductor",
                  mode: str | None = None):
         if not widths or list(widths) != sorted(set(widths)) or widths[0] < 1:
             raise ValueError(f"widths: must be ascending distinct positive ints, got {widths!r}")
@@ -159,28 +159,30 @@ class CompiledTarget:
         return time.perf_counter() - began
 
 
-def compile_pays(recipe, target) -> bool:
-    """Where compiling was measured to pay (``../shared/DESIGN.md``, cost model): CUDA, and torchao int4 / int8
-    weights on CPU (eager overhead dominates); fp32 / bf16 / bitsandbytes on CPU are bytes-bound or opaque kernels."""
-    if next(target.parameters()).device.type == "cuda":
+def compile_pays(target) -> bool:
+    """Where compiling was measured to pay (``../shared/DESIGN.md``, cost model): on CUDA, and on CPU for torchao
+    weights (int4 / int8 tensor subclasses: eager per-op overhead dominates); fp32 / bf16 / bitsandbytes weights on
+    CPU are bytes-bound or opaque kernels, where compiling gained nothing."""
+    params = list(target.parameters())
+    if params[0].device.type == "cuda":
         return True
-    return recipe.target.precision in ("int4", "int8") and getattr(target, "toolkit_backend", "") == "torchao"
+    return any(type(p.data).__module__.startswith("torchao") for p in params)
 
 
 def engine_for(recipe, target, plan) -> tuple:
     """``(CompiledTarget or None, why)`` for a :class:`~toolkit.recipe.Recipe`'s ``compile`` and its
     :class:`~toolkit.session.Plan`: ``on`` compiles where the engine can hold the
-    recipe (no KV policy, no token trees, full-attention layers); ``auto`` also needs weights it was measured to
-    pay for (torchao int4 / int8 on CPU; any weights on CUDA)."""
+    recipe (no KV policy, no token trees, full-attention layers); ``auto`` also needs :func:`compile_pays`."""
     mode = recipe.compile
     if mode == "off":
         return None, "eager (compile: off)"
-    if mode == "auto" and not compile_pays(recipe, target):
+    if mode == "auto" and not compile_pays(target):
         return None, (f"eager (compile: auto; {recipe.target.precision} weights on CPU are bytes-bound: compiling "
                       "was measured to gain nothing there)")
     why = ("a KV policy" if plan.target_policy is not None else "token trees" if recipe.spec.tree
            else supports_static(target))
     if why:
         return None, f"eager (compile: {mode}, but the static engine does not hold {why})"
-    widths = tuple(sorted({2, 4, 8, max(plan.max_query_tokens, 2)}))
+    widest = max(plan.max_query_tokens, 2)  # AR: the width-2 graph only (a plain step, padded)
+    widths = tuple(w for w in DEFAULT_WIDTHS if w < widest) + (widest,)
     return CompiledTarget(target, widths), f"compiled static engine (compile: {mode}; widths {widths})"
