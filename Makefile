@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml constraints.txt scripts/install_torch.sh
 	  print('embedded model:', r('embedded'), '+ bf16 copy:', r('embedded', dtype=torch.bfloat16))"
 	touch $(STAMP)
 
-## The main job (<= 3 min after set-up, which converts the embedded GGUF once): the recipe the short search confirmed
-## vs HF AR and HF prompt lookup (K 4, 10) on the same weights + fp32 AR, 4 prompts x 96 tokens, median of 3.
+## The main job: the recipe the short search confirmed, on the compiled static engine (the first run compiles, then
+## inductor's disk cache), vs HF AR (eager and static-cache compiled) and HF prompt lookup (K 4, 10) on the same
+## weights + fp32 AR (+ llama.cpp / OpenVINO after make bench-cpu-engines), 4 prompts x 96 tokens, median of 3.
 ## Every kind of prompt: make bench-main.
 short: $(STAMP)
 	$(BIN)/toolkit run short --compare --num-prompts 4 --max-new-tokens 96

@@ -228,17 +228,15 @@ def test_embedded_model_texts_are_decoded_and_scored(embedded, tmp_path):
     suite = {p.kind: p for p in load_suite("short")}  # real prompts: a licence passage to summarize, stdlib code
     settings = EvalSettings.fast(max_new_tokens=16, repeats=1, warmup=0, ppl_tokens=64, ppl_window=64, ppl_stride=32,
                                  baselines=["ar"])
-    quality = {}
-    for name, kv in (("none", {"policy": "none"}), ("stream", {"policy": "streaming", "sink_tokens": 4, "window": 28})):
-        recipe = Recipe.from_dict({"name": f"embedded-{name}", "target": {"source": "embedded", "device": "cpu"},
-                                   "kv": kv, "spec": {"drafter": "ngram", "num_draft_tokens": 3},
-                                   "generation": {"max_new_tokens": 16}})
-        result = evaluate(recipe, settings=settings, out_dir=tmp_path / name, target=model, tokenizer=tokenizer,
-                          prompts=[suite["summarize"], suite["code"]], progress=False)
-        quality[name] = result.to_dict()["quality"]
-    lossless = quality["none"]
-    assert lossless["rouge_l"]["tokenization"].startswith("decoded text")
-    assert lossless["rouge_l"]["value"] == 1.0 and lossless["code"]["exact_match"] == 1.0  # fp32 greedy = AR text
-    compressed = quality["stream"]  # a 32-token cache under prompts of ~100+ tokens: the text departs from AR
+    # lossless recipes score 1.0 (tiny-model tests); here a 32-token cache under prompts of ~100+ tokens, whose
+    # real text departs from the fp32 AR text
+    recipe = Recipe.from_dict({"name": "embedded-stream", "target": {"source": "embedded", "device": "cpu"},
+                               "kv": {"policy": "streaming", "sink_tokens": 4, "window": 28},
+                               "spec": {"drafter": "ngram", "num_draft_tokens": 3},
+                               "generation": {"max_new_tokens": 16}})
+    result = evaluate(recipe, settings=settings, out_dir=tmp_path, target=model, tokenizer=tokenizer,
+                      prompts=[suite["summarize"], suite["code"]], progress=False)
+    compressed = result.to_dict()["quality"]
+    assert compressed["rouge_l"]["tokenization"].startswith("decoded text")
     assert compressed["code"]["prompts"][0]["first_divergence"] is not None
     assert 0.0 <= compressed["rouge_l"]["value"] < 1.0

@@ -19,8 +19,8 @@ def installed(tmp_path_factory) -> Path:
     """Build a wheel of this checkout and install it (no deps: they are this venv's) into a private directory."""
     tmp = tmp_path_factory.mktemp("wheel")
     source = tmp / "source"  # build from a copy: setuptools writes build/ and *.egg-info next to the sources
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", "results", "build", "*.egg-info",
-                                                                "__pycache__", "bench"))
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv*", ".git", "results", "build", "*.egg-info",
+                                                                "__pycache__", "bench", ".gpu-carry", ".whl"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(tmp / "dist"), str(source)], check=True)
     wheel = next((tmp / "dist").glob("*.whl"))
@@ -36,16 +36,27 @@ def _run(site: Path, cwd: Path, *args: str, timeout: int = 600) -> subprocess.Co
 
 
 @pytest.mark.slow
-def test_wheel_ships_recipes_prompts_and_spaces(installed, tmp_path):
+def test_wheel_ships_recipes_prompts_spaces_and_metric_modules(installed, tmp_path, monkeypatch):
+    from toolkit.metrics import NAMES
+
+    for name in NAMES:  # the evaluate scripts are package data (setup.py), not packages
+        assert (installed / "toolkit" / "metrics" / name / f"{name}.py").is_file(), name
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))  # evaluate copies the scripts here
+    monkeypatch.setenv("HF_METRICS_CACHE", str(tmp_path / "metrics"))
+    monkeypatch.setenv("HF_EVALUATE_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     probe = ("import toolkit, toolkit_cli, eval; from toolkit.resources import shipped; "
              "print(toolkit.__file__); print(sorted(p.name for p in shipped('').glob('*.yaml'))); "
              "print(sorted(p.name for p in shipped('prompts').glob('*.yaml'))); "
-             "print(sorted(p.name for p in shipped('search').glob('*.yaml')))")
+             "print(sorted(p.name for p in shipped('search').glob('*.yaml'))); "
+             "import toolkit.metrics as TM; print(TM.path('rouge_l')); "
+             "print(TM.load('rouge_l').compute(predictions=['the cat'], references=['the cat sat'])['rouge_l'])")
     out = _run(installed, tmp_path, "-c", probe)
-    assert out.returncode == 0, out.stderr
-    location, recipes, suites, spaces = out.stdout.splitlines()
+    assert out.returncode == 0, out.stderr[-2000:]
+    location, recipes, suites, spaces, metric, score = out.stdout.splitlines()[-6:]
     assert location.startswith(str(installed))  # imported from the installed wheel, not the checkout
     assert "short.yaml" in recipes and "short.yaml" in suites and "short.yaml" in spaces
+    assert metric.startswith(str(installed)) and float(score) == pytest.approx(0.8)  # P 1, R 2/3
 
 
 @pytest.mark.slow
@@ -61,21 +72,3 @@ def test_installed_cli_runs_a_shipped_recipe_into_the_working_directory(installe
     assert json.loads(text)["rows"][0]["new_tokens"] == 8
     assert sorted(str(p) for p in installed.rglob("*") if "__pycache__" not in str(p)) == \
         [p for p in before if "__pycache__" not in p]  # nothing written into the installed package
-
-
-@pytest.mark.slow
-def test_wheel_ships_the_evaluate_metric_modules(installed, tmp_path, monkeypatch):
-    from toolkit.metrics import NAMES
-
-    for name in NAMES:  # the scripts are package data (setup.py), not packages
-        assert (installed / "toolkit" / "metrics" / name / f"{name}.py").is_file(), name
-    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))  # evaluate copies the scripts here
-    monkeypatch.setenv("HF_METRICS_CACHE", str(tmp_path / "metrics"))
-    monkeypatch.setenv("HF_EVALUATE_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    probe = ("import toolkit.metrics as TM; print(TM.path('rouge_l')); "
-             "print(TM.load('rouge_l').compute(predictions=['the cat'], references=['the cat sat'])['rouge_l'])")
-    out = _run(installed, tmp_path, "-c", probe)
-    assert out.returncode == 0, out.stderr[-2000:]
-    where, score = out.stdout.splitlines()[-2:]
-    assert where.startswith(str(installed)) and float(score) == pytest.approx(0.8)  # P 1, R 2/3
