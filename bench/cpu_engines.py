@@ -138,6 +138,26 @@ def quality(generator, recipe: Recipe, methods: list[str], num_tokens: int) -> d
     return out
 
 
+VERIFY_WIDTHS = [1, 2, 3, 4, 5, 8, 12, 16, 17]
+
+
+def verify_curves(generator, recipe: Recipe, methods: list[str]) -> dict:
+    """llama.cpp as a verify engine (ms of one forward over n tokens after 256 of context, exact rollback checked)
+    next to our compiled engine's and our eager curves (``toolkit.speculative.cost_model``, as toolkit run uses)."""
+    from toolkit.speculative.cost_model import load_or_measure
+
+    ids = heldout_ids(generator.tokenizer, "prose", 256 + max(VERIFY_WIDTHS))
+    out = {"ours eager": load_or_measure(generator.target, max(VERIFY_WIDTHS)).step_ms}
+    if generator.engine is not None:
+        out["ours compiled"] = generator.engine.verify_cost().step_ms
+    out = {k: {str(n): v[n - 1] for n in VERIFY_WIDTHS if n <= len(v)} for k, v in out.items()}
+    if "llamacpp_ar" in methods:
+        with engines.EngineProcess(engines.ENGINES["llamacpp_ar"], engine_model(recipe, "llamacpp_ar")) as worker:
+            reply = worker.request("verify_curve", input_ids=ids[:256], widths=VERIFY_WIDTHS, repeats=7)
+        out["llama.cpp"], out["llama.cpp rollback exact"] = reply["ms"], reply["rollback_exact"]
+    return out
+
+
 def weight_bytes(generator, recipe: Recipe, methods: list[str]) -> dict:
     out = {"ours": generator.weight_bytes["target"]}
     for method in methods:
@@ -198,6 +218,16 @@ def markdown(report: dict) -> str:
         size = info if isinstance(info, int) else info["weight_bytes"]
         version = "" if isinstance(info, int) else f" ({info['engine']} {info['version']})"
         lines.append(f"- {COLUMNS.get(method, method)}{version}: {size / 2**20:.1f} MiB")
+    curves = {k: v for k, v in report.get("verify_curves", {}).items() if isinstance(v, dict)}
+    if curves:
+        lines += ["", "## Verify cost: ms of one forward over n new tokens after 256 of context", "",
+                  "| n | " + " | ".join(str(n) for n in VERIFY_WIDTHS) + " |", "|---" * (1 + len(VERIFY_WIDTHS)) + "|"]
+        for name, ms in curves.items():
+            lines.append(f"| {name} | " + " | ".join(f"{ms[str(n)]:.1f}" if str(n) in ms else "-"
+                                                   for n in VERIFY_WIDTHS) + " |")
+        if "llama.cpp rollback exact" in report["verify_curves"]:
+            lines += ["", f"llama.cpp rollback exact (bit-identical logits after every rollback): "
+                      f"{report['verify_curves']['llama.cpp rollback exact']}."]
     return "\n".join(lines) + "\n"
 
 
@@ -262,6 +292,7 @@ def main() -> None:
     report["quality"] = quality(generator, recipe, [m for m in methods if m != "llamacpp_lookup"],
                                 args.quality_tokens)
     report["weight_bytes"] = weight_bytes(generator, recipe, methods)
+    report["verify_curves"] = verify_curves(generator, recipe, methods)
     report["environment"] = environment()
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out / "cpu_engines.json", report)

@@ -111,3 +111,21 @@ def test_inductor_compiled_engine_matches_hf_greedy():
     assert ids == hf_greedy(target, prompt, NEW)
     assert set(engine.compile_s) == {4}
     torch._dynamo.reset()
+
+
+def test_inductor_cache_goes_to_the_toolkit_cache_unless_the_user_chose_one(monkeypatch, tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from toolkit.speculative import compiled
+
+    monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(tmp_path / "toolkit"))
+    for before in (None, default_cache_dir()):  # unset, or the default inductor wrote in on its first use
+        if before is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)
+        compiled._inductor_cache()
+        assert compiled.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "toolkit" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    compiled._inductor_cache()
+    assert compiled.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

@@ -93,8 +93,14 @@ def fake_llama_cpp(tmp_path, monkeypatch):
                 for t in reversed(list(tokens) * 10):
                     yield t
 
-            def eval(self, tokens):
-                self.scores = np.eye(8, dtype=np.float32)[[(t + 1) % 8 for t in tokens]] * 5
+            def eval(self, tokens):  # logits favour t + 1 after every token t; appended after n_tokens
+                rows = np.eye(8, dtype=np.float32)[[(t + 1) % 8 for t in tokens]] * (5 + self.n_tokens)
+                self.scores = np.concatenate([self.scores[:self.n_tokens], rows]) if self.n_tokens else rows
+                self.n_tokens += len(tokens)
+                self._ctx = self
+
+            def kv_cache_seq_rm(self, seq, start, end):
+                assert (seq, end) == (-1, -1) and start == self.n_tokens  # rolled back to the length just set
     """))
     script = tmp_path / "python"
     script.write_text(f"#!/bin/sh\nPYTHONPATH={package.parent} exec {sys.executable} \"$@\"\n")
@@ -119,6 +125,8 @@ def test_engine_worker_serves_generate_and_score_and_reports_errors(fake_llama_c
         assert call.stats.total_ms >= call.stats.ttft_ms >= 0
         info = worker.request("info")
         assert info == {"engine": "llama.cpp", "version": "fake", "weight_bytes": 64, "threads": 2}
+        curve = worker.request("verify_curve", input_ids=[0, 1, 5, 3, 2], widths=[1, 2, 4], repeats=2)
+        assert set(curve["ms"]) == {"1", "2", "4"} and curve["rollback_exact"] is True
         score = worker.request("score", input_ids=[0, 1, 5])
         assert score["argmax"] == [1, 2]  # the fake's logits favour t + 1
         assert score["nll"][0] == pytest.approx(-torch.log_softmax(torch.eye(8)[1] * 5, 0)[1].item(), rel=1e-6)

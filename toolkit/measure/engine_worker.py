@@ -13,6 +13,11 @@ to stderr). Requests:
 * ``{"op": "score", "input_ids": [...]}`` — one teacher-forced forward; reply ``{"nll": [...], "argmax": [...]}``
   for positions ``1 .. n-1`` (negative log-likelihood in nats of each next token, the engine's top-1 before it).
 * ``{"op": "info"}`` — ``{"engine": ..., "version": ..., "weight_bytes": ..., "threads": ...}``.
+* ``{"op": "verify_curve", "input_ids": [...], "widths": [...], "repeats": R}`` (llama.cpp only): llama.cpp as a
+  *verify engine* — after the ``input_ids`` context, the median ms of one ``eval`` of ``n`` tokens with logits for
+  all ``n`` positions (what a verify forward needs), each rolled back exactly afterwards (``kv_cache_seq_rm`` of the
+  ``n`` positions, the length moved back); reply ``{"ms": {n: ...}, "rollback_exact": bool}`` (every repeated
+  forward after a rollback gave bit-identical logits).
 * ``{"op": "export", "source": HF_DIR, "out": DIR, "group_size": 32}`` (OpenVINO only, before serving): int4
   asymmetric weight compression of every linear layer by NNCF through optimum-intel, written to ``DIR``.
 
@@ -85,15 +90,44 @@ class LlamaCpp:
         end = time.perf_counter()
         return {"token_ids": out, "ttft_ms": ((first or end) - start) * 1000, "total_ms": (end - start) * 1000}
 
-    def score(self, ids: list[int]) -> dict:
+    def _all_logits(self):
         if self._scorer is None:  # logits for every position need their own context (logits_all)
             from llama_cpp import Llama
 
             self._scorer = Llama(model_path=self.path, n_ctx=self.n_ctx, n_threads=self.threads,
                                  n_threads_batch=self.threads, logits_all=True, verbose=False)
         self._scorer.reset()
-        self._scorer.eval(ids)
-        return _score_from_logits(self._scorer.scores[: len(ids)], ids)
+        return self._scorer
+
+    def score(self, ids: list[int]) -> dict:
+        scorer = self._all_logits()
+        scorer.eval(ids)
+        return _score_from_logits(scorer.scores[: len(ids)], ids)
+
+    def verify_curve(self, ids: list[int], widths: list[int], repeats: int) -> dict:
+        import statistics
+
+        llm = self._all_logits()
+        llm.eval(ids)
+        import numpy as np
+
+        times: dict[int, list[float]] = {n: [] for n in widths}
+        first: dict[int, object] = {}
+        exact = True
+        for rep in range(repeats + 1):  # repetition 0 warms up and keeps the logits every later one must reproduce
+            for n in widths:
+                start = time.perf_counter()
+                llm.eval(ids[:n])
+                elapsed = (time.perf_counter() - start) * 1000
+                logits = np.array(llm.scores[llm.n_tokens - n: llm.n_tokens])
+                if rep:
+                    times[n].append(elapsed)
+                    exact = exact and bool(np.array_equal(logits, first[n]))
+                else:
+                    first[n] = logits
+                llm.n_tokens -= n  # the rollback: the positions leave the KV cache, the length moves back
+                llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens, -1)
+        return {"ms": {n: statistics.median(v) for n, v in times.items()}, "rollback_exact": exact}
 
 
 class OpenVINO:
@@ -176,11 +210,13 @@ def serve(args, replies) -> None:
                     reply = engine.info()
                 elif op == "score":
                     reply = engine.score(request["input_ids"])
+                elif op == "verify_curve":
+                    reply = engine.verify_curve(request["input_ids"], request["widths"], int(request["repeats"]))
                 elif op == "generate":
                     reply = engine.generate(request["input_ids"], int(request["max_new_tokens"]),
                                             set(request.get("eos_token_ids") or []))
                 else:
-                    reply = {"error": f"op: unknown {op!r} (allowed: generate, score, info, export)"}
+                    reply = {"error": f"op: unknown {op!r} (allowed: generate, score, verify_curve, info, export)"}
         except Exception as exc:  # noqa: BLE001 (reported to the caller, which raises it naming the engine)
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         replies.write(json.dumps(reply) + "\n")

@@ -56,9 +56,19 @@ def supports_static(model) -> str | None:
 
 
 def _inductor_cache() -> None:
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        from toolkit.resources import cache_dir
+    """Inductor's on-disk cache under the toolkit's cache directory, unless the user chose one. Inductor reads the
+    variable at every use but writes its default (``/tmp/torchinductor_<user>``) into it on first use, so a value
+    equal to that default counts as unset."""
+    from toolkit.resources import cache_dir
 
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        default = os.path.abspath(default_cache_dir())
+    except (ImportError, OSError):  # a torch without this helper: only an unset variable is replaced
+        default = None
+    if current is None or os.path.abspath(current) == default:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 
 
