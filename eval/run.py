@@ -150,7 +150,8 @@ def _compile_first(generator: Generator, items: list[Prompt], max_new_tokens: in
     engine, seconds = generator.engine, 0.0
     if engine is not None:
         seconds = engine.warm_up(max(int(i.input_ids.shape[1]) for i in items) + max_new_tokens)
-        engine.verify_cost()  # read, or measured now: not inside a timed call
+        if generator.recipe.spec.adaptive == "cost":  # the only reader of the engine's curve
+            engine.verify_cost()  # read, or measured now: not inside a timed call
     if progress:
         print(f"decoding path: {generator.engine_note}" + (f"; compiled in {seconds:.0f} s" if engine else ""),
               file=sys.stderr)
