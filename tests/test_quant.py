@@ -3,6 +3,7 @@ weight bytes, errors for combinations without a kernel, quiet loads."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -191,14 +192,26 @@ def test_bitsandbytes_int8_bytes_are_exact(tiny_dir):
 
 # ------------------------------------------------------------------------------------------------------ quiet loads
 _QUIET = textwrap.dedent("""
-    import logging, sys
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    import sys
+    from toolkit_cli.app import configure_logging
+    configure_logging()  # as the toolkit command does: WARNING, plus toolkit.quant's kernel line
     from toolkit.models import load_model
     from toolkit.recipe import ModelSpec
     for backend in sys.argv[2:]:
         for _ in range(2):
             load_model(ModelSpec(source=sys.argv[1], device="cpu", precision="int4", backend=backend))
 """)
+
+
+def test_importing_the_library_changes_no_logging_level():
+    """A library sets no logging levels at import (the ``toolkit`` command does, :func:`configure_logging`)."""
+    code = ("import logging, toolkit, toolkit.quant, toolkit.models, toolkit.kv, toolkit.generator; "
+            "print(logging.root.level, *sorted(n for n, l in logging.root.manager.loggerDict.items() "
+            "if n.split('.')[0] == 'toolkit' and getattr(l, 'level', logging.NOTSET) != logging.NOTSET))")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [str(logging.WARNING)], done.stdout  # root untouched, no toolkit.* level set
 
 
 @pytest.mark.slow

@@ -266,8 +266,15 @@ def _register_export_head() -> None:
 _register_export_head()
 
 
-def main() -> None:
+def configure_logging() -> None:
+    """The command's logging: WARNING and up from every logger, plus the INFO lines of ``toolkit.quant`` (the one line
+    per process naming the kernel that runs quantized weights). The library sets no levels itself; this does."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("toolkit.quant").setLevel(logging.INFO)
+
+
+def main() -> None:
+    configure_logging()
     app()
 
 

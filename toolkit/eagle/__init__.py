@@ -5,7 +5,8 @@
 * :mod:`toolkit.eagle.features` — :class:`FeatureHook`, the scoped forward hook that captures target features.
 * :mod:`toolkit.eagle.vocab` — the reduced draft vocabulary (``d2t`` / ``t2d``).
 * :mod:`toolkit.eagle.checkpoint` — save / load in the published EAGLE-1 and EAGLE-3 layouts; :func:`resolve_head`
-  maps ``draft.source: embedded`` to the head shipped for the embedded target.
+  maps ``draft.source: embedded`` to the head shipped for the embedded target; :mod:`toolkit.eagle.speculators` —
+  the speculators (vLLM) layout; :mod:`toolkit.eagle.files` — the directory both write (config + safetensors).
 
 The drafter is :class:`toolkit.speculative.drafters.eagle.EagleDrafter`; training is ``toolkit draft eagle``
 (:mod:`toolkit.distill.eagle_train`).

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.eagle.files import write_head_files
 from toolkit.eagle.head import EagleHead, HeadConfig, eagle3_layers, rope_type, text_config
 from toolkit.eagle.speculators import flat_config, is_speculators, rename_to_eagle3
 from toolkit.eagle.vocab import from_d2t, to_d2t, to_t2d
@@ -74,20 +75,6 @@ def save_head(head: EagleHead, directory: Path, dtype: torch.dtype | None = None
     state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
              for k, v in head_state(head).items()}
     write_head_files(Path(directory), state, eagle_config(head.config))
-
-
-def write_head_files(directory: Path, state: dict[str, torch.Tensor], config: dict) -> None:
-    """Write ``state`` as ``model.safetensors`` (contiguous, on the CPU) and ``config`` as ``config.json`` into
-    ``directory`` (created), each file atomically: the one file layout of every head this toolkit writes."""
-    from safetensors.torch import save_file
-
-    from toolkit.io import atomic_write, atomic_write_json
-
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.contiguous().cpu() for k, v in state.items()}
-    atomic_write(directory / "model.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}),
-                 suffix=".safetensors")
-    atomic_write_json(directory / "config.json", config)
 
 
 def eagle_config(c: HeadConfig, toolkit: bool = True) -> dict:

@@ -51,7 +51,7 @@ def _check_out(out: Path, source: Path) -> None:
 def _write(out: Path, layout: str, state: dict, config: dict) -> None:
     """Write ``config.json`` + ``model.safetensors`` in ``layout`` into a private sibling of ``out``, then put it in
     place (:func:`toolkit.io.replace_dir`): ``out`` appears complete or not at all."""
-    from toolkit.eagle.checkpoint import write_head_files
+    from toolkit.eagle.files import write_head_files
     from toolkit.eagle.speculators import write_speculators
     from toolkit.io import _umask, replace_dir
 

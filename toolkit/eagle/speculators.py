@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.eagle.files import write_head_files
 from toolkit.errors import ConfigError
 
 #: speculators model types this toolkit reads and writes
@@ -158,6 +159,4 @@ def check_exportable(config, field: str = "layout") -> None:
 def write_speculators(directory: Path, state: dict[str, torch.Tensor], config: dict) -> None:
     """Write ``config.json`` + ``model.safetensors`` (tensors in the EAGLE-3 repository's names, renamed here)
     into ``directory``, each file atomically."""
-    from toolkit.eagle.checkpoint import write_head_files
-
     write_head_files(directory, rename_from_eagle3(state), config)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from toolkit.export.common import ENGINE_NAMES
+from toolkit.kv.registry import NONE, policy_info
+from toolkit.quant import AUTO, QUANTIZED, backend_names, weight_backend
 from toolkit.speculative.drafters.registry import DRAFT_TARGET, DRAFT_UNUSED
 
 
@@ -17,20 +19,15 @@ def kv_warnings(recipe, engine: str) -> list[str]:
     name = ENGINE_NAMES[engine]
     out = []
     for prefix, kv in (("kv", recipe.kv), ("draft_kv", recipe.draft_kv)):
-        if kv.policy == "none":
+        if kv.policy == NONE:
             continue
         if prefix == "draft_kv" and recipe.spec.config.draft == DRAFT_UNUSED:
             continue
         params = ", ".join(f"{k}={v}" for k, v in kv.params.items())
-        what = {"streaming": "StreamingLLM eviction (attention sinks + window)",
-                "l2norm": "L2-norm key eviction", "head_aware": "head-aware per-head budgets",
-                "quantized": "KIVI-style quantized KV (int keys per channel / values per token)"}.get(kv.policy,
-                                                                                                 kv.policy)
-        hint = ""
-        if kv.policy == "quantized":
-            hint = " (closest engine option: kv_cache_dtype fp8, a different format; not set here)"
-        out.append(f"{prefix}.policy: {kv.policy} ({params}) — {what} cannot be expressed in {name}; the engine "
-                   f"keeps the full KV cache (memory will be higher than measured here){hint}")
+        info = policy_info(kv.policy)
+        hint = f" ({info.engine_hint})" if info.engine_hint else ""
+        out.append(f"{prefix}.policy: {kv.policy} ({params}) — {info.summary} cannot be expressed in {name}; the "
+                   f"engine keeps the full KV cache (memory will be higher than measured here){hint}")
     return out
 
 
@@ -69,7 +66,8 @@ def target_warnings(recipe, engine: str) -> list[str]:
     if t.precision == "int4" and not t.int4_double_quant:
         out.append("target.int4_double_quant: false — engines use their own bitsandbytes NF4 settings")
     backend = t.backend
-    if backend not in (None, "auto", "bitsandbytes") and t.precision in ("int8", "int4"):
+    in_flight = backend in backend_names() and weight_backend(backend).engine_in_flight  # engines quantize it so too
+    if backend not in (None, AUTO) and not in_flight and t.precision in QUANTIZED:
         out.append(f"target.backend: {backend} — exported as bitsandbytes quantization; the engine's own {backend} "
                    "path needs a checkpoint quantized with it")
     if t.precision == "fp16" and t.device == "cpu":

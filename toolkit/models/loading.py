@@ -12,9 +12,7 @@ from toolkit.dtypes import torch_dtype
 from toolkit.errors import ConfigError, ModelLoadError
 from toolkit.models.embedded import resolve_source
 from toolkit.models.spec import ModelSpec
-from toolkit.quant import bitsandbytes as bnb_backend
-from toolkit.quant import choose_backend
-from toolkit.quant import torchao as torchao_backend
+from toolkit.quant import AUTO, NONE, choose_backend, fallback_after, weight_backend
 
 log = logging.getLogger("toolkit.quant")
 
@@ -57,8 +55,9 @@ _SAID_EAGER: set[str] = set()
 def load_model(spec: ModelSpec, field: str = "model"):
     """Load ``spec`` and return ``(model, tokenizer)``; the model is in eval mode on its device.
 
-    int8/int4 weights go through ``spec.backend`` (``auto`` resolved by :func:`toolkit.quant.choose_backend`); the
-    backend actually used is recorded as ``model.toolkit_backend`` and the kernel path is logged once per process.
+    int8/int4 weights go through ``spec.backend`` (``auto`` resolved by :func:`toolkit.quant.choose_backend`), whose
+    registered hooks (:class:`toolkit.quant.registry.WeightBackend`) load and quantize them; the backend actually used
+    is recorded as ``model.toolkit_backend`` and the kernel path is logged once per process.
 
     Raises:
         ConfigError: a field of ``spec`` is invalid, or the backend has no kernel for the precision on the device
@@ -69,13 +68,11 @@ def load_model(spec: ModelSpec, field: str = "model"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(spec.device, f"{field}.device")
-    backend = choose_backend(spec, device, field)
+    name = choose_backend(spec, device, field)
+    backend = None if name == NONE else weight_backend(name, f"{field}.backend")
     kwargs: dict = {}
-    if backend == "bitsandbytes":
-        kwargs.update(bnb_backend.from_pretrained_kwargs(spec, device, field))
-    elif backend == "torchao":
-        torchao_backend.import_quietly(field)  # fail before reading weights when torchao is missing
-        kwargs["dtype"] = torchao_backend.compute_dtype(spec, device)
+    if backend is not None:
+        kwargs.update(backend.load_kwargs(spec, device, field))  # fails before reading weights if not installed
     else:
         kwargs["dtype"] = torch_dtype(spec.precision)
     # a GGUF source is cached at the dtype the weights load at (bf16 for int4, ...): no fp32 copy of a bf16 model
@@ -92,21 +89,22 @@ def load_model(spec: ModelSpec, field: str = "model"):
                 f"source: embedded. ({exc.__class__.__name__}: {str(exc).splitlines()[0]})"
             ) from exc
         raise ModelLoadError(f"{field}.source={spec.source!r}: {exc}") from exc
-    if backend != "bitsandbytes":
+    if backend is None or not backend.places_weights:
         model.to(device)
-    if backend == "torchao" and spec.precision == "int4" and spec.backend == "auto":
+    if backend is not None and spec.backend == AUTO:
+        fallback = fallback_after(name, spec, device)
         try:
-            torchao_backend.check_group_size(model, spec.torchao_group_size, field)
-        except ConfigError as exc:  # auto: a model whose widths torchao's groups do not divide goes to bitsandbytes
-            log.info("%s; backend auto falls back to bitsandbytes", exc)
+            backend.check_model(model, spec, field)
+        except ConfigError as exc:  # auto: e.g. widths that torchao's int4 groups do not divide go to bitsandbytes
+            if fallback is None:
+                raise
+            log.info("%s; backend auto falls back to %s", exc, fallback)
             del model
-            return load_model(dataclasses.replace(spec, backend="bitsandbytes"), field)
-    if backend == "torchao":
-        torchao_backend.quantize(model, spec, device, field)
-    elif backend == "bitsandbytes":
-        bnb_backend.say_kernel_path_once(spec.precision, device)
+            return load_model(dataclasses.replace(spec, backend=fallback), field)
+    if backend is not None:
+        backend.quantize(model, spec, device, field)
     model.eval()
     model.requires_grad_(False)
     model.toolkit_spec = spec  # remembered for reports and for deriving `self` drafts
-    model.toolkit_backend = backend
+    model.toolkit_backend = name
     return model, tokenizer

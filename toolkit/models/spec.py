@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 from toolkit.checks import check_choice, check_float
 from toolkit.errors import ConfigError
+from toolkit.quant.registry import backend_choices
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
-BACKENDS = ("auto", "bitsandbytes", "torchao")
+BACKENDS = backend_choices()  # auto + the registered weight-quantization backends (toolkit.quant.registry)
 TORCHAO_INT8 = ("weight_only", "dynamic")
 TORCHAO_GROUP_SIZES = (32, 64, 128, 256)
 TORCHAO_COMPUTE_DTYPES = ("auto", "fp32", "fp16", "bf16")
@@ -67,7 +68,7 @@ class ModelSpec:
         if not isinstance(self.int4_double_quant, bool):
             raise ConfigError(f"{prefix}.int4_double_quant", "must be true or false")
         check_choice(f"{prefix}.attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
-        check_choice(f"{prefix}.backend", self.backend, BACKENDS)
+        check_choice(f"{prefix}.backend", self.backend, backend_choices())
         check_choice(f"{prefix}.torchao_int8", self.torchao_int8, TORCHAO_INT8)
         check_choice(f"{prefix}.torchao_group_size", self.torchao_group_size, TORCHAO_GROUP_SIZES)
         check_choice(f"{prefix}.torchao_compute_dtype", self.torchao_compute_dtype, TORCHAO_COMPUTE_DTYPES)

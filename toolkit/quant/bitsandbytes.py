@@ -15,6 +15,7 @@ import torch
 
 from toolkit.dtypes import torch_dtype
 from toolkit.errors import ModelLoadError
+from toolkit.quant.registry import WeightBackend, register_backend
 
 log = logging.getLogger("toolkit.quant")
 _SAID: set[str] = set()
@@ -95,3 +96,26 @@ def from_pretrained_kwargs(spec, device: torch.device, field: str) -> dict:
         "device_map": {"": str(device) if device.type == "cpu" else device.index or 0},
         "dtype": torch.float32 if device.type == "cpu" else torch.float16,
     }
+
+
+@register_backend
+class BitsandbytesBackend(WeightBackend):
+    """LLM.int8() / NF4 through transformers' ``BitsAndBytesConfig`` at ``from_pretrained`` time (placed on the
+    device by its ``device_map``); the serving engines quantize the same way in flight."""
+
+    name = "bitsandbytes"
+    package = "bitsandbytes"
+    precisions = ("int8", "int4")
+    devices = ("cpu", "cuda")
+    places_weights = True
+    engine_in_flight = True
+
+    def load_kwargs(self, spec, device: torch.device, field: str) -> dict:
+        return from_pretrained_kwargs(spec, device, field)
+
+    def quantize(self, model, spec, device: torch.device, field: str):
+        say_kernel_path_once(spec.precision, device)  # quantized while loading: only the kernel line is left
+        return model
+
+    def kernel_path(self, spec, device: torch.device) -> str:
+        return kernel_path(spec.precision, device)

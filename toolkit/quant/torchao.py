@@ -24,6 +24,7 @@ import torch
 
 from toolkit.dtypes import torch_dtype
 from toolkit.errors import ConfigError, ModelLoadError
+from toolkit.quant.registry import WeightBackend, register_backend
 
 log = logging.getLogger("toolkit.quant")
 INT8_MODES = ("weight_only", "dynamic")
@@ -151,3 +152,32 @@ def quantize(model: torch.nn.Module, spec, device: torch.device, field: str) -> 
         _SAID.add(key)
         log.info(kernel_path(spec, device))
     return model
+
+
+@register_backend
+class TorchaoBackend(WeightBackend):
+    """torchao's ``quantize_`` on the model loaded at :func:`compute_dtype` and moved to its device; engines need a
+    checkpoint quantized with torchao (they do not quantize this way in flight)."""
+
+    name = "torchao"
+    package = "torchao"
+    precisions = ("int8", "int4")
+    devices = ("cpu", "cuda")
+
+    def check_kernel(self, spec, device: torch.device, field: str) -> None:
+        super().check_kernel(spec, device, field)
+        check_kernel(spec, device, field)
+
+    def load_kwargs(self, spec, device: torch.device, field: str) -> dict:
+        import_quietly(field)  # fail before reading weights when torchao is missing
+        return {"dtype": compute_dtype(spec, device)}
+
+    def check_model(self, model: torch.nn.Module, spec, field: str) -> None:
+        if spec.precision == "int4":
+            check_group_size(model, spec.torchao_group_size, field)
+
+    def quantize(self, model: torch.nn.Module, spec, device: torch.device, field: str) -> torch.nn.Module:
+        return quantize(model, spec, device, field)
+
+    def kernel_path(self, spec, device: torch.device) -> str:
+        return kernel_path(spec, device)
