@@ -144,12 +144,12 @@ VERIFY_WIDTHS = [1, 2, 3, 4, 5, 8, 12, 16, 17]
 def verify_curves(generator, recipe: Recipe, methods: list[str]) -> dict:
     """llama.cpp as a verify engine (ms of one forward over n tokens after 256 of context, exact rollback checked)
     next to our compiled engine's and our eager curves (``toolkit.speculative.cost_model``, as toolkit run uses)."""
-    from toolkit.speculative.cost_model import load_or_measure
+    from toolkit.engine.cost import load_or_measure
 
     ids = heldout_ids(generator.tokenizer, "prose", 256 + max(VERIFY_WIDTHS))
     out = {"ours eager": load_or_measure(generator.target, max(VERIFY_WIDTHS)).step_ms}
-    if generator.engine is not None:
-        out["ours compiled"] = generator.engine.verify_cost().step_ms
+    if generator.engine.compiled:
+        out["ours compiled"] = generator.verify_cost_for(max(VERIFY_WIDTHS)).step_ms
     out = {k: {str(n): v[n - 1] for n in VERIFY_WIDTHS if n <= len(v)} for k, v in out.items()}
     if "llamacpp_ar" in methods:
         with engines.EngineProcess(engines.ENGINES["llamacpp_ar"], engine_model(recipe, "llamacpp_ar")) as worker:
@@ -159,7 +159,9 @@ def verify_curves(generator, recipe: Recipe, methods: list[str]) -> dict:
 
 
 def weight_bytes(generator, recipe: Recipe, methods: list[str]) -> dict:
-    out = {"ours": generator.weight_bytes["target"]}
+    from toolkit.models.sizes import bytes_read_per_token
+
+    out = {"ours": bytes_read_per_token(generator.target)}
     for method in methods:
         if method != "llamacpp_lookup":  # the same file as llamacpp_ar
             with engines.EngineProcess(engines.ENGINES[method], engine_model(recipe, method)) as worker:

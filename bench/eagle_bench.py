@@ -38,8 +38,8 @@ from toolkit.measure.harness import Call, Prompt, environment, measure  # noqa: 
 from toolkit.measure.prompts import load_suite  # noqa: E402
 from toolkit.models import load_model  # noqa: E402
 from toolkit.recipe import GenerationSpec, ModelSpec  # noqa: E402
-from toolkit.speculative.adaptive import ConstantK  # noqa: E402
-from toolkit.speculative.decoder import SpeculativeDecoder  # noqa: E402
+from toolkit.engine.planner import ConstantK  # noqa: E402
+from toolkit.engine.decoder import SpeculativeDecoder  # noqa: E402
 from toolkit.speculative.drafters.eagle import EagleDrafter  # noqa: E402
 from toolkit.speculative.stats import GenerationStats, acceptance_summary  # noqa: E402
 

@@ -44,8 +44,8 @@ from toolkit.kv import make_policy, ops  # noqa: E402
 from toolkit.measure.harness import Call, Prompt, measure  # noqa: E402
 from toolkit.models import load_model  # noqa: E402
 from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec  # noqa: E402
-from toolkit.speculative.adaptive import ConstantK  # noqa: E402
-from toolkit.speculative.decoder import SpeculativeDecoder  # noqa: E402
+from toolkit.engine.planner import ConstantK  # noqa: E402
+from toolkit.engine.decoder import SpeculativeDecoder  # noqa: E402
 from toolkit.speculative.drafters import DraftModel, NGramDrafter  # noqa: E402
 from toolkit.speculative.stats import GenerationStats  # noqa: E402
 

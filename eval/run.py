@@ -147,13 +147,9 @@ def run_recipe(recipe: Recipe, compare: bool = False, repeats: int = 3, prompts:
 
 def _compile_first(generator: Generator, items: list[Prompt], max_new_tokens: int, progress: bool) -> dict:
     """Compile the engine's graphs for these requests before any timed call; what path decoding takes."""
-    engine, seconds = generator.engine, 0.0
-    if engine is not None:
-        seconds = engine.warm_up(max(int(i.input_ids.shape[1]) for i in items) + max_new_tokens)
-        if generator.recipe.spec.adaptive == "cost":  # the only reader of the engine's curve
-            engine.verify_cost()  # read, or measured now: not inside a timed call
+    seconds = generator.warm_up(max(int(i.input_ids.shape[1]) for i in items) + max_new_tokens)
     if progress:
-        print(f"decoding path: {generator.engine_note}" + (f"; compiled in {seconds:.0f} s" if engine else ""),
+        print(f"decoding path: {generator.engine_note}" + (f"; compiled in {seconds:.0f} s" if seconds else ""),
               file=sys.stderr)
     return {"path": generator.engine_note, "compile_s": round(seconds, 1)}
 

@@ -86,3 +86,16 @@ def one_thread():
 
 
 from postgres import postgres_url  # noqa: E402,F401  (a throwaway PostgreSQL server: tests/postgres.py)
+
+
+def batch_decoder(target, drafter, curve, calibrator=None, num_draft_tokens: int = 8, batch_size: int = 8,
+                  policy=None, forward=None):
+    """The one decoder (:class:`toolkit.engine.decoder.SpeculativeDecoder`) over ``batch_size`` rows, verifying what
+    pays by the cost curve ``curve`` (a :class:`~toolkit.speculative.cost_model.VerifyCost`) with K =
+    ``num_draft_tokens``; ``decode_batch(prompts, gen)`` runs it."""
+    from toolkit.engine.decoder import SpeculativeDecoder
+    from toolkit.engine.planner import CostAwareK, ForwardCost
+    from toolkit.speculative.verify_length import Calibrator
+
+    controller = CostAwareK(ForwardCost(curve), calibrator or Calibrator(), num_draft_tokens, num_draft_tokens + 1)
+    return SpeculativeDecoder(target, drafter, controller, policy, forward=forward, batch_size=batch_size)

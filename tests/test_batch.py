@@ -1,5 +1,5 @@
-"""Batched speculative decoding (toolkit/speculative/batch.py): every row of a batch gets exactly the output it gets
-alone, whatever the batch size, the drafter, the verify width and the rows that leave or join; sampling per row
+"""Batched speculative decoding (toolkit/engine/decoder.py over B rows): every row of a batch gets exactly the output it
+gets alone, whatever the batch size, the drafter, the verify width and the rows that leave or join; sampling per row
 follows the target's distribution."""
 
 from __future__ import annotations
@@ -9,13 +9,12 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_llama, tiny_neox
+from conftest import batch_decoder, tiny_llama, tiny_neox
 from test_decoder import INIT, hf_greedy, make_prompt
 
 import toolkit
 from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec, Recipe, SpecSpec
-from toolkit.speculative.batch import BatchDecoder
-from toolkit.speculative.batch_cache import BatchCache
+from toolkit.kv.ragged import BatchCache
 from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.drafters import LookupDrafter, NGramDrafter, SuffixDrafter
 
@@ -48,9 +47,9 @@ def test_every_row_equals_its_prompt_decoded_alone(references, arch, drafter, cu
     target, batch, alone = references[arch]
     make_drafter = {"lookup": lambda: LookupDrafter(max_cached_requests=0), "ngram": NGramDrafter,
                     "suffix": lambda: SuffixDrafter(2.0, 0.05, 0), "none": lambda: None}[drafter]
-    decoder = BatchDecoder(target, make_drafter, VerifyCost(list(curve), learn=False), num_draft_tokens=5,
-                           batch_size=3)
-    rows = decoder.decode(batch, GenerationSpec(max_new_tokens=24, ignore_eos=True))
+    decoder = batch_decoder(target, make_drafter, VerifyCost(list(curve), learn=False), num_draft_tokens=5,
+                            batch_size=3)
+    rows = decoder.decode_batch(batch, GenerationSpec(max_new_tokens=24, ignore_eos=True))
     for (ids, stats), ref in zip(rows, alone):  # 7 prompts through 3 slots: rows leave and join
         assert ids == ref
         assert stats.new_tokens == 24 and stats.committed == stats.accepted + stats.rounds
@@ -63,9 +62,9 @@ def test_rows_stop_on_their_own_eos_and_limits():
     batch = prompts(4)
     alone = [hf_greedy(target, p, 20) for p in batch]
     eos = alone[1][5]  # row 1 stops at its 6th token; others wherever that token appears first
-    decoder = BatchDecoder(target, lambda: LookupDrafter(max_cached_requests=0), VerifyCost(list(FLAT), learn=False),
-                           num_draft_tokens=4, batch_size=4)
-    rows = decoder.decode(batch, GenerationSpec(max_new_tokens=20), eos_token_ids=[eos])
+    decoder = batch_decoder(target, lambda: LookupDrafter(max_cached_requests=0), VerifyCost(list(FLAT), learn=False),
+                            num_draft_tokens=4, batch_size=4)
+    rows = decoder.decode_batch(batch, GenerationSpec(max_new_tokens=20), eos_token_ids=[eos])
     for (ids, stats), ref in zip(rows, alone):
         cut = ref.index(eos) + 1 if eos in ref else 20
         assert ids == ref[:cut] and stats.finish_reason == ("eos" if eos in ref else "length")
@@ -138,11 +137,11 @@ def test_sampling_per_row_follows_the_target():
         seq = torch.cat([prompt.expand(12, -1), torch.arange(12).view(-1, 1)], dim=1)
         p2 = (p1[:, None] * target(seq).logits[:, -1].softmax(-1).double()).sum(0).numpy()
     counts = np.zeros(12)
-    decoder = BatchDecoder(target, NGramDrafter, VerifyCost(list(FLAT), learn=False), num_draft_tokens=2,
-                           batch_size=8)
+    decoder = batch_decoder(target, NGramDrafter, VerifyCost(list(FLAT), learn=False), num_draft_tokens=2,
+                            batch_size=8)
     for chunk in range(50):  # 400 rows, 8 per forward, every row its own seed
         gen = GenerationSpec(max_new_tokens=2, do_sample=True, ignore_eos=True, seed=chunk * 8)
-        for ids, _ in decoder.decode([prompt] * 8, gen):
+        for ids, _ in decoder.decode_batch([prompt] * 8, gen):
             counts[ids[1]] += 1
     assert chisquare(counts, p2 / p2.sum() * counts.sum()).pvalue > 0.01
 
@@ -190,9 +189,10 @@ def test_prompt_file_and_batched_run_with_baselines(tmp_path):
 
 
 def test_streaming_llm_per_row_equals_each_prompt_alone_under_the_policy():
-    """StreamingLLM (absolute positions, exact window) runs per row in a batch: every row's greedy output is what the
-    single-sequence decoder gives that prompt under the same policy, with prompts longer than the window, rows
-    compressing at different rounds, and the batch cache bounded by the policy's budget, not the length."""
+    """StreamingLLM (absolute positions, exact window) runs per row in a batch (the static cache's ring): every row's
+    greedy output is what the single-sequence decoder gives that prompt under the same policy, with prompts longer
+    than the window, rows at different positions, and the batch cache bounded by the policy's budget, not the
+    length."""
     target = tiny_llama(seed=0, **INIT)
     recipe = Recipe.from_dict({"name": "stream-batch", "target": {"device": "cpu"}, "draft": None,
                                "kv": {"policy": "streaming", "sink_tokens": 2, "window": 10, "compress_interval": 4},
@@ -204,14 +204,30 @@ def test_streaming_llm_per_row_equals_each_prompt_alone_under_the_policy():
     alone = [generator.generate(p).token_ids for p in batch]
     rows = generator.generate_batch(batch, batch_size=3)
     assert [r.token_ids for r in rows] == alone
+    # ... and what the policy's own single-sequence cache (compressing every 4 tokens) gives each prompt
+    from toolkit.engine.decoder import SpeculativeDecoder
+    from toolkit.kv.rows import SingleRowCache
+    from toolkit.speculative.stats import GenerationStats
+
+    policy = generator.target_policy
+    for prompt, ids in zip(batch, alone):
+        decoder = SpeculativeDecoder(target, lambda: LookupDrafter(max_cached_requests=0), target_policy=policy)
+        decoder._new_cache = lambda prompts, gen: SingleRowCache(policy, target)
+        stats = GenerationStats()
+        assert [t for chunk in decoder.decode(prompt, recipe.generation, stats) for t in chunk] == ids
+        assert isinstance(decoder.cache, SingleRowCache) and stats.compressions_target > 0
     per_token = 2 * target.config.num_hidden_layers * target.config.num_key_value_heads * 4 * (
         target.config.hidden_size // target.config.num_attention_heads)
-    # held per row <= sinks + window + interval + the widest forward (K + 1) = 21 slots, so the buffer never grows
-    # past its first size (the longest prompt + GROW_MIN); uncompressed it would hold 20 + 72 slots per row
-    from toolkit.speculative.batch_cache import GROW_MIN
+    # the rows run on the static cache's StreamingLLM ring: sinks + window + the widest forward (K + 1) slots per
+    # row (+ the SPAN_STEP slack of a dynamic span), whatever the generation length; uncompressed a row would hold
+    # 20 + 72 positions
+    from toolkit.kv.static import SPAN_STEP, capacity_for
 
+    widest = recipe.spec.num_draft_tokens + 1
+    slots = 2 + 10 + widest + SPAN_STEP  # per row, whatever the length
     peak = max(r.stats.peak_kv_bytes_batch for r in rows)
-    assert 0 < peak <= 3 * per_token * (20 + GROW_MIN) < 3 * per_token * (20 + 72)
+    assert peak % (per_token * slots) == 0 and 3 <= peak // (per_token * slots) <= 4  # the rows (+ a spare one)
+    assert slots < capacity_for(20 + 72 + widest) + SPAN_STEP  # a row of the uncompressed static cache
     reindex = recipe.replace(kv=KVSpec.from_dict({"policy": "streaming", "sink_tokens": 2, "window": 10,
                                                   "position_mode": "reindex"}, "kv"))
     assert not toolkit.build(reindex, target=target, tokenizer=None).batchable  # slots move: one at a time

@@ -1,21 +1,21 @@
-"""A draft model drafting for a whole batch (toolkit/speculative/batch_draft.py): every row's greedy output is its
-prompt's output alone, the draft cache keeps exactly each row's committed prefix after ragged acceptance, and
-sampling per row stays lossless with the draft's q."""
+"""A draft model drafting for a whole batch (toolkit/speculative/drafters/draft_model_rows.py): every row's greedy
+output is its prompt's output alone, the draft cache keeps exactly each row's committed prefix after ragged
+acceptance, and sampling per row stays lossless with the draft's q."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from conftest import perturbed_copy, tiny_llama
+from conftest import batch_decoder, perturbed_copy, tiny_llama
 from test_batch import prompts
 from test_decoder import INIT, hf_greedy, make_prompt
 from transformers import DynamicCache
 
 import toolkit
 from toolkit.recipe import GenerationSpec
-from toolkit.speculative.batch import BatchDecoder, Row
-from toolkit.speculative.batch_draft import BatchDraftModel
+from toolkit.engine.rows import Row
+from toolkit.speculative.drafters.draft_model_rows import BatchDraftModel
 from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.stats import GenerationStats
 
@@ -33,9 +33,9 @@ def test_every_row_equals_its_prompt_alone_with_a_draft_model(setup):
     target, draft, batch, alone = setup
     per_round = {}
     for threshold in (None, 0.6):
-        decoder = BatchDecoder(target, BatchDraftModel(draft, confidence_threshold=threshold),
-                               VerifyCost(list(SLOW_VERIFY), learn=False), num_draft_tokens=5, batch_size=3)
-        rows = decoder.decode(batch, GenerationSpec(max_new_tokens=24, ignore_eos=True))
+        decoder = batch_decoder(target, BatchDraftModel(draft, confidence_threshold=threshold),
+                                VerifyCost(list(SLOW_VERIFY), learn=False), num_draft_tokens=5, batch_size=3)
+        rows = decoder.decode_batch(batch, GenerationSpec(max_new_tokens=24, ignore_eos=True))
         for (ids, stats), ref in zip(rows, alone):  # 7 prompts through 3 slots: rows leave and join
             assert ids == ref
             assert stats.new_tokens == 24 and stats.committed == stats.accepted + stats.rounds
@@ -50,7 +50,7 @@ def test_each_row_drafts_as_the_single_sequence_draft_model(setup):
     draft-model drafter does with K = 5: its draft cache after ragged rounds is its committed prefix."""
     from test_decoder import speculate
 
-    from toolkit.speculative.adaptive import ConstantK
+    from toolkit.engine.planner import ConstantK
     from toolkit.speculative.drafters import DraftModel
 
     class FreeSteps(BatchDraftModel):
@@ -59,9 +59,9 @@ def test_each_row_drafts_as_the_single_sequence_draft_model(setup):
 
     target, draft, batch, alone = setup
     singles = [speculate(target, DraftModel(draft), p, ConstantK(5), max_new_tokens=24) for p in batch]
-    decoder = BatchDecoder(target, FreeSteps(draft), VerifyCost([1.0] * 256, learn=False), num_draft_tokens=5,
-                           batch_size=3)
-    rows = decoder.decode(batch, GenerationSpec(max_new_tokens=24, ignore_eos=True))
+    decoder = batch_decoder(target, FreeSteps(draft), VerifyCost([1.0] * 256, learn=False), num_draft_tokens=5,
+                            batch_size=3)
+    rows = decoder.decode_batch(batch, GenerationSpec(max_new_tokens=24, ignore_eos=True))
     for (ids, stats), (ref, ref_stats, _) in zip(rows, singles):
         assert ids == ref
         assert (stats.drafted, stats.accepted) == (ref_stats.drafted, ref_stats.accepted)
@@ -71,9 +71,9 @@ def test_the_target_as_its_own_draft_is_always_accepted(setup):
     """The draft cache after ragged rounds holds exactly each row's committed tokens: with the target's own weights
     as draft, every drafted token is the target's (one stale or missing entry would change a proposal)."""
     target, _, batch, alone = setup
-    decoder = BatchDecoder(target, BatchDraftModel(target), VerifyCost(list(SLOW_VERIFY), learn=False),
-                           num_draft_tokens=4, batch_size=4)
-    rows = decoder.decode(batch, GenerationSpec(max_new_tokens=24, ignore_eos=True))
+    decoder = batch_decoder(target, BatchDraftModel(target), VerifyCost(list(SLOW_VERIFY), learn=False),
+                            num_draft_tokens=4, batch_size=4)
+    rows = decoder.decode_batch(batch, GenerationSpec(max_new_tokens=24, ignore_eos=True))
     for (ids, stats), ref in zip(rows, alone):
         assert ids == ref and stats.accepted == stats.drafted > 0
 
@@ -125,9 +125,9 @@ def test_sampling_per_row_with_a_draft_model_follows_the_target():
     for chunk in range(50):  # 400 rows, 8 per forward, every row its own seeds
         gen = GenerationSpec(max_new_tokens=3, do_sample=True, ignore_eos=True, seed=chunk * 8)  # room for 1 draft
         drafter = BatchDraftModel(draft, do_sample=True, seed=gen.seed)
-        decoder = BatchDecoder(target, drafter, VerifyCost(list(SLOW_VERIFY), learn=False), num_draft_tokens=1,
-                               batch_size=8)
-        for ids, stats in decoder.decode([prompt] * 8, gen):
+        decoder = batch_decoder(target, drafter, VerifyCost(list(SLOW_VERIFY), learn=False), num_draft_tokens=1,
+                                batch_size=8)
+        for ids, stats in decoder.decode_batch([prompt] * 8, gen):
             counts[ids[1]] += 1
             accepted += stats.accepted
             assert stats.drafted == 1

@@ -1,4 +1,4 @@
-"""L2-norm eviction per row of a batch (toolkit/speculative/batch_evict.py): autoregressive rows (the same commit
+"""L2-norm eviction per row of a batch (toolkit/kv/evict_rows.py): autoregressive rows (the same commit
 points as alone) equal each prompt decoded alone under the policy, with uncompressed skip layers next to compressed
 ones; speculative rows keep the policy's budget per row, and a compressed row holds exactly the entries the policy
 selects from that row's own keys."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import batch_decoder, tiny_llama
 from test_batch import prompts
 from test_decoder import INIT
 
@@ -48,8 +48,7 @@ def test_eviction_per_row_equals_each_prompt_alone_when_rounds_commit_alike(poli
 def test_speculative_rows_keep_the_budget_and_the_policys_selection():
     from toolkit.kv.l2norm import L2Norm
     from toolkit.recipe import GenerationSpec
-    from toolkit.speculative.batch import BatchDecoder
-    from toolkit.speculative.batch_evict import EvictBatchCache
+    from toolkit.kv.evict_rows import EvictBatchCache
     from toolkit.speculative.cost_model import VerifyCost
     from toolkit.speculative.drafters import LookupDrafter
 
@@ -72,11 +71,11 @@ def test_speculative_rows_keep_the_budget_and_the_policys_selection():
                     assert torch.equal(skipped.keys[r, :, :full[r]], before[0][0][r, :, :full[r]])  # untouched
                     checked.append(m)
 
-    decoder = BatchDecoder(target, lambda: LookupDrafter(max_cached_requests=0), VerifyCost([1.0] * 64, learn=False),
-                           num_draft_tokens=4, batch_size=3, policy=policy)
-    decoder._new_cache = lambda layers: Watch(layers, torch.device("cpu"), policy, target)
+    decoder = batch_decoder(target, lambda: LookupDrafter(max_cached_requests=0), VerifyCost([1.0] * 64, learn=False),
+                            num_draft_tokens=4, batch_size=3, policy=policy)
+    decoder._new_cache = lambda prompts, gen: Watch.for_model(target, policy)
     with policy.attached(target):
-        rows = decoder.decode(prompts(5), GenerationSpec(max_new_tokens=40, ignore_eos=True))
+        rows = decoder.decode_batch(prompts(5), GenerationSpec(max_new_tokens=40, ignore_eos=True))
     assert checked and set(checked) == {12}
     assert all(len(ids) == 40 for ids, _ in rows) and sum(s.accepted for _, s in rows) > 0
 

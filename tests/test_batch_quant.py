@@ -1,12 +1,11 @@
-"""The KIVI-quantized KV cache per row of a batch (toolkit/speculative/batch_quant.py): every row's greedy output is
+"""The KIVI-quantized KV cache per row of a batch (toolkit/kv/quantized_rows.py): every row's greedy output is
 what its prompt gives alone under the same quantized cache — rows packing groups at different rounds, verify forwards
 straddling a group boundary (the shadow) — and the batch holds packed groups, not full-precision history."""
 
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import tiny_llama
+from conftest import batch_decoder, tiny_llama
 from test_batch import prompts
 from test_decoder import INIT
 
@@ -39,8 +38,7 @@ def test_quantized_kv_per_row_equals_each_prompt_alone_under_the_policy(bits):
 def test_quantized_batch_cache_holds_packed_groups_and_a_bounded_residual():
     from toolkit.kv.quantized import QuantizedKV
     from toolkit.recipe import GenerationSpec
-    from toolkit.speculative.batch import BatchDecoder
-    from toolkit.speculative.batch_quant import QuantBatchCache
+    from toolkit.kv.quantized_rows import QuantBatchCache
     from toolkit.speculative.cost_model import VerifyCost
 
     target = tiny_llama(seed=0, **INIT)
@@ -52,13 +50,14 @@ def test_quantized_batch_cache_holds_packed_groups_and_a_bounded_residual():
             super().compress()
             seen.append((self.committed.tolist(), self.evicted.tolist(), self.lengths.tolist()))
 
-    decoder = BatchDecoder(target, lambda: None, VerifyCost([1.0] * 64, learn=False), num_draft_tokens=1,
-                           batch_size=2, policy=policy)
-    decoder._new_cache = lambda layers: Watch(layers, torch.device("cpu"), policy)
-    decoder.decode(prompts(2), GenerationSpec(max_new_tokens=40, ignore_eos=True))
+    decoder = batch_decoder(target, lambda: None, VerifyCost([1.0] * 64, learn=False), num_draft_tokens=1,
+                            batch_size=2, policy=policy)
+    decoder._new_cache = lambda prompts, gen: Watch.for_model(target, policy)
+    decoder.decode_batch(prompts(2), GenerationSpec(max_new_tokens=40, ignore_eos=True))
     for committed, packed, fp in seen:
         for c, q, n in zip(committed, packed, fp):
             held = c - 1
             # packed: whole groups after the sinks, up to boundary(held); the fp buffer: sinks + the residual
             expected = max(0, 8 * min((held - 2) // 8, -(-(held - 2 - 6) // 8))) if held - 2 - 6 > 0 else 0
             assert q == expected and n == held - q and n <= 2 + max(6, 7) + 1
+    assert seen and isinstance(decoder.cache, Watch)

@@ -1,7 +1,7 @@
 """Batched speculative sampling stays lossless when the verify width truncates sampled drafts.
 
-The regime the single-sequence planner's stopping rule exists for (``CostAwareK.plan``): a weak first draft token
-that would be verified only because a confident second one follows. The probe drafter samples the first token from
+The regime the planner's stopping rule exists for (``toolkit.engine.planner.CostAwareK.plan``): a weak first draft
+token that would be verified only because a confident second one follows. The probe drafter samples the first token from
 q = 1/2 on the target's least and most likely tokens, and announces a confident second token only after the least
 likely one. The cost curve makes verifying one token never pay and two tokens pay only behind a confident second.
 Choosing the best width over the whole chain then verifies the first token exactly when it is the unlikely one, and
@@ -16,12 +16,11 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import batch_decoder, tiny_llama
 from scipy.stats import chisquare
 from test_decoder import make_prompt
 
 from toolkit.recipe import GenerationSpec
-from toolkit.speculative.batch import BatchDecoder
 from toolkit.speculative.cost_model import VerifyCost
 
 V = 12
@@ -32,12 +31,15 @@ DRAWS = 600  # the old planner failed this with p = 2.8e-19 at 1,200 draws
 
 
 class TruncationProbe:
-    """A batch drafter (the protocol of :mod:`toolkit.speculative.batch_drafters`) that drafts two sampled tokens
+    """A batch drafter (the protocol of :mod:`toolkit.speculative.drafters.rows`) that drafts two sampled tokens
     per row: the first from q = 1/2 on the target's least / most likely next token (confidence 0.5, known before it
     is drawn), the second uniform, with confidence 0.99 after the least likely first token and 0.01 otherwise."""
 
     def __init__(self, target, seed: int):
         self.target, self.generator = target, torch.Generator().manual_seed(seed)
+
+    def begin(self, row):
+        pass
 
     def join(self, row):
         pass
@@ -83,8 +85,8 @@ def test_sampled_drafts_truncated_by_the_cost_curve_keep_the_target_law():
     counts = np.zeros(V)
     for draw in range(DRAWS):  # a fresh decoder per draw: its calibration holds only the prior, as in a first round
         gen = GenerationSpec(max_new_tokens=4, do_sample=True, ignore_eos=True, seed=draw)  # room for 2
-        decoder = BatchDecoder(target, TruncationProbe(target, seed=draw), VerifyCost(list(CURVE), learn=False),
-                               num_draft_tokens=2, batch_size=1)
-        [(ids, _)] = decoder.decode([prompt], gen)
+        decoder = batch_decoder(target, TruncationProbe(target, seed=draw), VerifyCost(list(CURVE), learn=False),
+                                num_draft_tokens=2, batch_size=1)
+        [(ids, _)] = decoder.decode_batch([prompt], gen)
         counts[ids[1]] += 1
     assert chisquare(counts, p2 / p2.sum() * counts.sum()).pvalue > 0.01, (counts, p2 * counts.sum())

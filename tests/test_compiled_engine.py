@@ -1,5 +1,6 @@
-"""The compiled static engine: a static KV cache written by position, forwards padded to width buckets and rolled
-back exactly, token-identical to HF greedy AR with and without drafts; what it refuses."""
+"""The compiled static engine (toolkit/engine/forward.py on toolkit/kv/static.py): a static KV cache written by
+position, forwards padded to width buckets and rolled back exactly, token-identical to HF greedy AR with and without
+drafts; the cache's capacity only grows; what it refuses (forward_for's notes) runs eager."""
 
 from __future__ import annotations
 
@@ -7,17 +8,21 @@ import pytest
 import torch
 from conftest import perturbed_copy, tiny_llama
 from test_decoder import hf_greedy
+from transformers import DynamicCache
 
+from toolkit.engine.cost import measure_verify_cost
+from toolkit.engine.decoder import SpeculativeDecoder
+from toolkit.engine.forward import TargetForward, forward_for
+from toolkit.engine.planner import ConstantK, CostAwareK
 from toolkit.kv import make_policy
-from toolkit.kv.static import StaticKVCache, capacity_for
-from toolkit.recipe import GenerationSpec, KVSpec
-from toolkit.speculative.adaptive import ConstantK
-from toolkit.speculative.compiled import CompiledTarget, supports_static
-from toolkit.speculative.cost_model import VerifyCost, measure_verify_cost
-from toolkit.speculative.decoder import SpeculativeDecoder
+from toolkit.kv.rows import SingleRowCache, supports_static
+from toolkit.kv.static import StaticKV, capacity_for
+from toolkit.recipe import GenerationSpec, KVSpec, Recipe, SpecSpec
+from toolkit.session import plan
+from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.drafters import DraftModel, LookupDrafter
 from toolkit.speculative.stats import GenerationStats
-from toolkit.speculative.verify_length import Calibrator, CostAwareK
+from toolkit.speculative.verify_length import Calibrator
 
 NEW = 20
 
@@ -28,15 +33,16 @@ def setup():
     target = tiny_llama(seed=0, initializer_range=0.2)
     base = torch.randint(1, 128, (7,), generator=torch.Generator().manual_seed(2))
     prompt = torch.cat([base, base, base[:4]]).view(1, -1)  # repeats: the lookup drafter finds matches
-    engine = CompiledTarget(target, widths=(2, 4, 8), backend="eager")  # dynamo traces, no code generation
+    # dynamo traces, no code generation; CUDA's bucketed shapes (padded widths, every slot attended) on the CPU
+    engine = TargetForward(target, compile=True, backend="eager", buckets=True)
     yield target, prompt, hf_greedy(target, prompt, NEW), engine
     torch._dynamo.reset()
 
 
-def run(target, drafter, prompt, engine, controller=None, **gen):
+def run(target, drafter, prompt, engine, controller=None, policy=None, **gen):
     spec = GenerationSpec(max_new_tokens=NEW, ignore_eos=True, **gen)
     stats = GenerationStats()
-    decoder = SpeculativeDecoder(target, drafter, controller or ConstantK(3), engine=engine)
+    decoder = SpeculativeDecoder(target, drafter, controller or ConstantK(3), policy, forward=engine)
     ids = [t for chunk in decoder.decode(prompt, spec, stats) for t in chunk]
     return ids, stats, decoder
 
@@ -48,17 +54,19 @@ def test_engine_is_token_identical_to_hf_greedy(setup, drafter):
             "draft_model": lambda: DraftModel(perturbed_copy(target, scale=0.1))}[drafter]
     ids, stats, decoder = run(target, make(), prompt, engine, ConstantK(5))
     assert ids == reference
-    if drafter != "none":  # drafts were verified through padded buckets
+    if drafter != "none":  # drafts were verified through padded buckets (6 tokens in the width-8 graph)
         assert stats.drafted > 0 and (stats.accepted > 0 or drafter == "lookup")
+    assert all(width in engine.widths for _, width in engine.compile_s)  # only bucket widths were compiled
     capacity = capacity_for(prompt.shape[1] + NEW + 8)  # no longer request has run on this engine
-    assert isinstance(decoder.cache, StaticKVCache) and decoder.cache.capacity == capacity == engine.capacity
+    assert isinstance(decoder.cache, StaticKV) and decoder.cache.capacity == capacity
+    assert decoder.cache.static_span  # bucketed shapes attend to every slot: the buffers have no span slack
     layers, heads, dim = 2, 2, 16
     assert stats.kv_bytes_target == layers * 2 * heads * capacity * dim * 4  # fp32 key + value buffers, all slots
 
 
 def test_cost_aware_verify_length_on_the_engine_is_identical_and_reads_a_step_curve(setup):
     target, prompt, reference, engine = setup
-    curve = measure_verify_cost(target, max_tokens=8, context=32, repeats=1, engine=engine)
+    curve = measure_verify_cost(target, max_tokens=8, context=32, repeats=1, forward=engine)
     assert curve.max_tokens == 8 and len(curve.step_ms) == 8 and all(ms > 0 for ms in curve.step_ms)
     cost = CostAwareK(VerifyCost([10.0, 10.0, 12.0, 12.0, 15.0, 15.0, 15.0, 15.0]), Calibrator(), 7, 8)
     ids, _, _ = run(target, LookupDrafter(max_cached_requests=0), prompt, engine, cost)
@@ -67,56 +75,106 @@ def test_cost_aware_verify_length_on_the_engine_is_identical_and_reads_a_step_cu
 
 def test_padding_is_rolled_back_and_appends_exactly_the_query(setup):
     target, prompt, _, engine = setup
-    cache = engine.new_cache(64)
-    with torch.inference_mode():
-        engine.forward(cache, prompt, 0, 1)
-        n = prompt.shape[1]
-        logits = engine.forward(cache, prompt[:, :3], n, 3)  # 3 tokens run in the width-4 graph
-        assert logits.shape == (3, 128)
-        assert int(cache.get_seq_length()) == n + 3
-        cache.crop(-3)
-        assert int(cache.get_seq_length()) == n
-        eager = target(input_ids=prompt[:, :3], past_key_values=None, position_ids=torch.arange(3).view(1, -1))
-    assert engine.bucket(1) == 2 and engine.bucket(5) == 8
-    assert engine.new_cache(600).capacity == 1024 and engine.new_cache(10).capacity == 1024  # capacity only grows
-    with pytest.raises(ValueError, match="past the widest"):
-        engine.bucket(9)
-    assert eager.logits.shape[1] == 3
+    n = prompt.shape[1]
+    cache = StaticKV(target, rows=1, capacity=64, widest=8, static_span=True)
+    reference = DynamicCache()
+    with torch.inference_mode(), engine.attached():
+        prefilled, kwargs = cache.begin_row(n)
+        engine.prefill(prompt, kwargs)
+        cache.add_row(prefilled, n)
+        target(input_ids=prompt, past_key_values=reference, use_cache=True)
+        logits = engine(cache, prompt[:, :3])  # 3 tokens run in the width-4 graph
+        assert logits.shape == (1, 3, 128)
+        eager = target(input_ids=prompt[:, :3], past_key_values=reference, use_cache=True).logits
+        torch.testing.assert_close(logits, eager, atol=1e-5, rtol=1e-5)  # the padding changed nothing
+        cache.accept(torch.tensor([1]), [1])  # keep 1 of the 3: the rest and the padding are never read again
+        reference.crop(-2)
+        assert cache.held == [n + 1] and cache.lengths.tolist() == [n + 1]
+        logits = engine(cache, prompt[:, 5:10])  # 5 tokens in the width-8 graph, over the rolled-back slots
+        eager = target(input_ids=prompt[:, 5:10], past_key_values=reference, use_cache=True).logits
+        torch.testing.assert_close(logits, eager, atol=1e-5, rtol=1e-5)
+        cache.accept(torch.tensor([5]), [5])
+        assert cache.held == [n + 6] == [reference.get_seq_length()]
+    assert (1, 4) in engine.compile_s and (1, 8) in engine.compile_s
+    assert engine.width_for(1) == 1 and engine.width_for(3) == 4 and engine.width_for(5) == 8
+    with pytest.raises(ValueError, match="past the largest bucket"):
+        engine.width_for(engine.widths[-1] + 1)
 
 
-def test_engine_refuses_kv_policies_trees_and_sliding_windows(setup):
-    target, _, _, engine = setup
-    policy = make_policy(KVSpec("streaming", {"sink_tokens": 4, "window": 32}))
-    with pytest.raises(ValueError, match="uncompressed caches and chains only"):
-        SpeculativeDecoder(target, None, ConstantK(1), target_policy=policy, engine=engine)
-    windowed = tiny_llama(seed=0)
-    windowed.config.layer_types = ["sliding_attention", "full_attention"]
-    assert "sliding_attention" in supports_static(windowed)
-    with pytest.raises(ValueError, match="compile: the target has layers of type sliding_attention"):
-        CompiledTarget(windowed)
-    with pytest.raises(ValueError, match="widths"):
-        CompiledTarget(target, widths=(4, 2))
+def test_the_static_cache_is_reused_and_its_capacity_only_grows(setup):
+    target, _, _, _ = setup
+    engine = TargetForward(target, compile=True, backend="eager", buckets=True)
+    big = engine.cache_for(None, 1, capacity_for(600), 8)
+    assert big.capacity == 768
+    small = engine.cache_for(None, 1, capacity_for(10), 8)
+    assert small is big and small.capacity == 768  # a shorter request reuses the buffers (fixed addresses)
+    assert engine.cache_for(None, 1, capacity_for(900), 8).capacity == 1024
     with pytest.raises(ValueError, match="tokens"):
         capacity_for(0)
 
 
+def test_what_the_static_cache_does_not_hold_runs_eager(setup):
+    """forward_for compiles only where the static cache holds the recipe (no KV policy or the StreamingLLM ring, no
+    token trees, full-attention layers); elsewhere it names why and the decoder runs eager on the policy's cache."""
+    target = setup[0]
+    base = Recipe.from_dict({"name": "compiled", "target": {"device": "cpu"}, "draft": None, "compile": "on",
+                             "spec": {"drafter": "lookup", "num_draft_tokens": 4},
+                             "generation": {"max_new_tokens": NEW, "ignore_eos": True}})
+
+    def engine(recipe, model=target) -> tuple[bool, str]:
+        forward, why = forward_for(recipe, model, plan(recipe))
+        return forward.compiled, why
+
+    def kv(params: dict) -> Recipe:
+        return base.replace(kv=KVSpec.from_dict(params, "kv"))
+
+    assert engine(base)[0] and "compiled static engine" in engine(base)[1]
+    assert engine(kv({"policy": "streaming", "sink_tokens": 4, "window": 32}))[0]  # the ring
+    compiled, why = engine(kv({"policy": "streaming", "sink_tokens": 4, "window": 32, "position_mode": "reindex"}))
+    assert not compiled and "StreamingLLM with reindexed positions" in why
+    compiled, why = engine(kv({"policy": "l2norm", "budget": 16, "sink_tokens": 2, "protect_recent": 4}))
+    assert not compiled and "the l2norm policy" in why
+    compiled, why = engine(base.replace(spec=SpecSpec(drafter="suffix", tree=True)))
+    assert not compiled and "token trees" in why
+    windowed = tiny_llama(seed=0)
+    windowed.config.layer_types = ["sliding_attention", "full_attention"]
+    assert "sliding_attention" in supports_static(windowed)
+    compiled, why = engine(base, windowed)
+    assert not compiled and "layers of type sliding_attention" in why
+    assert engine(base.replace(compile="off")) == (False, "eager (compile: off)")
+    compiled, why = engine(base.replace(compile="auto"))  # fp32 weights on the CPU: compiling does not pay
+    assert not compiled and "bytes-bound" in why
+    with pytest.raises(ValueError, match="does not hold StreamingLLM with reindexed positions"):
+        StaticKV(target, 1, 64, window=make_policy(KVSpec("streaming", {"position_mode": "reindex"})))
+    # a compiled forward handed a policy the static cache does not hold runs eager on the policy's own cache
+    policy = make_policy(KVSpec("l2norm", {"budget": 12, "sink_tokens": 2, "protect_recent": 4, "skip_layers": [0],
+                                           "compress_interval": 3}))
+    compiled_forward = TargetForward(target, compile=True, backend="eager")
+    ids, stats, decoder = run(target, LookupDrafter(max_cached_requests=0), setup[1], compiled_forward,
+                              policy=policy)
+    eager_ids, _, _ = run(target, LookupDrafter(max_cached_requests=0), setup[1], TargetForward(target),
+                          policy=policy)
+    assert ids == eager_ids and isinstance(decoder.cache, SingleRowCache) and stats.compressions_target > 0
+    assert compiled_forward.compile_s == {}  # nothing was compiled
+
+
 @pytest.mark.slow
 def test_inductor_compiled_engine_matches_hf_greedy():
-    """The real compiler (inductor, C++ code generation) on a one-layer model and one bucket."""
+    """The real compiler (inductor, C++ code generation) on a one-layer model: CPU's dynamic widths and spans."""
     torch._dynamo.reset()
     target = tiny_llama(seed=5, layers=1, initializer_range=0.2)
     prompt = torch.randint(1, 128, (1, 9), generator=torch.Generator().manual_seed(5))
-    engine = CompiledTarget(target, widths=(4,))
+    engine = TargetForward(target, compile=True)
     ids, _, _ = run(target, LookupDrafter(max_cached_requests=0), prompt, engine, ConstantK(3))
     assert ids == hf_greedy(target, prompt, NEW)
-    assert set(engine.compile_s) == {4}
+    assert set(engine.compile_s) <= {(1, 1), (1, 2)}  # one graph per class of widths, whatever the widths
     torch._dynamo.reset()
 
 
 def test_inductor_cache_goes_to_the_toolkit_cache_unless_the_user_chose_one(monkeypatch, tmp_path):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from toolkit.speculative import compiled
+    from toolkit.engine import forward
 
     monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(tmp_path / "toolkit"))
     for before in (None, default_cache_dir()):  # unset, or the default inductor wrote in on its first use
@@ -124,8 +182,8 @@ def test_inductor_cache_goes_to_the_toolkit_cache_unless_the_user_chose_one(monk
             monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
         else:
             monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)
-        compiled._inductor_cache()
-        assert compiled.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "toolkit" / "inductor")
+        forward.inductor_cache()
+        assert forward.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "toolkit" / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    compiled._inductor_cache()
-    assert compiled.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    forward.inductor_cache()
+    assert forward.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

@@ -14,8 +14,8 @@ from transformers import PreTrainedTokenizerFast
 
 import toolkit
 from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec
-from toolkit.speculative.adaptive import ConstantK
-from toolkit.speculative.decoder import SpeculativeDecoder
+from toolkit.engine.planner import ConstantK
+from toolkit.engine.decoder import SpeculativeDecoder
 from toolkit.speculative.drafters.cross_tokenizer import CrossTokenizerDrafter
 from toolkit.speculative.stats import GenerationStats
 

@@ -1,4 +1,4 @@
-"""The speculative decode loop (toolkit/speculative/decoder.py) with every drafter, on tiny random models and (slow) on the
+"""The speculative decode loop (toolkit/engine/decoder.py) with every drafter, on tiny random models and (slow) on the
 embedded SmolLM2 model.
 
 Layer 1 of DESIGN.md: greedy speculative output is token-identical to the target's own greedy output (HF
@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import perturbed_copy, tiny_llama, tiny_neox
 
+from toolkit.engine.decoder import SpeculativeDecoder
+from toolkit.engine.planner import ConstantK, EmaK
 from toolkit.recipe import GenerationSpec
-from toolkit.speculative.adaptive import ConstantK, EmaK
-from toolkit.speculative.decoder import SpeculativeDecoder
 from toolkit.speculative.drafters import DraftModel, NGramDrafter
 from toolkit.speculative.stats import GenerationStats
 
@@ -144,14 +145,18 @@ def uncapped_lengths(stats: GenerationStats, chunks: list[list[int]], limit: int
 
 
 def test_ema_controller_grows_shrinks_and_clamps():
+    def update(drafted: int, accepted: int) -> None:  # one row that drafted and verified `drafted` tokens
+        row = SimpleNamespace(proposal=[0] * drafted, confidence=None, q=None)
+        controller.update([row], drafted, [accepted])
+
     controller = EmaK(3, k_min=2, k_max=5, decay=0.5)
     for _ in range(4):
-        controller.update(controller.next_k(), controller.next_k())  # everything accepted
+        update(controller.next_k(), controller.next_k())  # everything accepted
     assert controller.next_k() == 5  # grew, clamped at k_max
     for _ in range(6):
-        controller.update(controller.next_k(), 0)  # everything rejected
+        update(controller.next_k(), 0)  # everything rejected
     assert controller.next_k() == 2  # shrank, clamped at k_min
-    controller.update(0, 0)  # a round that drafted nothing changes nothing
+    update(0, 0)  # a round that drafted nothing changes nothing
     assert controller.next_k() == 2
     assert EmaK(9, k_min=1, k_max=4).next_k() == 4
 
@@ -229,10 +234,11 @@ def test_caches_hold_exactly_the_committed_prefix_after_every_round(models, arch
             for model, cache in ((target, decoder.cache), (draft_model, drafter.cache)):
                 with torch.no_grad():
                     fresh = model(prefix, use_cache=True).past_key_values
-                n = cache.get_seq_length()
+                n = cache.get_seq_length()  # the target's static cache: slot = position; slots past n unused
                 for layer, ref_layer in zip(cache.layers, fresh.layers):
-                    torch.testing.assert_close(layer.keys, ref_layer.keys[:, :, :n], atol=1e-4, rtol=1e-4)
-                    torch.testing.assert_close(layer.values, ref_layer.values[:, :, :n], atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(layer.keys[:, :, :n], ref_layer.keys[:, :, :n], atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(layer.values[:, :, :n], ref_layer.values[:, :, :n], atol=1e-4,
+                                               rtol=1e-4)
             checked_content += 1
     assert sequence[prompt.shape[1]:][:NEW_TOKENS] == reference[: len(sequence) - prompt.shape[1]]
     assert rejections >= 2 and checked_content >= 2

@@ -71,8 +71,8 @@ def test_30_steps_lower_the_kl_loss(run30):
 def test_saved_draft_loads_through_modelspec_and_decodes_like_ar(run30, tokenizer):
     from toolkit.models import check_same_vocab, load_model
     from toolkit.recipe import GenerationSpec, ModelSpec
-    from toolkit.speculative.adaptive import ConstantK
-    from toolkit.speculative.decoder import SpeculativeDecoder
+    from toolkit.engine.planner import ConstantK
+    from toolkit.engine.decoder import SpeculativeDecoder
     from toolkit.speculative.drafters import DraftModel
     from toolkit.speculative.stats import GenerationStats
 

@@ -12,8 +12,8 @@ from toolkit.distill.eagle_train import build_head
 from toolkit.errors import ConfigError
 from toolkit.kv import ops as kv_ops
 from toolkit.recipe import ModelSpec, Recipe, SpecSpec
-from toolkit.speculative.adaptive import ConstantK
-from toolkit.speculative.decoder import SpeculativeDecoder
+from toolkit.engine.planner import ConstantK
+from toolkit.engine.decoder import SpeculativeDecoder
 from toolkit.speculative.drafters import (
     DrafterContext,
     DrafterProtocol,

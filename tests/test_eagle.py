@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import batch_decoder, tiny_llama
 from scipy.stats import chisquare
 from test_decoder import hf_greedy, make_prompt, speculate
 
@@ -25,7 +25,7 @@ from toolkit.eagle.checkpoint import load_head, save_head
 from toolkit.eagle.features import FeatureHook
 from toolkit.eagle.head import EagleHead, HeadCache, HeadConfig
 from toolkit.errors import ConfigError
-from toolkit.speculative.adaptive import ConstantK
+from toolkit.engine.planner import ConstantK
 from toolkit.speculative.drafters.eagle import EagleDrafter
 
 NEW_TOKENS = 40
@@ -190,11 +190,10 @@ def test_sampling_reproduces_target_joint_law(target, trained_head):
 
 @pytest.mark.slow
 def test_batched_eagle_sampling_reproduces_target_joint_law(target, trained_head):
-    """The same law with the head drafting for batches of 8 (toolkit/speculative/batch_eagle.py): every row its own
-    generators, the head's q (zero outside its draft vocabulary) in each row's rejection sampling."""
+    """The same law with the head drafting for batches of 8 (toolkit/speculative/drafters/eagle_rows.py): every row its
+    own generators, the head's q (zero outside its draft vocabulary) in each row's rejection sampling."""
     from toolkit.recipe import GenerationSpec
-    from toolkit.speculative.batch import BatchDecoder
-    from toolkit.speculative.batch_eagle import BatchEagle
+    from toolkit.speculative.drafters.eagle_rows import BatchEagle
     from toolkit.speculative.cost_model import VerifyCost
 
     class FreeSteps(BatchEagle):
@@ -205,9 +204,9 @@ def test_batched_eagle_sampling_reproduces_target_joint_law(target, trained_head
     n, observed, accepted = 1200, {key: 0 for key in joint}, 0
     for chunk in range(n // 8):
         gen = GenerationSpec(max_new_tokens=3, do_sample=True, top_k=3, ignore_eos=True, seed=8 * chunk)
-        decoder = BatchDecoder(target, FreeSteps(target, head, do_sample=True, top_k=3, seed=gen.seed),
-                               VerifyCost([1.0] * 64, learn=False), num_draft_tokens=2, batch_size=8)
-        for ids, stats in decoder.decode([prompt] * 8, gen):
+        decoder = batch_decoder(target, FreeSteps(target, head, do_sample=True, top_k=3, seed=gen.seed),
+                                VerifyCost([1.0] * 64, learn=False), num_draft_tokens=2, batch_size=8)
+        for ids, stats in decoder.decode_batch([prompt] * 8, gen):
             observed[(ids[0], ids[1])] += 1
             accepted += stats.accepted
     assert 0 < accepted < n  # one draft token per row (room for 1 of the 3 tokens): accepted and rejected
@@ -466,13 +465,12 @@ def test_eagle3_head_trains_decodes_as_ar_and_serves_in_the_speculators_layout(t
 
 
 def test_batched_eagle_rows_equal_each_prompt_alone_and_draft_as_one_sequence(target, trained_head):
-    """An EAGLE head drafting for a whole batch (toolkit/speculative/batch_eagle.py): every row's greedy output is
-    its prompt's output alone, and — drafting free, verifying every draft (K = 4, a flat verify curve) — each row
+    """An EAGLE head drafting for a whole batch (toolkit/speculative/drafters/eagle_rows.py): every row's greedy output
+    is its prompt's output alone, and — drafting free, verifying every draft (K = 4, a flat verify curve) — each row
     drafts and accepts exactly what the single-sequence EAGLE drafter does with K = 4 (stale or misplaced true pairs
     in the ragged head cache would change the proposals)."""
     from toolkit.recipe import GenerationSpec
-    from toolkit.speculative.batch import BatchDecoder
-    from toolkit.speculative.batch_eagle import BatchEagle
+    from toolkit.speculative.drafters.eagle_rows import BatchEagle
     from toolkit.speculative.cost_model import VerifyCost
 
     class FreeSteps(BatchEagle):
@@ -483,9 +481,9 @@ def test_batched_eagle_rows_equal_each_prompt_alone_and_draft_as_one_sequence(ta
     batch = [make_prompt(100 + i, length=8) for i in range(3)] + [make_prompt(20 + i, length=6 + 2 * i)
                                                                   for i in range(2)]
     alone = [speculate(target, EagleDrafter(target, trained_head), p, ConstantK(4)) for p in batch]
-    decoder = BatchDecoder(target, FreeSteps(target, trained_head), VerifyCost([1.0] * 64, learn=False),
-                           num_draft_tokens=4, batch_size=3)
-    rows = decoder.decode(batch, GenerationSpec(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    decoder = batch_decoder(target, FreeSteps(target, trained_head), VerifyCost([1.0] * 64, learn=False),
+                            num_draft_tokens=4, batch_size=3)
+    rows = decoder.decode_batch(batch, GenerationSpec(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     for (ids, stats), (ref, ref_stats, _) in zip(rows, alone):  # 5 prompts through 3 slots: rows leave and join
         assert ids == ref
         assert (stats.drafted, stats.accepted) == (ref_stats.drafted, ref_stats.accepted)

@@ -25,7 +25,7 @@ from toolkit.eagle.checkpoint import load_head, save_head
 from toolkit.eagle.convert import convert_head
 from toolkit.eagle.head import EagleHead, HeadConfig
 from toolkit.errors import ConfigError
-from toolkit.speculative.adaptive import ConstantK
+from toolkit.engine.planner import ConstantK
 from toolkit.speculative.drafters.eagle import EagleDrafter
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -14,8 +14,8 @@ from test_decoder import hf_greedy, make_prompt  # noqa: E402
 from test_eagle import INIT, NEW_TOKENS, target, trained_head  # noqa: E402,F401  (fixtures)
 
 from toolkit.recipe import GenerationSpec  # noqa: E402
-from toolkit.speculative.adaptive import ConstantK  # noqa: E402
-from toolkit.speculative.decoder import SpeculativeDecoder  # noqa: E402
+from toolkit.engine.planner import ConstantK  # noqa: E402
+from toolkit.engine.decoder import SpeculativeDecoder  # noqa: E402
 from toolkit.speculative.drafters.eagle import EagleDrafter  # noqa: E402
 from toolkit.speculative.stats import GenerationStats  # noqa: E402
 from toolkit.speculative.tree import TreeShape  # noqa: E402

@@ -95,8 +95,13 @@ def test_memory_fields_present_and_positive(plain):
         assert mem["kv_bytes"][key] > 0, key
     assert mem["peak"]["device"] == "cpu" and mem["peak"]["peak_rss_bytes"] > 0
     assert mem["peak"]["peak_rss_growth_bytes"] >= 0
-    # without compression the exact KV bytes equal the computed uncompressed size
-    assert mem["kv_bytes"]["target_peak"] == mem["kv_bytes"]["uncompressed_target_peak"]
+    # without compression the target runs on the static cache: its exact KV bytes are its buffers, whole
+    # CAPACITY_STEP multiples of slots (+ the SPAN_STEP slack of a dynamic span), at least the uncompressed size
+    from toolkit.kv.static import CAPACITY_STEP, SPAN_STEP
+
+    per_token, peak = mem["kv_bytes"]["per_token_uncompressed"], mem["kv_bytes"]["target_peak"]
+    assert peak >= mem["kv_bytes"]["uncompressed_target_peak"]
+    assert peak % per_token == 0 and (peak // per_token - SPAN_STEP) % CAPACITY_STEP == 0
     for name, entry in m["methods"].items():
         assert entry["peak_memory"]["peak_rss_bytes"] > 0, name
 
@@ -129,7 +134,9 @@ def test_kv_bytes_with_policy_smaller(models, inputs, tmp_path):
                          tmp_path / "streaming", settings=settings, plots=False)
     assert streamed["memory"]["kv_bytes"]["target_peak"] < full["memory"]["kv_bytes"]["target_peak"]
     assert streamed["memory"]["kv_bytes"]["target_final"] < full["memory"]["kv_bytes"]["target_final"]
-    assert streamed["memory"]["compressions"]["target"] > 0 and full["memory"]["compressions"]["target"] == 0
+    # StreamingLLM (absolute positions, exact window) runs on the static cache's ring: positions leave it by being
+    # overwritten, never by a compression
+    assert streamed["memory"]["compressions"]["target"] == full["memory"]["compressions"]["target"] == 0
     assert streamed["perplexity"]["configured"]["peak_kv_bytes"] < full["perplexity"]["configured"]["peak_kv_bytes"]
 
 
@@ -188,12 +195,12 @@ def test_batched_recipe_is_scored_as_it_runs(models, inputs, tmp_path):
     assert set(result.ratios) >= {"ours_batch_vs_hf_batch_ar", "ours_batch_vs_ours_single"}
     per_token = m["memory"]["kv_bytes"]["per_token_uncompressed"]
     longest_three = sorted(len(p) for p in prompts)[-3:]
-    # three rows share the cache at first: at least their prompts; at most 3 rows x a buffer grown by doubling past
-    # the longest row (prompt + new tokens + a verify block) from GROW_MIN slots of headroom
-    from toolkit.speculative.batch_cache import GROW_MIN
+    # three rows share the static cache: at least their prompts; at most 3 rows (+ a spare one) x the capacity of
+    # the longest row (prompt + new tokens + a verify block of K + 1, rounded up to CAPACITY_STEP) + SPAN_STEP slack
+    from toolkit.kv.static import SPAN_STEP, capacity_for
 
     assert per_token * sum(longest_three) <= batch["kv_peak_bytes"]
-    assert batch["kv_peak_bytes"] <= 3 * per_token * 2 * (max(longest_three) + 16 + 17 + GROW_MIN)
+    assert batch["kv_peak_bytes"] <= 4 * per_token * (capacity_for(max(longest_three) + 16 + 5) + SPAN_STEP)
     assert m["memory"]["total_peak_bytes"] == m["memory"]["weight_bytes"]["total"] + batch["kv_peak_bytes"]
     assert "### Batch size 3 (batched)" in (tmp_path / "a" / "report.md").read_text()
     again = evaluate(recipe.replace(name="tiny-batch-k2", spec=recipe.spec.__class__(drafter="ngram",

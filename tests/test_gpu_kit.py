@@ -35,9 +35,16 @@ def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
     assert {name: s["status"] for name, s in stages.items()} == dict.fromkeys(
         ["environment", "greedy", "sampling", "kv", "verify_cost", "speed", "projection"], "ok")
     assert stages["greedy"]["result"]["all_identical"]
-    assert len([r for r in stages["greedy"]["result"]["rows"] if r["path"].startswith("batch of 8")]) == 8
+    batch = [r["path"] for r in stages["greedy"]["result"]["rows"] if r["path"].startswith("batch of 8")]
+    assert len([p for p in batch if p.startswith("batch of 8, lookup: row")]) == 8  # eager
+    assert len([p for p in batch if p.startswith("batch of 8, lookup, compiled")]) == 8  # the dry run's traced
     assert stages["kv"]["result"]["all_equal"]
-    assert all(r["compressions"] > 0 for r in stages["kv"]["result"]["rows"])  # each policy compressed
+    kv = {r["policy"]: r for r in stages["kv"]["result"]["rows"]}
+    assert set(kv) == {"streaming", "l2norm", "head_aware", "quantized"}
+    # each policy compressed; StreamingLLM (absolute positions, exact window) runs on the static cache's ring, which
+    # drops positions by overwriting their slots, never by compressing
+    assert all(r["compressions"] > 0 for name, r in kv.items() if name != "streaming")
+    assert kv["streaming"]["compressions"] == 0 and kv["streaming"]["kv_bytes"] > 0
     assert stages["sampling"]["result"]["p_value"] > 0.01 and stages["sampling"]["result"]["drafted"] > 0
     speed = stages["speed"]["result"]["tiny"]["rows"]
     assert {"HF AR", "HF static cache + compiled AR", "ours AR", "ours EAGLE-1 head (K=3)"} <= set(speed)

@@ -93,9 +93,18 @@ def test_a_draft_model_and_a_kv_policy_run_through_the_recipe(llama):
         hf, ours = both(llama, prompt, custom, max_new_tokens=NEW)
         assert torch.equal(hf, ours) and custom.last_stats[0].draft_forwards > 0
         policy = {"policy": "streaming", "sink_tokens": 2, "window": 12, "compress_interval": 2}
-        window = toolkit.hf.speculative("none", kv=policy)
+        window = toolkit.hf.speculative("none", kv=policy)  # absolute positions, exact window: the static ring
         llama.generate(prompt, max_new_tokens=NEW, custom_generate=window)
-        assert window.last_stats[0].compressions_target > 0 and window.last_stats[0].new_tokens == NEW
+        stats = window.last_stats[0]
+        config = llama.config
+        per_slot = 2 * config.num_hidden_layers * config.num_key_value_heads * 4 * (
+            config.hidden_size // config.num_attention_heads)
+        # the ring holds sinks + window + the widest forward (+ a span's slack), not the capacity of an uncompressed
+        # static cache (capacity_for(prompt + new) = 256 slots)
+        assert stats.new_tokens == NEW and 0 < stats.peak_kv_bytes_target < per_slot * 256
+        rolling = toolkit.hf.speculative("none", kv={**policy, "exact_window": False})  # the policy's own cache
+        llama.generate(prompt, max_new_tokens=NEW, custom_generate=rolling)
+        assert rolling.last_stats[0].compressions_target > 0 and rolling.last_stats[0].new_tokens == NEW
 
 
 def test_eos_ids_stop_like_hf_and_max_length_counts_the_prompt(llama):

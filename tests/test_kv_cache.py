@@ -6,10 +6,12 @@ import pytest
 import torch
 from conftest import tiny_llama, tiny_neox
 
+from toolkit.engine.decoder import SpeculativeDecoder
+from toolkit.engine.planner import ConstantK
 from toolkit.kv import make_policy, ops
+from toolkit.kv.rows import SingleRowCache
+from toolkit.kv.static import SPAN_STEP, StaticKV
 from toolkit.recipe import GenerationSpec, KVSpec
-from toolkit.speculative.adaptive import ConstantK
-from toolkit.speculative.decoder import SpeculativeDecoder
 from toolkit.speculative.stats import GenerationStats
 
 HEADS, DIM = 2, 16  # tiny_llama: 2 KV heads of head_dim 16, 2 layers
@@ -184,11 +186,14 @@ def test_plain_dynamic_cache_protocol():
     ("l2norm", dict(budget=32, protect_recent=4, skip_layers=[], compress_interval=4)),
 ])
 def test_kv_bytes_stay_bounded_over_4x_budget(name, params):
-    """Generating 4x the budget: once reached, bytes return to exactly the budget's after every compression."""
+    """Generating 4x the budget: once reached, bytes return to exactly the budget's after every compression (the
+    policy's own cache); StreamingLLM's static ring holds sinks + window + the widest forward from the start."""
     model = tiny_llama()
-    decoder = SpeculativeDecoder(model, None, ConstantK(1), policy(name, **params))
     prompt = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
     per_token = 2 * 2 * HEADS * DIM * 4  # layers * (k, v) * heads * dim * fp32
+    built = policy(name, **params)
+    decoder = SpeculativeDecoder(model, None, ConstantK(1), built)
+    decoder._new_cache = lambda prompts, gen: SingleRowCache(built, model)  # the policy's own cache
     history = []
     for _ in decoder.decode(prompt, GenerationSpec(max_new_tokens=4 * 32, ignore_eos=True), GenerationStats()):
         history.append((decoder.cache.compressions, decoder.cache.kv_bytes()))
@@ -196,3 +201,10 @@ def test_kv_bytes_stay_bounded_over_4x_budget(name, params):
     after = [b for (c, b), (c0, _) in zip(history[1:], history) if c > c0]
     assert after and all(b == 32 * per_token for b in after)
     assert max(b for _, b in history) <= (32 + 4) * per_token
+    if name == "streaming":  # the decoder's own choice: the ring, fixed bytes whatever the length
+        ring = SpeculativeDecoder(model, None, ConstantK(1), policy(name, **params))
+        sizes = {ring.cache.kv_bytes() for _ in ring.decode(prompt, GenerationSpec(max_new_tokens=4 * 32,
+                                                                                   ignore_eos=True),
+                                                             GenerationStats())}
+        assert isinstance(ring.cache, StaticKV) and ring.cache.compressions == 0
+        assert sizes == {(4 + 28 + 1 + SPAN_STEP) * per_token}  # sinks + window + one AR token (+ span slack)

@@ -10,8 +10,8 @@ from conftest import tiny_llama, tiny_neox
 
 from toolkit.kv import calibration, make_policy, ops
 from toolkit.recipe import GenerationSpec, KVSpec
-from toolkit.speculative.adaptive import ConstantK
-from toolkit.speculative.decoder import SpeculativeDecoder
+from toolkit.engine.planner import ConstantK
+from toolkit.engine.decoder import SpeculativeDecoder
 from toolkit.speculative.stats import GenerationStats
 
 

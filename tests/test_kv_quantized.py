@@ -13,8 +13,8 @@ from toolkit.kv.quant_pack import dequantize, quantize
 from toolkit.kv.quantized import QuantizedKVCache, QuantizedLayer
 from toolkit.recipe import GenerationSpec, KVSpec, Recipe
 from toolkit.session import plan
-from toolkit.speculative.adaptive import ConstantK
-from toolkit.speculative.decoder import SpeculativeDecoder
+from toolkit.engine.planner import ConstantK
+from toolkit.engine.decoder import SpeculativeDecoder
 from toolkit.speculative.drafters import DraftModel, NGramDrafter
 from toolkit.speculative.stats import GenerationStats
 from toolkit.speculative.tree import TreeShape
@@ -239,12 +239,16 @@ def test_composition_errors():
 
 
 # ---------------------------------------------------------------------------------------------------- decoding
-def run(model, drafter, pol, prompt, new_tokens, k=3):
+def run(model, drafter, pol, prompt, new_tokens, k=3, tree=None):
+    """``(new ids, stats, the target's cache as the last round left it)``: for a policy, its single-sequence cache
+    (the decoder's :class:`~toolkit.kv.rows.SingleRowCache` lets go of it once the request is done)."""
     stats = GenerationStats()
-    decoder = SpeculativeDecoder(model, drafter, ConstantK(k), pol)
-    ids = [t for chunk in decoder.decode(prompt, GenerationSpec(max_new_tokens=new_tokens, ignore_eos=True), stats)
-           for t in chunk]
-    return ids, stats, decoder
+    decoder = SpeculativeDecoder(model, drafter, ConstantK(k), pol, tree=tree)
+    ids, cache = [], None
+    for chunk in decoder.decode(prompt, GenerationSpec(max_new_tokens=new_tokens, ignore_eos=True), stats):
+        ids += chunk
+        cache = getattr(decoder.cache, "cache", decoder.cache)
+    return ids, stats, cache
 
 
 QUANT_POLICIES = [
@@ -263,17 +267,17 @@ def test_speculative_equals_ar_under_quantized_cache(make, name, params):
     prompt = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(3))
     ar, ar_stats, _ = run(target, None, policy(name, **params), prompt, 90)
     draft = DraftModel(perturbed_copy(target, scale=0.3), policy(name, **params))  # quantized draft cache too
-    spec, stats, decoder = run(target, draft, policy(name, **params), prompt, 90)
+    spec, stats, cache = run(target, draft, policy(name, **params), prompt, 90)
     assert spec == ar
     assert 1.0 < stats.tokens_per_round  # drafts were accepted: K+1 verify forwards straddled boundaries
     assert stats.compressions_target >= 3 and stats.compressions_draft >= 3 and ar_stats.compressions_target >= 3
     plain, _, _ = run(target, None, None, prompt, 90)
     assert plain != ar or params["quant_bits"] > 2  # 2-bit keys change a random model's greedy output
-    held = decoder.cache.physical_length()
+    held = cache.physical_length()
     if name == "streaming":
         assert held <= 4 + 24 + 4 + params["quant_group_size"] + 3
     else:
-        assert held == decoder.cache.get_seq_length()
+        assert held == cache.get_seq_length()
 
 
 TREE_POLICIES = [
@@ -297,14 +301,11 @@ def test_tree_speculation_equals_ar_under_quantized_cache(make, name, params):
     policy(name, **params).check_tree(shape.depth)  # what the plan checks
     ar, _, _ = run(target, None, policy(name, **params), prompt, 90)
     draft = DraftModel(perturbed_copy(target, scale=0.3), policy(name, **params))
-    stats = GenerationStats()
-    decoder = SpeculativeDecoder(target, draft, ConstantK(3), policy(name, **params), tree=shape)
-    gen = GenerationSpec(max_new_tokens=90, ignore_eos=True)
-    spec = [t for chunk in decoder.decode(prompt, gen, stats) for t in chunk]
+    spec, stats, cache = run(target, draft, policy(name, **params), prompt, 90, tree=shape)
     assert spec == ar
     assert stats.rounds >= 2 and 0 < stats.accepted < stats.drafted
     assert stats.compressions_target >= 3 and stats.compressions_draft >= 3
-    assert decoder.cache.get_seq_length() == 20 + 90 - 1
+    assert cache.get_seq_length() == 20 + 90 - 1
 
 
 def test_tree_bound_keeps_every_tree_node_out_of_quantization_groups():
@@ -399,8 +400,8 @@ def test_speculative_equals_ar_on_embedded(embedded, bits):
     prompt = tokenizer(text, return_tensors="pt").input_ids
     pol = lambda: policy(quant_bits=bits, quant_group_size=64, residual_length=32)  # noqa: E731
     ar, _, _ = run(model, None, pol(), prompt, 64)
-    spec, stats, decoder = run(model, NGramDrafter(3, 1), pol(), prompt, 64, k=4)
-    assert stats.compressions_target >= 1 and decoder.cache.layers[0].q_len >= 256
+    spec, stats, cache = run(model, NGramDrafter(3, 1), pol(), prompt, 64, k=4)
+    assert stats.compressions_target >= 1 and cache.layers[0].q_len >= 256
     assert spec == ar
 
 

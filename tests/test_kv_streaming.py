@@ -1,4 +1,5 @@
-"""StreamingLLM: exact window semantics (speculative == AR == full forward under a banded mask) and reindexing."""
+"""StreamingLLM: exact window semantics (speculative == AR == full forward under a banded mask, on the static cache's
+ring and on the policy's own compressing cache) and reindexing."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import pytest
 import torch
 from conftest import perturbed_copy, tiny_llama, tiny_neox
 
+from toolkit.engine.decoder import SpeculativeDecoder
+from toolkit.engine.planner import ConstantK
 from toolkit.kv import make_policy
+from toolkit.kv.rows import SingleRowCache
 from toolkit.recipe import GenerationSpec, KVSpec
-from toolkit.speculative.adaptive import ConstantK
-from toolkit.speculative.decoder import SpeculativeDecoder
 from toolkit.speculative.drafters import DraftModel, NGramDrafter
 from toolkit.speculative.stats import GenerationStats
 
@@ -21,9 +23,13 @@ def streaming(**params):
                                             **params}))
 
 
-def run(model, drafter, policy, prompt, new_tokens, k=3):
+def run(model, drafter, policy, prompt, new_tokens, k=3, own_cache=False):
+    """Decode; ``own_cache``: the target on the policy's own single-sequence cache (physical eviction at commit
+    points) instead of the cache the decoder picks (the static cache's ring for absolute positions + exact window)."""
     stats = GenerationStats()
     decoder = SpeculativeDecoder(model, drafter, ConstantK(k), policy)
+    if own_cache:
+        decoder._new_cache = lambda prompts, gen: SingleRowCache(policy, model)
     ids = [t for chunk in decoder.decode(prompt, GenerationSpec(max_new_tokens=new_tokens, ignore_eos=True), stats)
            for t in chunk]
     return ids, stats
@@ -48,12 +54,19 @@ def test_speculative_equals_ar_under_window(make):
     target = make()
     prompt = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(3))
     ar, ar_stats = run(target, None, streaming(), prompt, 90)
-    draft = DraftModel(perturbed_copy(target, scale=0.3), streaming())  # the draft cache has its own policy
-    spec, stats = run(target, draft, streaming(), prompt, 90)
+    draft_model = perturbed_copy(target, scale=0.3)
+    draft = DraftModel(draft_model, streaming())  # the draft cache has its own policy
+    spec, stats = run(target, draft, streaming(), prompt, 90)  # the target on the ring
     assert spec == ar
-    assert stats.compressions_target >= 3 and stats.compressions_draft >= 3 and ar_stats.compressions_target >= 3
+    assert stats.compressions_draft >= 3 and stats.compressions_target == ar_stats.compressions_target == 0
     assert 1.0 < stats.tokens_per_round  # some drafts were accepted: the K+1 verify path really ran
     assert ar == banded_greedy(target, prompt, 90)  # and the window semantics are the banded full forward's
+    # the same on the policy's own cache, which compresses
+    own_ar, own_ar_stats = run(target, None, streaming(), prompt, 90, own_cache=True)
+    own, own_stats = run(target, DraftModel(draft_model, streaming()), streaming(), prompt, 90, own_cache=True)
+    assert own == own_ar == ar
+    assert own_stats.compressions_target >= 3 and own_ar_stats.compressions_target >= 3
+    assert 1.0 < own_stats.tokens_per_round
 
 
 def test_without_exact_window_the_context_differs():
@@ -93,9 +106,11 @@ def test_reindexed_keys_equal_keys_computed_at_their_slots(make):
                                               "position_mode": "reindex"}))
     prompt = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
     decoder = SpeculativeDecoder(target, None, ConstantK(1), policy)
-    ids = [t for c in decoder.decode(prompt, GenerationSpec(max_new_tokens=50, ignore_eos=True), GenerationStats())
-           for t in c]
-    cache = decoder.cache
+    ids = []
+    for chunk in decoder.decode(prompt, GenerationSpec(max_new_tokens=50, ignore_eos=True), GenerationStats()):
+        ids += chunk
+        assert isinstance(decoder.cache, SingleRowCache)  # reindexed positions: the policy's own cache
+        cache = decoder.cache.cache  # as the last round left it (the decoder lets go of it once done)
     assert cache.compressions >= 3
     sequence = prompt[0].tolist() + ids[:-1]  # the last token is not in the cache yet
     held = cache.physical_length(0)
@@ -115,6 +130,7 @@ def test_speculative_equals_ar_on_embedded(embedded):
     prompt = tokenizer(text, return_tensors="pt").input_ids
     policy = make_policy(KVSpec("streaming", {"sink_tokens": 4, "window": 64, "compress_interval": 8}))
     ar, _ = run(model, None, policy, prompt, 96)
-    spec, stats = run(model, NGramDrafter(3, 1), policy, prompt, 96, k=4)
+    spec, _ = run(model, NGramDrafter(3, 1), policy, prompt, 96, k=4)  # on the static cache's ring
+    own, stats = run(model, NGramDrafter(3, 1), policy, prompt, 96, k=4, own_cache=True)  # the compressing cache
     assert stats.compressions_target >= 3
-    assert spec == ar
+    assert spec == ar == own

@@ -12,7 +12,7 @@ from conftest import tiny_llama, tiny_neox
 from test_decoder import INIT, make_prompt, speculate
 
 from eval.fidelity import agreement, first_divergence
-from toolkit.speculative.adaptive import ConstantK
+from toolkit.engine.planner import ConstantK
 from toolkit.speculative.drafters import LookupDrafter
 
 

@@ -217,12 +217,16 @@ def test_space_files_parse_and_build_valid_recipes():
         for seed_name, point in sp.seed_points():  # the shipped recipes are valid points of their space
             assert sp.recipe(point).spec.drafter
     # throughput: every point is a batched recipe of a drafter that batches (model-free, uncompressed cache)
+    from toolkit.kv.rows import batches
+
+    full_attention = tiny_llama()
     sp = load_space("throughput")
     rng = random.Random(1)
     for point in [sp.random_point(rng) for _ in range(20)]:
         recipe = sp.recipe(point)
         assert recipe.batch_size == point["batch_size"] and recipe.spec.config.batch
-        assert recipe.kv.policy == "none" or plan(recipe).target_policy.batch_rows  # only policies that batch
+        # only policies that batch (on a full-attention target: the static cache or the policy's per-row cache)
+        assert batches(plan(recipe).target_policy, full_attention) is None
     # long: only caches whose peak KV is bounded (a budget or window) whatever the generation length are searched
     for dim in load_space("long").dimensions:
         if dim.name in ("kv_policy", "draft_kv_policy"):

@@ -18,8 +18,8 @@ from conftest import perturbed_copy, tiny_llama, tiny_neox
 
 from toolkit.kv import make_policy, ops
 from toolkit.recipe import GenerationSpec, KVSpec
-from toolkit.speculative.adaptive import ConstantK
-from toolkit.speculative.decoder import SpeculativeDecoder
+from toolkit.engine.planner import ConstantK
+from toolkit.engine.decoder import SpeculativeDecoder
 from toolkit.speculative.drafters import DraftModel
 from toolkit.speculative.drafters.suffix import SuffixDrafter
 from toolkit.speculative.stats import GenerationStats
@@ -366,7 +366,8 @@ def test_tree_rounds_under_compressing_policies_keep_exact_lengths(name):
     committed = prompt.shape[1]
     for chunk in decoder.decode(prompt, GenerationSpec(max_new_tokens=60, ignore_eos=True), stats, []):
         committed += len(chunk)
-        assert decoder.cache.get_seq_length() == committed - 1
-        assert decoder.cache.physical_length(0) == committed - 1  # skip layer: every committed entry, nothing else
-        assert decoder.cache.physical_length(1) <= min(bound, committed - 1)
+        cache = decoder.cache.cache  # token trees: the policy's single-sequence cache (a SingleRowCache's)
+        assert cache.get_seq_length() == committed - 1 == decoder.cache.length
+        assert cache.physical_length(0) == committed - 1  # skip layer: every committed entry, nothing else
+        assert cache.physical_length(1) <= min(bound, committed - 1)
     assert stats.new_tokens == 60 and stats.compressions_target >= 3 and 0 < stats.accepted < stats.drafted

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,11 +13,13 @@ import torch
 from conftest import perturbed_copy, tiny_llama, tiny_neox
 from test_decoder import INIT, hf_greedy, make_prompt, speculate
 
+from toolkit.engine.cost import load_or_measure, measure_verify_cost
+from toolkit.engine.planner import CostAwareK
 from toolkit.kv import make_policy
 from toolkit.recipe import KVSpec
-from toolkit.speculative.cost_model import VerifyCost, load_or_measure, measure_verify_cost
+from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.drafters import DraftModel, NGramDrafter
-from toolkit.speculative.verify_length import Calibrator, CostAwareK
+from toolkit.speculative.verify_length import Calibrator
 
 FLAT = [10.0] * 16                                      # verifying 16 tokens costs one step: always draft
 STEEP = [10.0 * n for n in range(1, 17)]                # n tokens cost n steps: never worth it
@@ -25,6 +28,14 @@ DIP = [10.0, 19.0, 20.0, 13.0, 13.5, 14.0] + [20.0] * 10  # 4 tokens cheaper tha
 
 def controller(curve, k=8, widest=9, **kw) -> CostAwareK:
     return CostAwareK(VerifyCost(list(curve), learn=False), Calibrator(), k, widest, **kw)
+
+
+def plan(ctl: CostAwareK, confidence: list[float] | None, proposed: int, sampled: bool = False) -> tuple[int, int]:
+    """``(j, n)`` the controller picks for one row of ``proposed`` draft tokens with ``confidence`` (``sampled``: drafts
+    drawn from a q, whose planning follows the stopping rule)."""
+    row = SimpleNamespace(proposal=[0] * proposed, confidence=confidence,
+                          q=torch.zeros(proposed, 1) if sampled else None)
+    return ctl.plan([row], [1.0])
 
 
 # ------------------------------------------------------------------------------------------------------ the curve
@@ -56,26 +67,26 @@ def test_curve_extrapolates_and_picks_cheaper_padding():
 
 # ------------------------------------------------------------------------------------------------------ the choice
 def test_confident_drafts_on_a_flat_curve_are_verified_whole():
-    assert controller(FLAT).plan([0.9] * 8, 8) == (8, 9)
+    assert plan(controller(FLAT), [0.9] * 8, 8) == (8, 9)
 
 
 def test_unlikely_drafts_on_a_steep_curve_give_a_plain_step():
-    assert controller(STEEP).plan([0.3] * 8, 8) == (0, 1)
-    assert controller(STEEP).plan(None, 0) == (0, 1)
+    assert plan(controller(STEEP), [0.3] * 8, 8) == (0, 1)
+    assert plan(controller(STEEP), None, 0) == (0, 1)
 
 
 def test_short_draft_is_padded_to_the_cheaper_width():
-    assert controller(DIP).plan([0.9], 1) == (1, 4)  # 1 draft token in a forward of 4: cheaper than of 2
-    assert controller(DIP).plan([0.9, 0.05], 2) == (2, 4)  # a second token rides along for free
+    assert plan(controller(DIP), [0.9], 1) == (1, 4)  # 1 draft token in a forward of 4: cheaper than of 2
+    assert plan(controller(DIP), [0.9, 0.05], 2) == (2, 4)  # a second token rides along for free
 
 
 def test_every_choice_expects_at_least_a_plain_steps_rate():
     for curve in (FLAT, STEEP, DIP):
         ctl = controller(curve)
         for p in (0.05, 0.3, 0.6, 0.95):
-            j, n = ctl.plan([p] * 8, 8)
+            j, n = plan(ctl, [p] * 8, 8)
             expected = sum(ctl.calibrator.prob(p, 1) ** i for i in range(j + 1))
-            assert expected / ctl.cost.ms(n) >= 1 / ctl.cost.ms(1) - 1e-9
+            assert expected / ctl.cost.ms(1, n) >= 1 / ctl.cost.ms(1, 1) - 1e-9
 
 
 def test_sampled_drafts_use_a_stopping_rule():
@@ -83,8 +94,8 @@ def test_sampled_drafts_use_a_stopping_rule():
     where the rate dips at 2 tokens (a jump in the curve) and recovers later, the chain stops at 1 instead of
     verifying all 8."""
     ctl = controller([10.0, 11.0, 30.0, 30.5, 31.0, 31.5, 32.0, 32.5, 33.0])
-    assert ctl.plan([0.99] * 8, 8, sampled=False)[0] == 8
-    assert ctl.plan([0.99] * 8, 8, sampled=True)[0] == 1
+    assert plan(ctl, [0.99] * 8, 8, sampled=False)[0] == 8
+    assert plan(ctl, [0.99] * 8, 8, sampled=True)[0] == 1
 
 
 def test_calibration_learns_the_real_acceptance_and_each_request_its_own_level():
@@ -132,8 +143,8 @@ def test_padding_and_plain_steps_under_compressed_caches_match_the_same_policy_a
     from test_kv_streaming import run as run_with_policy  # (model, drafter, policy, prompt, new_tokens)
 
     ar, _ = run_with_policy(target, None, make_policy(KVSpec.from_dict(kv, "kv")), prompt, 60)
+    from toolkit.engine.decoder import SpeculativeDecoder
     from toolkit.recipe import GenerationSpec
-    from toolkit.speculative.decoder import SpeculativeDecoder
     from toolkit.speculative.stats import GenerationStats
 
     class OneToken(NGramDrafter):  # proposes one token: under the DIP curve it is verified padded to 4
@@ -163,8 +174,8 @@ def test_round_time_breakdown_adds_up():
 # ------------------------------------------------------------------------------------------------------ sampling
 def _marginals(target, prompt, draft, make_controller, runs: int) -> tuple[np.ndarray, np.ndarray]:
     """Empirical distribution of the 2nd and 3rd generated tokens over ``runs`` seeds, and the exact one."""
+    from toolkit.engine.decoder import SpeculativeDecoder
     from toolkit.recipe import GenerationSpec
-    from toolkit.speculative.decoder import SpeculativeDecoder
     from toolkit.speculative.stats import GenerationStats
 
     vocab = target.config.vocab_size
@@ -192,7 +203,8 @@ class _PeekingController(CostAwareK):
     """A planted bug: verifies the draft only when its first token is the target's favourite — the choice depends
     on the sampled token itself (what the stopping rule forbids), so that token comes out too often."""
 
-    def plan(self, confidence, proposed, sampled=False):
+    def plan(self, rows, weights):
+        proposed = len(rows[0].proposal)
         return (proposed, proposed + 1) if self.peek() else (0, 1)
 
 

@@ -19,22 +19,23 @@ from collections.abc import Iterator
 
 import torch
 
+from toolkit import requests
+from toolkit.engine.cost import load_or_measure
+from toolkit.engine.decoder import SpeculativeDecoder
+from toolkit.engine.forward import TargetForward, forward_for
+from toolkit.engine.planner import ForwardCost, make_controller
 from toolkit.errors import ConfigError
 from toolkit.models import model_vocab_size, weight_bytes
 from toolkit.models.capabilities import check_tree_support
 from toolkit.recipe import GenerationSpec, Recipe
 from toolkit.session import ModelPool, Plan, load_models, plan
-from toolkit.speculative.adaptive import make_controller
-from toolkit.speculative.compiled import engine_for
-from toolkit.speculative.cost_model import VerifyCost, load_or_measure
-from toolkit.speculative.decoder import SpeculativeDecoder
+from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.drafters import DrafterContext, build_drafter
 from toolkit.speculative.stats import GenerationResult, GenerationStats
 from toolkit.speculative.tree import TreeShape
 from toolkit.speculative.verify_length import Calibrator
 
 log = logging.getLogger(__name__)
-_KV_SECTION = {"target": "kv", "draft": "draft_kv"}
 
 
 class Generator:
@@ -62,84 +63,27 @@ class Generator:
                 check_tree_support(draft_model, "draft")
         self._persistent_drafter = None  # a drafter whose config is `persistent` (memory across requests): ONE
         self._verify_cost = None  # the target's verify cost curve (adaptive: cost), measured or read once
-        self._engine = None  # the compiled static engine (recipe.compile), built at first use
-        self.engine_note = ""  # which path single-sequence decoding takes, and why (reports, the run log)
-        self._batch_cost = None  # what batched forwards cost (toolkit.speculative.batch.BatchCost), learned online
+        self._engine = None  # the target's forward (recipe.compile: compiled static engine or eager), at first use
+        self.engine_note = ""  # which path decoding takes, and why (reports, the run log)
+        self._forward_cost = None  # what forwards cost, one row or a batch (ForwardCost), learned online
         self.calibrator = Calibrator()  # acceptance calibration (adaptive: cost), learned across calls
 
     # -------------------------------------------------------------------------------------------- preparation
     def encode(self, prompt: str | list[dict] | torch.Tensor, field: str = "prompt") -> torch.Tensor:
-        """Token ids ``(1, prompt_len)`` of a string, or of chat messages rendered with the chat template; token ids
-        ``(1, prompt_len)`` (an integer tensor) are taken as they are.
-
-        Raises:
-            ConfigError (``field``): an empty string, an empty message list, a message without a string ``role`` and
-                ``content``, messages whose contents are all empty, or messages for a tokenizer without a chat
-                template.
-        """
-        if torch.is_tensor(prompt):
-            if prompt.dim() != 2 or prompt.shape[0] != 1 or prompt.dtype not in (torch.long, torch.int):
-                raise ConfigError(field, f"token ids must be an integer tensor of shape (1, prompt_len), got "
-                                  f"{prompt.dtype} {tuple(prompt.shape)}")
-            return prompt.long()
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ConfigError(field, "is empty: give the text to continue")
-            return self.tokenizer(prompt, return_tensors="pt").input_ids
-        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
-            _check_messages(prompt, field)
-            if getattr(self.tokenizer, "chat_template", None) is None:
-                raise ConfigError(field, f"the tokenizer of target.source={self.recipe.target.source!r} has no chat "
-                                  "template: give the prompt as plain text (toolkit generate --no-chat; a 'text' "
-                                  "or 'code' entry in a prompt suite)")
-            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt")
-            return ids if torch.is_tensor(ids) else ids["input_ids"]
-        raise ConfigError(field, "must be a string, a list of {'role': ..., 'content': ...} messages or token ids "
-                          "(1, prompt_len)")
+        """Token ids ``(1, prompt_len)`` of a prompt (:func:`toolkit.requests.encode`)."""
+        return requests.encode(self.tokenizer, self.recipe.target.source, prompt, field)
 
     def check_request(self, input_ids: torch.Tensor, gen: GenerationSpec, field: str = "prompt") -> None:
-        """Check one request against the models before any forward.
-
-        * the prompt ``input_ids`` ``(1, prompt_len)`` holds at least one token and at most the context
-          (``max_position_embeddings``) of the target and of a draft LM: the prefill feeds positions
-          ``0 .. prompt_len - 1``, under every KV policy;
-        * ``prompt_len + max_new_tokens`` stays within that context, unless the model's cache is a StreamingLLM
-          window with ``position_mode: reindex`` (queries then get slot positions, bounded by the window, so
-          generation may run past the context: :mod:`toolkit.kv.streaming`). Every other policy feeds absolute
-          positions, which past the context are out of the model's range (learned position embeddings fail, rotary
-          ones extrapolate into noise);
-        * explicit ``eos_token_id`` values lie inside the target's vocabulary (an id the model can never emit would
-          silently never stop the generation).
+        """Check one request against the models before any forward (:func:`toolkit.requests.check_request`).
 
         Raises:
             ConfigError: naming ``field`` (the prompt), ``generation.max_new_tokens`` or
                 ``generation.eos_token_id[i]``.
         """
-        length = int(input_ids.shape[-1])
-        if length == 0:
-            raise ConfigError(field, "is empty: it encodes to no tokens")
         models = [("target", self.target, self.target_policy)]
         if self.draft_model is not None and self.recipe.spec.config.uses_draft_model:
             models.append(("draft", self.draft_model, self.draft_policy))
-        for role, model, policy in models:
-            limit = _context(model)
-            if limit is None:
-                continue
-            if length > limit:
-                raise ConfigError(field, f"has {length} tokens, more than the {role}'s context of {limit} tokens "
-                                  "(max_position_embeddings); shorten it")
-            if length + gen.max_new_tokens > limit and getattr(policy, "position_mode", None) != "reindex":
-                raise ConfigError("generation.max_new_tokens", f"the prompt ({length} tokens) + max_new_tokens "
-                                  f"({gen.max_new_tokens}) = {length + gen.max_new_tokens} exceeds the {role}'s "
-                                  f"context of {limit} tokens (max_position_embeddings); lower max_new_tokens, or "
-                                  f"use a KV window with slot positions ({_KV_SECTION[role]}: "
-                                  "{policy: streaming, position_mode: reindex})")
-        vocab = model_vocab_size(self.target)
-        if gen.eos_token_id is not None and vocab is not None:
-            for i, tok in enumerate(gen.eos_token_id):
-                if tok >= vocab:
-                    raise ConfigError(f"generation.eos_token_id[{i}]", f"{tok} is outside the target's vocabulary "
-                                      f"(ids 0..{vocab - 1})")
+        requests.check_request(models, model_vocab_size(self.target), input_ids, gen, field)
 
     def eos_token_ids(self, gen: GenerationSpec) -> list[int]:
         """EOS ids: the generation spec's, else the model's generation config's, else the tokenizer's."""
@@ -184,34 +128,64 @@ class Generator:
 
     @property
     def verify_cost(self) -> VerifyCost:
-        """The target's verify cost curve on this machine (:mod:`toolkit.speculative.cost_model`): read from the
-        user cache, or measured once (a few seconds) and cached."""
+        """The target's verify cost curve on this machine through its forward (:mod:`toolkit.speculative.cost_model`):
+        read from the user cache, or measured once (a few seconds) and cached."""
         return self.verify_cost_for(max(16, self.plan.max_query_tokens))
 
     def verify_cost_for(self, max_tokens: int) -> VerifyCost:
         """The verify cost curve covering forwards of up to ``max_tokens`` tokens (batches: rows x width)."""
         if self._verify_cost is None or self._verify_cost.max_tokens < max_tokens:
-            self._verify_cost = load_or_measure(self.target, max_tokens)
+            self._verify_cost = load_or_measure(self.target, max_tokens, forward=self.engine)
         return self._verify_cost
 
+    def forward_cost(self, max_tokens: int) -> ForwardCost:
+        """What forwards of one row or a batch cost (:class:`~toolkit.engine.planner.ForwardCost`: the curve, and
+        batched forwards learned online, kept across calls)."""
+        curve = self.verify_cost_for(max_tokens)
+        if self._forward_cost is None or self._forward_cost.curve is not curve:
+            self._forward_cost = ForwardCost(curve)
+        return self._forward_cost
+
     @property
-    def engine(self):
-        """The compiled static engine of single-sequence decoding (:mod:`toolkit.speculative.compiled`), or ``None``
-        on the eager path; :attr:`engine_note` says which and why. ``engine.warm_up()`` compiles every graph."""
-        if self._engine is None and not self.engine_note:
-            self._engine, self.engine_note = engine_for(self.recipe, self.target, self.plan)
+    def engine(self) -> TargetForward:
+        """The target's forward (:mod:`toolkit.engine.forward`): compiled on the static cache, or eager, as the
+        recipe's ``compile`` and the plan allow; :attr:`engine_note` says which and why. ``engine.warm_up`` compiles
+        its graphs ahead of the first request."""
+        if self._engine is None:
+            self._engine, self.engine_note = forward_for(self.recipe, self.target, self.plan)
             log.info("decoding path: %s", self.engine_note)
         return self._engine
 
-    def decoder(self, gen: GenerationSpec) -> SpeculativeDecoder:
-        """A fresh decode loop for one call (the drafter is per call unless its config is persistent; the cost curve
-        and the acceptance calibration are per Generator)."""
+    def warm_up(self, tokens: int, batch_size: int = 1) -> float:
+        """Compile the engine's graphs for requests of up to ``tokens`` positions (prompt + new tokens) and batches
+        of ``batch_size`` rows before the first request (nothing on the eager path); returns the seconds it took
+        (seconds from inductor's on-disk cache, minutes cold) and reads or measures the verify cost curve."""
+        from toolkit.kv.static import capacity_for
+
+        engine = self.engine
+        if not engine.compiled:
+            return 0.0
+        widest = engine.width_for(self.plan.max_query_tokens)
+        capacity = capacity_for(tokens + widest)
+        widths = tuple(w for w in engine.widths if w <= widest) if engine.buckets else (1, 2)
+        rows = (1,) if batch_size == 1 else (1, batch_size)
+        seconds = engine.warm_up(lambda r: engine.cache_for(self.target_policy, r, capacity, widest), widths, rows)
+        if self.recipe.spec.adaptive == "cost":
+            self.verify_cost_for(max(16, self.plan.max_query_tokens))
+        return seconds
+
+    def decoder(self, gen: GenerationSpec, batch_size: int = 1) -> SpeculativeDecoder:
+        """A fresh decode loop for one call of ``batch_size`` rows per forward (the drafter is per call unless its
+        config is persistent; the cost curve and the acceptance calibration are per Generator)."""
         spec = self.recipe.spec
         tree = TreeShape(spec.tree_budget, spec.tree_depth, spec.tree_topk) if spec.tree else None
-        engine = self.engine
-        cost = (engine.verify_cost() if engine is not None else self.verify_cost) if spec.adaptive == "cost" else None
+        k = spec.num_draft_tokens if spec.config.speculates else 0
+        cost = self.forward_cost(max(16, self.plan.max_query_tokens, batch_size * (k + 1))) \
+            if spec.adaptive == "cost" else None
         controller = make_controller(spec, cost, self.calibrator, self.plan.max_query_tokens)
-        return SpeculativeDecoder(self.target, self._drafter(gen), controller, self.target_policy, tree, engine)
+        drafter = self._drafter(gen) if batch_size == 1 else self._batch_drafter(gen)
+        return SpeculativeDecoder(self.target, drafter, controller, self.target_policy, tree, self.engine,
+                                  batch_size)
 
     # -------------------------------------------------------------------------------------------- generation
     def _stop_check(self, gen: GenerationSpec):
@@ -289,8 +263,10 @@ class Generator:
         EAGLE head, or a draft model with the target's vocabulary and an uncompressed draft cache) or AR; an
         uncompressed target cache or one whose policy runs per row (StreamingLLM with absolute positions and the
         exact window, KIVI-quantized, L2-norm, head-aware); chains (no token trees)."""
+        from toolkit.kv.rows import batches
+
         spec = self.recipe.spec
-        policy_ok = self.target_policy is None or getattr(self.target_policy, "batch_rows", False)
+        policy_ok = batches(self.target_policy, self.target) is None
         draft_ok = not spec.config.uses_draft_model or (self.draft_tokenizer is None and self.draft_policy is None)
         return spec.config.batch and policy_ok and draft_ok and not spec.tree
 
@@ -299,12 +275,11 @@ class Generator:
         a finished row's place goes to the next prompt); results in input order. ``batch_size`` ``None``: the
         recipe's (:attr:`toolkit.recipe.Recipe.rows_per_forward`).
 
-        Batched decoding (:mod:`toolkit.speculative.batch`) needs :attr:`batchable`; any other recipe runs the
+        Batched decoding (the one decoder, :mod:`toolkit.engine.decoder`, over ``batch_size`` rows) needs :attr:`batchable`; any other recipe runs the
         prompts one at a time (logged). Raises ConfigError for a bad ``batch_size`` or generation argument.
         """
         from toolkit.checks import check_int
         from toolkit.recipe import BATCH_SIZE_MAX
-        from toolkit.speculative.batch import BatchCost, BatchDecoder
 
         batch_size = self.recipe.rows_per_forward if batch_size is None else batch_size
         check_int("batch_size", batch_size, low=1, high=BATCH_SIZE_MAX)
@@ -318,23 +293,16 @@ class Generator:
         inputs = [self.encode(p) for p in prompts]
         for i, input_ids in enumerate(inputs):
             self.check_request(input_ids, gen, f"prompts[{i}]")
-        spec = self.recipe.spec
-        k = spec.num_draft_tokens if spec.config.speculates else 0
-        curve = self.verify_cost_for(batch_size * (k + 1))
-        if self._batch_cost is None or self._batch_cost.curve is not curve:  # learned batched costs, kept per curve
-            self._batch_cost = BatchCost(curve)
-        decoder = BatchDecoder(self.target, self._batch_drafter(gen), self._batch_cost, self.calibrator, max(k, 1),
-                               batch_size, self.target_policy)
-        rows = decoder.decode(inputs, gen, self.eos_token_ids(gen), self._stop_check(gen))
+        rows = self.decoder(gen, batch_size).decode_batch(inputs, gen, self.eos_token_ids(gen), self._stop_check(gen))
         return [GenerationResult(self._text(ids, gen), ids, x[0].tolist(), stats)
                 for (ids, stats), x in zip(rows, inputs)]
 
     def _batch_drafter(self, gen: GenerationSpec):
-        """What drafts for a batch (:mod:`toolkit.speculative.batch_drafters`): the draft model or EAGLE head over
+        """What drafts for a batch (:mod:`toolkit.speculative.drafters.rows`): the draft model or EAGLE head over
         all rows at once, or a model-free drafter per row (persistent ones forked from the Generator's, sharing its
         memory)."""
-        from toolkit.speculative.batch_draft import BatchDraftModel
-        from toolkit.speculative.batch_eagle import BatchEagle
+        from toolkit.speculative.drafters.draft_model_rows import BatchDraftModel
+        from toolkit.speculative.drafters.eagle_rows import BatchEagle
         from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD
 
         config = self.recipe.spec.config
@@ -355,26 +323,6 @@ def _is_prompt_list(prompt) -> bool:
     """A list of prompts (strings or message lists), as opposed to one chat (a list of message dicts)."""
     return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) or torch.is_tensor(p)
                                                              for p in prompt)
-
-
-def _check_messages(messages: list[dict], field: str) -> None:
-    """Chat messages: a non-empty list of ``{'role': str, 'content': str | list}``, not every content empty."""
-    if not messages:
-        raise ConfigError(field, "is an empty list of messages")
-    for i, message in enumerate(messages):
-        if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), (str, list)):
-            raise ConfigError(f"{field}[{i}]", f"a message needs a string 'role' and a 'content', got {message!r}")
-    if not any(message["content"] for message in messages):
-        raise ConfigError(field, "is empty: every message has an empty content")
-
-
-def _context(model) -> int | None:
-    """``max_position_embeddings`` of a Hugging Face model's text config, or ``None`` (unknown, EAGLE heads)."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "get_text_config"):
-        return None
-    limit = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
-    return limit if isinstance(limit, int) and limit > 0 else None
 
 
 def build(recipe: Recipe, target=None, tokenizer=None, draft_model=None, pool: ModelPool | None = None,

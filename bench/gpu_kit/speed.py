@@ -13,52 +13,56 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from eval.metrics import PeakMemory
 from gpu_kit import shapes
-from gpu_kit.checks import eagle_head, ours
+from gpu_kit.checks import compiled_forward, eagle_head, ours, ours_batch
+from toolkit.engine.forward import TargetForward
+from toolkit.engine.planner import ConstantK, CostAwareK
+from toolkit.kv.static import capacity_for
 from toolkit.measure.baselines import hf_generate
 from toolkit.measure.timing import synchronize, time_ms
 from toolkit.recipe import GenerationSpec
-from toolkit.speculative.adaptive import ConstantK
 from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.drafters import DraftModel, LookupDrafter
 from toolkit.speculative.drafters.eagle import EagleDrafter
-from toolkit.speculative.verify_length import Calibrator, CostAwareK
+from toolkit.speculative.verify_length import Calibrator
 
 
 def verify_cost(kit) -> dict:
     """ms of one target forward over ``n`` new tokens per row after ``kit.context`` cached tokens, for every speed
-    shape, batch size and ``n``; each timed forward is rolled back (``crop``) so the context stays fixed."""
+    shape, batch size and ``n``, through the decoder's own forward on its static cache (compiled: CUDA graphs on a
+    GPU; eager where the kit does not compile); nothing is accepted, so every forward sees the same context."""
     out = {}
     for name in kit.speed_shapes:
         model = kit.model(name, kit.dtype)
+        forward = compiled_forward(kit, model) if kit.compile_backend != "none" else TargetForward(model)
         per_batch = {}
         for batch in kit.batch_sizes:
             if kit.out_of_time(f"verify cost of {name} at B = {batch}"):
                 break
-            cache = DynamicCache(config=model.config)
-            context = torch.randint(1, shapes.VOCAB, (batch, kit.context), device=kit.device)
-            with torch.no_grad():
-                model(input_ids=context, past_key_values=cache, use_cache=True)
+            widest = forward.width_for(max(kit.widths))
+            cache = forward.cache_for(None, batch, capacity_for(kit.context + widest), widest)
+            context = torch.randint(1, shapes.VOCAB, (1, kit.context), device=kit.device)
             row = {}
-            for n in kit.widths:
-                if row and kit.out_of_time(f"verify cost of {name} at B = {batch}, n = {n}"):
-                    break
-                tokens = torch.randint(1, shapes.VOCAB, (batch, n), device=kit.device)
-
-                def forward(tokens=tokens, n=n):
-                    with torch.no_grad():
-                        model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=n)
-                    cache.crop(-n)
-
-                summary, _ = time_ms(forward, kit.device, repeats=kit.timing_repeats)
-                row[n] = summary.median
+            with torch.no_grad(), forward.attached():
+                for _ in range(batch):
+                    prefilled, kwargs = cache.begin_row(kit.context)
+                    forward.prefill(context, kwargs)
+                    cache.add_row(prefilled, kit.context)
+                for n in kit.widths:
+                    if row and kit.out_of_time(f"verify cost of {name} at B = {batch}, n = {n}"):
+                        break
+                    tokens = torch.randint(1, shapes.VOCAB, (batch, n), device=kit.device)
+                    summary, _ = time_ms(lambda tokens=tokens: forward(cache, tokens), kit.device,
+                                         repeats=kit.timing_repeats)
+                    row[n] = summary.median
             per_batch[batch] = {"ms": row, "relative": {n: ms / row[kit.widths[0]] for n, ms in row.items()}}
             cache = None  # freed before the next batch size / shape
-        out[name] = {"params": shapes.SHAPES[name].params(), "context": kit.context, "batches": per_batch}
-        model = None
+        out[name] = {"params": shapes.SHAPES[name].params(), "context": kit.context, "batches": per_batch,
+                     "path": "CUDA graphs" if forward.compiled and kit.device.type == "cuda" else
+                     "compiled" if forward.compiled else "eager"}
+        model = forward = None
     return out
 
 
@@ -82,7 +86,7 @@ def measured_curve(curve_ms: dict, max_tokens: int | None = None) -> VerifyCost:
 def _our_methods(kit, target, draft, curve: VerifyCost):
     cost = CostAwareK(curve, Calibrator(), 16, 17)
     head = eagle_head(target)  # built once per shape, outside every timed call
-    return {
+    methods = {
         "ours AR": lambda p, gen: ours(target, None, p, gen.max_new_tokens),
         "ours lookup (cost-aware K)": lambda p, gen: ours(target, LookupDrafter(max_cached_requests=0), p,
                                                           gen.max_new_tokens, cost),
@@ -90,6 +94,13 @@ def _our_methods(kit, target, draft, curve: VerifyCost):
         "ours EAGLE-1 head (K=3)": lambda p, gen: ours(target, EagleDrafter(target, head), p, gen.max_new_tokens,
                                                        ConstantK(3)),
     }
+    if kit.compile_backend != "none":  # the same decoder on the compiled static engine (CUDA graphs on a GPU)
+        forward = compiled_forward(kit, target)
+        label = "CUDA graphs" if kit.device.type == "cuda" else "compiled"
+        methods[f"ours AR ({label})"] = lambda p, gen: ours(target, None, p, gen.max_new_tokens, forward=forward)
+        methods[f"ours lookup (cost-aware K, {label})"] = lambda p, gen: ours(
+            target, LookupDrafter(max_cached_requests=0), p, gen.max_new_tokens, cost, forward=forward)
+    return methods
 
 
 def _hf_methods(kit, target, draft, compiled: bool):
@@ -151,10 +162,40 @@ def speed(kit) -> dict:
                 row["peak"] = meter.result
             except Exception as exc:  # noqa: BLE001 - one method failing must not stop the others
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        out[name] = {"rows": {m: _summarize(r) for m, r in rows.items()},
-                     "skipped": {"ours compiled / CUDA graphs": "no compiled path in the decoder yet"}}
+        if index == 0:
+            rows.update(_batch_rows(kit, target, prompts, gen, cost_curve))
+        out[name] = {"rows": {m: _summarize(r) for m, r in rows.items()}}
         del target, draft, methods, fn  # the next shape is built with this one's memory free (Kit.model drops it)
     return out
+
+
+def _batch_rows(kit, target, prompts: list, gen: GenerationSpec, curve: VerifyCost) -> dict:
+    """B = 8: HF batched AR (left-padded ``generate``) against our decoder over 8 rows (lookup, cost-aware K; on the
+    compiled engine where the kit compiles), tok/s over all rows, the same prompts."""
+    from eval.batch_run import hf_batch_generate
+
+    batch = [p.cpu() for p in (prompts * 8)[:8]]
+    forward = compiled_forward(kit, target) if kit.compile_backend != "none" else None
+    methods = {
+        "HF batched AR (B = 8)": lambda: hf_batch_generate(target, kit.tokenizer, batch, gen, [], 8),
+        "ours batch of 8, lookup": lambda: ours_batch(target, lambda: LookupDrafter(max_cached_requests=0), batch,
+                                                      gen.max_new_tokens,
+                                                      CostAwareK(curve, Calibrator(), 8, 9), forward=forward),
+    }
+    rows = {}
+    for method, fn in methods.items():
+        if kit.out_of_time(method):
+            continue
+        row = rows.setdefault(method, {"tok_s": [], "alpha": [], "tau": [], "round_ms": [], "peaks": []})
+        try:
+            fn()  # warm-up (and the compile)
+            for _ in range(kit.repeats):
+                synchronize(kit.device)
+                summary, _ = time_ms(fn, kit.device, repeats=1, warmup=0)
+                row["tok_s"].append(len(batch) * gen.max_new_tokens / (summary.median / 1000.0))
+        except Exception as exc:  # noqa: BLE001 - one method failing must not stop the others
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return rows
 
 
 def _summarize(row: dict) -> dict:

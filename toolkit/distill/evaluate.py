@@ -3,7 +3,7 @@
 * **top-1 agreement**: over held-out windows ``(W, seq_len)``, the fraction of positions where
   ``argmax draft logits == argmax target logits`` (teacher forcing on real text).
 * **KL**: mean per-token ``KL(p_target || p_draft)`` at temperature 1, in nats.
-* **alpha / tau**: the draft drives :class:`toolkit.speculative.decoder.SpeculativeDecoder` through
+* **alpha / tau**: the draft drives :class:`toolkit.engine.decoder.SpeculativeDecoder` through
   :class:`toolkit.speculative.drafters.DraftModel` with constant K (greedy, EOS ignored) on held-out prompts;
   alpha = accepted / drafted and tau = tokens committed per round, summed over all prompts (DistillSpec, Zhou et
   al. 2024, measure the same two quantities).
@@ -68,8 +68,8 @@ def acceptance(target, draft, prompts: torch.Tensor, max_new_tokens: int, k: int
     "seconds"}`` summed over prompts (alpha = accepted / drafted, tokens per round = committed / rounds).
     """
     from toolkit.recipe import GenerationSpec
-    from toolkit.speculative.adaptive import ConstantK
-    from toolkit.speculative.decoder import SpeculativeDecoder
+    from toolkit.engine.planner import ConstantK
+    from toolkit.engine.decoder import SpeculativeDecoder
     from toolkit.speculative.drafters import DraftModel
     from toolkit.speculative.stats import GenerationStats, acceptance_summary
 

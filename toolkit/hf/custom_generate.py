@@ -29,7 +29,7 @@ from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_UNUSED
 from toolkit.speculative.stats import GenerationStats
 
 #: the Generator attributes that hold what was learned or measured across calls (restored on every call)
-_LEARNED = ("calibrator", "_verify_cost", "_batch_cost", "_persistent_drafter")
+_LEARNED = ("calibrator", "_verify_cost", "_forward_cost", "_persistent_drafter")
 #: model -> {recipe key: {attribute: value}}; none of the values refers to the model, so the entry dies with it
 _STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _TARGET_LABEL = "model passed to generate"
@@ -214,7 +214,7 @@ def speculative(drafter: str = "lookup", *, num_draft_tokens: int = 16, adaptive
             (``eagle``: :func:`toolkit.eagle.checkpoint.load_head`).
         batch_size: rows per target forward for a batch of prompts (``None``: 8).
         compile: ``off``, ``on`` or ``auto``: single sequences on the compiled static engine
-            (:mod:`toolkit.speculative.compiled`; the first call compiles, about a minute per width bucket on CPU).
+            (:mod:`toolkit.engine.forward`; the first call compiles, about a minute per width bucket on CPU).
         options: the drafter's own fields and the loop's (``max_ngram``, ``max_match``, ``max_cached_requests``,
             ``tree``, ``k_min``, ...), as in a recipe's ``spec`` section.
 

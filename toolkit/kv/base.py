@@ -37,7 +37,8 @@ from toolkit.checks import TOKENS_MAX, check_int
 
 @dataclass
 class KVPolicy:
-    """Base class of every compression policy. Subclasses are dataclasses registered with ``@register(name)``.
+    """Base class of every compression policy. Subclasses are dataclasses registered with
+    ``@register_policy(name, ...)`` (:mod:`toolkit.kv.registry`).
 
     Attributes:
         compress_interval: tokens (>= 0) a layer may grow past its budget before it is compressed back to it.
@@ -46,6 +47,8 @@ class KVPolicy:
     compress_interval: int = 16
 
     name: ClassVar[str] = "base"
+    #: ``rows_cache(model)``: the policy's eager per-row cache for batches (:mod:`toolkit.kv.rows`); ``None``: none
+    rows_cache: ClassVar = None
     #: install :mod:`toolkit.kv.attention` on the model (layers or heads of different physical lengths)
     uses_attention_hook: ClassVar[bool] = False
 

@@ -26,7 +26,7 @@ from transformers.cache_utils import DynamicLayer
 
 from toolkit.checks import TOKENS_MAX, check_float, check_int, check_str_list
 from toolkit.errors import ConfigError
-from toolkit.kv import register
+from toolkit.kv.registry import register_policy
 from toolkit.kv.attention import align_mask, causal_mask
 from toolkit.kv.base import gather_seq
 from toolkit.kv.l2norm import L2Norm
@@ -113,7 +113,7 @@ def _check_importance(value) -> list[list[float]]:
     return [list(r) for r in value]
 
 
-@register("head_aware")
+@register_policy("head_aware", summary="head-aware per-head budgets")
 @dataclass
 class HeadAware(L2Norm):
     """Per-KV-head budgets from calibrated head importance, stored as dense tiers.

@@ -18,11 +18,11 @@ import torch
 
 from toolkit.checks import TOKENS_MAX, check_float, check_int
 from toolkit.errors import ConfigError
-from toolkit.kv import register
+from toolkit.kv.registry import register_policy
 from toolkit.kv.base import KVPolicy
 
 
-@register("l2norm")
+@register_policy("l2norm", summary="L2-norm key eviction")
 @dataclass
 class L2Norm(KVPolicy):
     """Keep the lowest-L2-norm keys per head.
@@ -48,7 +48,12 @@ class L2Norm(KVPolicy):
     skip_layers: list[int] = field(default_factory=lambda: [0, 1])
 
     uses_attention_hook = True
-    batch_rows = True  # runs per row in batched decoding (toolkit.speculative.batch_evict), head-aware too
+
+    def rows_cache(self, model):
+        """The per-row form for batches (:mod:`toolkit.kv.evict_rows`; head-aware too)."""
+        from toolkit.kv.evict_rows import EvictBatchCache
+
+        return EvictBatchCache.for_model(model, self)
 
     def __post_init__(self) -> None:
         super().__post_init__()

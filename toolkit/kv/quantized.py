@@ -48,7 +48,7 @@ from transformers.cache_utils import DynamicLayer
 
 from toolkit.checks import TOKENS_MAX, check_choice, check_int
 from toolkit.errors import ConfigError
-from toolkit.kv import register, register_composed
+from toolkit.kv.registry import register_composed, register_policy
 from toolkit.kv.base import CompressedCache, KVPolicy
 from toolkit.kv.quant_pack import BITS
 from toolkit.kv.quantized_layer import QuantizedLayer
@@ -94,7 +94,8 @@ def check_quant_model(policy, model, prefix: str) -> None:
                           f"{config.model_type!r}, got {policy.quant_group_size}", divisors)
 
 
-@register("quantized")
+@register_policy("quantized", summary="KIVI-style quantized KV (int keys per channel / values per token)",
+                 engine_hint="closest engine option: kv_cache_dtype fp8, a different format; not set here")
 @dataclass
 class QuantizedKV(KVPolicy):
     """KIVI quantized KV cache (no eviction): keys per channel, values per token, full-precision residual.
@@ -123,7 +124,12 @@ class QuantizedKV(KVPolicy):
 
     window = None  # class attributes, not fields: the standalone cache evicts nothing
     exact_window = False
-    batch_rows = True  # runs per row in batched decoding (toolkit.speculative.batch_quant)
+
+    def rows_cache(self, model):
+        """The per-row form for batches (:mod:`toolkit.kv.quantized_rows`)."""
+        from toolkit.kv.quantized_rows import QuantBatchCache
+
+        return QuantBatchCache.for_model(model, self)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -194,7 +200,7 @@ class QuantizedStreamingLLM(StreamingLLM):
 
     new_layers = QuantizedKV.new_layers
     compress_layer = QuantizedKV.compress_layer
-    batch_rows = False  # batches run the uncompressed, StreamingLLM or quantized cache per row, not both at once
+    rows_cache = None  # batches run the uncompressed, StreamingLLM or quantized cache per row, not both at once
 
     def make_cache(self, model) -> QuantizedKVCache:
         self.check_model(model, getattr(self, "_prefix", "kv"))

@@ -1,27 +1,40 @@
-"""The static KV cache of the compiled engine: preallocated, written by position, rolled back by moving a length.
+"""The engine's KV cache: preallocated per layer, written by slot index, rolled back by moving per-row lengths.
 
-gpt-fast's layout through transformers' own ``StaticCache``: per layer one ``(1, kv_heads, capacity, head_dim)``
-key and value buffer allocated at the first forward; a forward writes its new entries at the next positions
-(``index_copy_`` at the layer's length, a tensor); the attention mask spans all ``capacity`` slots and hides every
-slot past the query's position, so entries of rejected draft tokens left behind a rollback are never read, and the
-next forward overwrites them. Rollback (:meth:`crop` with ``-n``) subtracts ``n`` from the per-layer length in place:
-nothing is moved, freed or re-allocated, and buffer addresses never change (what compiled graphs and CUDA graphs
-need).
+gpt-fast's layout for ``B`` rows (:class:`StaticKV`): per decoder layer one key and one value buffer of shape
+``(rows, kv_heads, capacity, head_dim)``, allocated once. Row ``r`` represents ``lengths[r]`` tokens (``lengths``
+is a ``(rows,)`` device tensor: the absolute position of the row's next token). A forward over ``(B, W)`` new tokens
+writes each token's key and value at its slot (a ``scatter_`` along the sequence dimension; buffer addresses never
+change, which is what compiled graphs and CUDA graphs need) and attends under a boolean mask built from ``lengths``
+alone. Nothing is moved afterwards: the decoder then calls :meth:`StaticKV.accept` with how many of the ``W`` tokens
+each row keeps (``1 + accepted``), which only adds to ``lengths``. Entries of rejected draft tokens stay in slots past
+a row's length, invisible to every later query, and the row's next forward overwrites them — rollback is exact and
+costs nothing.
 
-Capacity is fixed per request: prompt + ``max_new_tokens`` + the widest verify forward, rounded up to 512 so
-that requests of similar length share one compiled graph (:func:`capacity_for`).
+Two slot maps, one mask rule (a query at position ``q`` sees the slot holding position ``p`` iff ``p <= q`` and the
+policy keeps ``p`` for ``q``):
 
-This cache holds every position (no compression); KV policies keep their own caches on the eager path. Token trees
-need a gather over the appended tail, which this cache does not offer: :meth:`keep_tail` raises.
+* **plain** (``kv: {policy: none}``): slot = position; capacity = the longest request + the widest forward.
+* **StreamingLLM ring** (Xiao et al., ICLR 2024; :class:`~toolkit.kv.streaming.StreamingLLM` with absolute positions
+  and the exact window): the first ``sink_tokens`` positions keep their slots; every later position ``p`` goes to
+  slot ``sinks + (p - sinks) mod R`` of a ring of ``R = window + widest`` slots. The position a ring slot holds is
+  computed, not stored (the newest ``p`` written that maps to it); a query sees the sinks and its own last ``window``
+  positions, exactly what the single-sequence policy keeps. ``R`` leaves room for a whole verify forward, so no
+  position a query needs is ever overwritten by a draft token that is later rejected. Capacity is fixed whatever
+  the generation length: ``sinks + window + widest`` slots.
+
+KIVI-quantized, L2-norm and head-aware caches change what they hold at commit points (packing, gathers per head), so
+they run on the eager path (:mod:`toolkit.kv.rows`); :func:`static_form` says which policies this cache holds.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import StaticCache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
-#: capacities are multiples of this many tokens (one compiled graph serves every request up to it)
-CAPACITY_STEP = 512
+#: capacities are rounded up to a multiple of this many tokens (one compiled graph serves requests up to it)
+CAPACITY_STEP = 256
+#: the attended span (slots a forward reads) is rounded up to a multiple of this many tokens on CPU
+SPAN_STEP = 64
 
 
 def capacity_for(tokens: int, step: int = CAPACITY_STEP) -> int:
@@ -31,33 +44,286 @@ def capacity_for(tokens: int, step: int = CAPACITY_STEP) -> int:
     return -(-tokens // step) * step
 
 
-class StaticKVCache(StaticCache):
-    """A ``StaticCache`` of ``capacity`` positions that speaks the decode loop's cache protocol
-    (:class:`~toolkit.kv.contract.CacheProtocol`): ``crop(-n)`` = exact rollback of the last ``n`` positions,
-    ``commit()`` = nothing to compress, ``forward_kwargs`` = absolute ``position_ids``.
+def static_form(policy) -> str | None:
+    """Why ``policy`` has no static form (``None``: :class:`StaticKV` holds it). The static cache holds no policy
+    (``None``) and StreamingLLM with absolute positions and the exact window (its ring)."""
+    if policy is None:
+        return None
+    from toolkit.kv.streaming import StreamingLLM
+
+    if type(policy) is StreamingLLM:
+        if policy.ring:
+            return None
+        return "StreamingLLM with reindexed positions or without the exact window (what it holds depends on when it " \
+               "compresses)"
+    return f"the {policy.name} policy (it re-packs or gathers what it holds at commit points)"
+
+
+class StaticLayer(CacheLayerMixin):
+    """One decoder layer's buffers ``(rows, kv_heads, capacity, head_dim)``; writes where its :class:`StaticKV` says.
+
+    ``update`` scatters the new ``(B, kv_heads, W, head_dim)`` states at the slots of the current forward
+    (``owner.write_index`` ``(B, W)``, rows ``owner.first .. owner.first + B - 1``) and returns the first ``span``
+    slots of those rows, ``span`` being the last size of the forward's mask (``owner.attention_mask``).
+    """
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, owner: StaticKV, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.owner, self.keys, self.values = owner, keys, values
+        self.is_initialized = True
+        self.dtype, self.device = keys.dtype, keys.device
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Never lazy: the buffers exist from the start (their addresses must not change)."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        owner = self.owner
+        rows = slice(owner.first, owner.first + key_states.shape[0])
+        keys, values = self.keys[rows], self.values[rows]
+        index = owner.write_index[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[-1])
+        keys.scatter_(2, index, key_states.to(keys.dtype))
+        values.scatter_(2, index, value_states.to(values.dtype))
+        span = owner.attention_mask.shape[-1]
+        return keys[:, :, :span], values[:, :, :span]
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        return self.owner.attention_mask.shape[-1], 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.longest
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[-2]
+
+
+class StaticKV(Cache):
+    """The static KV cache of ``rows`` rows (see the module docstring).
 
     Args:
-        model: the HF causal LM whose layers write into it.
-        capacity: positions per layer (tokens).
+        model: the HF causal LM whose layers write into it (its text config gives layers, KV heads, head size).
+        rows: rows allocated (the batch size; a single sequence is 1).
+        capacity: slots per row (tokens); with ``window`` the ring's size is fixed by the policy instead.
+        widest: the widest forward after the prefill (tokens per row; the ring keeps room for it).
+        window: a :class:`~toolkit.kv.streaming.StreamingLLM` (absolute positions, exact window), or ``None``.
+        dtype / device: of the buffers (default: the model's device, and its compute dtype — float32 on a CPU for
+            half-precision models, whose attention runs in float32 there: see
+            :func:`toolkit.kv.attention.static_attention`).
+        static_span: attend to every slot (CUDA graphs need fixed shapes); otherwise the forward reads only the
+            slots in use, rounded up to :data:`SPAN_STEP` (a dynamic dimension of a compiled graph on CPU).
+
+    Attributes:
+        lengths: ``(rows,)`` long, on ``device``: tokens each row represents (the next token's position).
+        held: the same on the host (kept in step by :meth:`accept`; no device read).
+
+    Raises:
+        ValueError: ``rows`` or ``capacity`` < 1, or a ``window`` policy :func:`static_form` refuses.
     """
 
     compressions = 0
+    static = True
 
-    def __init__(self, model, capacity: int):
-        super().__init__(config=model.config, max_cache_len=capacity)
-        self.capacity = capacity
+    def __init__(self, model, rows: int, capacity: int, widest: int = 1, window=None, dtype=None, device=None,
+                 static_span: bool = False):
+        if rows < 1 or capacity < 1:
+            raise ValueError(f"rows and capacity: must be >= 1, got {rows} and {capacity}")
+        problem = static_form(window)
+        if problem:
+            raise ValueError(f"window: the static cache does not hold {problem}")
+        config = model.config.get_text_config(decoder=True)
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        param = next(model.parameters())
+        device = device or param.device
+        dtype = dtype or _compute_dtype(model)
+        if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+            dtype = torch.float32  # read as float32 by every forward: stored so, not converted at each read
+        self.window, self.widest = window, widest
+        self.sinks = window.sink_tokens if window is not None else 0
+        self.ring = window.window + widest if window is not None else 0
+        self.capacity = self.sinks + self.ring if window is not None else capacity
+        self.static_span = static_span
+        # a forward reads a span of at most `capacity` slots; the buffers are one SPAN_STEP longer when the span is a
+        # dynamic size of a compiled graph, so that it never equals the buffer's own length (torch.compile would
+        # specialise that case into a graph of its own)
+        # likewise a batch of every allocated row would make the batch size equal the buffers' first size: dynamic
+        # shapes keep one spare row (batches only; one row is a static size of its own)
+        spare = 0 if static_span or rows == 1 else 1
+        shape = (rows + spare, kv_heads, self.capacity + (0 if static_span else SPAN_STEP), head_dim)
+        layers = []
+        for _ in range(config.num_hidden_layers):
+            keys = torch.zeros(shape, dtype=dtype, device=device)
+            values = torch.zeros(shape, dtype=dtype, device=device)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(keys)
+                torch._dynamo.mark_static_address(values)
+            layers.append(StaticLayer(self, keys, values))
+        super().__init__(layers=layers)
+        self.allocated, self.active = rows, 0
+        self.lengths = torch.zeros(rows + spare, dtype=torch.long, device=device)
+        self.held = [0] * rows
+        self.first = 0  # first row of the current forward
+        self.write_index = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.attention_mask = torch.ones(1, 1, 1, min(self.capacity, SPAN_STEP), dtype=torch.bool, device=device)
 
+    # ------------------------------------------------------------------------------------------------ a forward
+    @property
+    def rows(self) -> int:
+        """Rows in use (the first ``rows`` of the :attr:`allocated`)."""
+        return self.active
+
+    @property
+    def longest(self) -> int:
+        """Tokens represented by the longest row (host-side)."""
+        return max(self.held, default=0)
+
+    def span_for(self, width: int, rows: range | None = None) -> int:
+        """Slots a forward of ``width`` tokens per row over ``rows`` must read: every slot with ``static_span``,
+        else the highest slot written + 1, rounded up to :data:`SPAN_STEP` (within capacity)."""
+        if self.static_span:
+            return self.capacity
+        held = self.held if rows is None else [self.held[r] for r in rows]
+        need = max(held, default=0) + width
+        if self.window is not None:
+            need = min(need, self.capacity)
+        return min(self.capacity, -(-need // SPAN_STEP) * SPAN_STEP)
+
+    def slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """The slot of each absolute position (``positions`` any shape, long)."""
+        if self.window is None:
+            return positions
+        return torch.where(positions < self.sinks, positions,
+                           self.sinks + torch.remainder(positions - self.sinks, self.ring))
+
+    def visibility(self, positions: torch.Tensor, span: int) -> torch.Tensor:
+        """Boolean ``(B, 1, W, span)``: whether query ``(b, i)`` at ``positions[b, i]`` sees slot ``s`` — the slot's
+        position is at most the query's and, under a window, a sink or one of the query's last ``window``."""
+        slot = torch.arange(span, device=positions.device).view(1, 1, -1)
+        query = positions[:, :, None]
+        if self.window is None:
+            return (slot <= query)[:, None]
+        newest = positions[:, -1:, None]  # the last position written by this forward, per row
+        held_at = newest - torch.remainder(newest - slot, self.ring)  # the newest position of the slot's residue
+        held_at = torch.where(slot < self.sinks, slot, held_at)
+        written = (slot < self.sinks) | (held_at >= self.sinks)  # a ring slot below the sinks was never written
+        visible = written & (held_at <= query) & self.window.in_window(held_at, query)
+        return visible[:, None]
+
+    def prepare(self, width: int, rows: range | None = None, span: int | None = None) -> dict:
+        """Model inputs of a forward appending ``width`` tokens to each of ``rows`` (default: all): ``position_ids``
+        ``(B, width)`` and the boolean ``attention_mask`` ``(B, 1, width, span)``; sets where the layers write.
+        Reads no device value (the span comes from the host-side :attr:`held`)."""
+        rows = rows if rows is not None else range(self.active)
+        span = span if span is not None else self.span_for(width, rows)
+        self.first = rows.start
+        lengths = self.lengths[rows.start:rows.stop]
+        positions = lengths[:, None] + torch.arange(width, device=lengths.device)[None, :]
+        self.write_index = self.slots(positions)
+        self.attention_mask = self.visibility(positions, span)
+        return {"position_ids": positions, "attention_mask": self.attention_mask, "past_key_values": self}
+
+    def accept(self, kept: torch.Tensor, kept_host: list[int], rows: range | None = None) -> None:
+        """After a forward: row ``r`` keeps the first ``kept[r]`` of its new tokens (``(B,)`` long on the device, the
+        same values on the host as ``kept_host``); the rest lie past its length and are overwritten later."""
+        rows = rows if rows is not None else range(self.active)
+        self.lengths[rows.start:rows.stop] += kept
+        for r, k in zip(rows, kept_host):
+            self.held[r] += k
+            if self.window is None and self.held[r] + self.widest > self.capacity:
+                raise ValueError(f"StaticKV: row {r} holds {self.held[r]} tokens; capacity {self.capacity} "
+                                 f"leaves no room for a {self.widest}-token forward")
+
+    # ------------------------------------------------------------------------------------------------ rows
+    def begin_row(self, length: int) -> tuple[Cache, dict]:
+        """Where a new request's prompt of ``length`` tokens is prefilled alone: a ``DynamicCache`` (every position),
+        with the policy's window as a boolean ``(1, 1, length, length)`` mask (``None``: plain causal attention).
+
+        Raises:
+            ValueError: every allocated row is in use.
+        """
+        from transformers import DynamicCache
+
+        if self.active >= self.allocated:
+            raise ValueError(f"StaticKV: all {self.allocated} rows are in use")
+        device = self.lengths.device
+        positions = torch.arange(length, device=device)
+        kwargs = {"position_ids": positions.view(1, -1)}
+        if self.window is not None:
+            query, key = positions[:, None], positions[None, :]
+            kwargs["attention_mask"] = ((key <= query) & self.window.in_window(key, query))[None, None]
+        cache = DynamicCache()
+        return cache, {**kwargs, "past_key_values": cache}
+
+    def add_row(self, prefilled: Cache, length: int) -> None:
+        """The prompt prefilled by :meth:`begin_row` becomes the last row in use."""
+        self.load_row(self.active, prefilled, length)
+        self.active += 1
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """Only the rows ``keep`` stay in use, in that order (their buffers move to the front)."""
+        self.move_rows(keep)
+        self.active = len(keep)
+
+    def load_row(self, row: int, source: Cache, length: int) -> None:
+        """Row ``row`` takes a prompt prefilled alone: ``source`` (batch 1) holds positions ``0 .. length - 1`` in
+        every layer. The plain cache copies them all; the ring its sinks and the newest positions it has room for
+        (the oldest of which no later query sees)."""
+        if self.window is None:
+            if length + self.widest > self.capacity:
+                raise ValueError(f"StaticKV: a {length}-token prompt leaves no room in capacity {self.capacity} "
+                                 f"for a {self.widest}-token forward")
+            kept = torch.arange(length)
+        else:
+            start = max(self.sinks, length - self.ring)
+            kept = torch.cat([torch.arange(min(self.sinks, length)), torch.arange(start, length)])
+        kept = kept.to(self.lengths.device)
+        slots = self.slots(kept)
+        for layer, single in zip(self.layers, source.layers):
+            layer.keys[row].index_copy_(1, slots, single.keys[0].index_select(1, kept).to(layer.keys.dtype))
+            layer.values[row].index_copy_(1, slots, single.values[0].index_select(1, kept).to(layer.values.dtype))
+        self.lengths[row] = length
+        self.held[row] = length
+
+    def reset_row(self, row: int) -> None:
+        """Row ``row`` represents nothing (its slots are overwritten by its next prefill)."""
+        self.lengths[row] = 0
+        self.held[row] = 0
+
+    def move_rows(self, order: list[int]) -> None:
+        """Row ``i`` takes what row ``order[i]`` held, for ``i < len(order)`` (rows leaving a batch: the ones that
+        stay move to the front). Rows past ``len(order)`` are reset."""
+        if order == list(range(len(order))):
+            for r in range(len(order), self.allocated):
+                self.reset_row(r)
+            return
+        index = torch.tensor(order, dtype=torch.long, device=self.lengths.device)
+        for layer in self.layers:
+            layer.keys[: len(order)] = layer.keys.index_select(0, index)
+            layer.values[: len(order)] = layer.values.index_select(0, index)
+        self.lengths[: len(order)] = self.lengths.index_select(0, index)
+        self.held[: len(order)] = [self.held[i] for i in order]
+        for r in range(len(order), self.allocated):
+            self.reset_row(r)
+
+    # ------------------------------------------------------------------------------------------------ reports
     def commit(self) -> None:
-        """A commit point: nothing to do (no compression)."""
-
-    def keep_tail(self, keep) -> None:
-        raise NotImplementedError("StaticKVCache: token trees run on the eager cache (no gather over the tail)")
-
-    def forward_kwargs(self, position_ids: torch.Tensor, tree_mask: torch.Tensor | None = None) -> dict:
-        if tree_mask is not None:
-            raise NotImplementedError("StaticKVCache: token trees run on the eager cache")
-        return {"position_ids": position_ids}
+        """A commit point: nothing to compress (the ring drops positions by overwriting their slots)."""
 
     def kv_bytes(self) -> int:
-        """Bytes of the allocated key and value buffers (all ``capacity`` slots: the memory really held)."""
-        return sum(t.nbytes for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values))
+        """Bytes of the key and value buffers (all slots: the memory really held)."""
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.longest
+
+
+def _compute_dtype(model) -> torch.dtype:
+    """The dtype activations run in: that of the first floating-point parameter that is not a quantized
+    tensor subclass's storage (torchao int4 weights report their compute dtype as ``dtype``)."""
+    for p in model.parameters():
+        if p.dtype.is_floating_point:
+            return p.dtype
+    return torch.float32

@@ -34,14 +34,14 @@ import torch
 
 from toolkit.checks import TOKENS_MAX, check_choice, check_int
 from toolkit.errors import ConfigError
-from toolkit.kv import register
+from toolkit.kv.registry import register_policy
 from toolkit.kv.base import CompressedCache, KVPolicy
 from toolkit.kv.rope import find_inv_freq, shift_positions
 
 POSITION_MODES = ("absolute", "reindex")
 
 
-@register("streaming")
+@register_policy("streaming", summary="StreamingLLM eviction (attention sinks + window)")
 @dataclass
 class StreamingLLM(KVPolicy):
     """Attention sinks + sliding window.
@@ -83,9 +83,9 @@ class StreamingLLM(KVPolicy):
         return (key_pos < self.sink_tokens) | (key_pos > query_pos - self.window)
 
     @property
-    def batch_rows(self) -> bool:
-        """Runs per row in batched decoding (:mod:`toolkit.speculative.batch_cache`): absolute positions and the
-        exact window, so what a row sees is fixed by its positions alone."""
+    def ring(self) -> bool:
+        """Held by the static cache's ring (:mod:`toolkit.kv.static`), one row or a batch: absolute positions and
+        the exact window, so what a query sees is fixed by its position alone, whenever the cache compresses."""
         return self.position_mode == "absolute" and self.exact_window
 
     def check_compatible(self, max_query_tokens: int, prefix: str = "kv") -> None:

@@ -59,7 +59,7 @@ BATCH_SIZE_MAX = 256
 #: requests per target forward for a list of prompts when the recipe does not set ``batch_size``
 DEFAULT_BATCH_SIZE = 8
 #: ``compile``: the target's forwards eager (``off``), compiled on a static cache (``on``), or compiled where it was
-#: measured to pay (``auto``: torchao int4 / int8 weights on CPU, and CUDA; see toolkit.speculative.compiled)
+#: measured to pay (``auto``: torchao int4 / int8 weights on CPU, and CUDA; see toolkit.engine.forward)
 COMPILE_MODES = ("off", "on", "auto")
 
 __all__ = ["Recipe", "ModelSpec", "KVSpec", "SpecSpec", "GenerationSpec", "check_name", "read_text",
@@ -79,7 +79,7 @@ class Recipe:
     recipe runs a list of prompts (:meth:`toolkit.generator.Generator.generate_batch`, ``toolkit run --prompts``;
     ``None``: :data:`DEFAULT_BATCH_SIZE`, 1: one request at a time); it is written to YAML only when set.
     ``compile`` (:data:`COMPILE_MODES`) runs single-sequence decoding on the compiled static engine
-    (:mod:`toolkit.speculative.compiled`); written to YAML only when not ``off``.
+    (:mod:`toolkit.engine.forward`); written to YAML only when not ``off``.
     """
 
     name: str = "recipe"

@@ -5,10 +5,10 @@ A round that verifies ``j`` draft tokens in a forward of ``n >= j + 1`` tokens c
     E(j) = 1 + p_1 + p_1 p_2 + ... + p_1 ... p_j        tokens (the bonus/correction token plus the accepted prefix)
 
 at a cost of ``ms(n) + overhead`` milliseconds, where ``p_i`` is the probability that draft token ``i`` is accepted
-given that tokens ``1..i-1`` were. :class:`CostAwareK` picks the ``j`` (0 = a plain one-token step) with the most
-expected tokens per millisecond — so a round never expects fewer tokens per unit time than a plain step — and the
-forward length ``n``: the cheapest measured length ``>= j + 1`` (a verify of 5 tokens can cost less than one of 2;
-the extra positions are padding whose cache entries are cropped with the rejected tail).
+given that tokens ``1..i-1`` were. :class:`~toolkit.engine.planner.CostAwareK` picks the ``j`` (0 = a plain one-token
+step) with the most expected tokens per millisecond — so a round never expects fewer tokens per unit time than a
+plain step — and the forward length ``n``: the cheapest measured length ``>= j + 1`` (:mod:`toolkit.engine.planner`,
+one rule for one row and for batches).
 
 ``p_i`` comes from the drafter's own confidence for token ``i`` (``Drafter.confidence()``: a draft probability, or
 a match-length statistic for a model-free drafter), mapped through a :class:`Calibrator` that learns, online and
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from toolkit.speculative.cost_model import VerifyCost
 
 BINS = 20
 #: pseudo-observations of a bin's prior (centred on the bin's raw confidence): how far the drafter's own estimate is
@@ -102,61 +101,3 @@ class Calibrator:
         return {"bins": [[round(s, 1), round(t, 1)] for s, t in zip(self.success, self.trials)],
                 "positions": {p: [round(self.position_success[p], 1), round(t, 1)]
                               for p, t in sorted(self.position_trials.items())}}
-
-
-@dataclass
-class CostAwareK:
-    """Draft-length controller that verifies the number of draft tokens with the most expected tokens per ms.
-
-    Args:
-        cost: the target's verify cost curve (:func:`toolkit.speculative.cost_model.load_or_measure`); real verify
-            times are blended in as decoding goes.
-        calibrator: acceptance calibration, shared by every call of one Generator.
-        k: most draft tokens asked of the drafter per round.
-        widest: most tokens one verify forward may hold (the plan's ``max_query_tokens``; padding stays within it).
-    """
-
-    cost: VerifyCost
-    calibrator: Calibrator
-    k: int
-    widest: int
-    overhead_ms: float = 0.0
-    uses_confidence = True
-
-    def __post_init__(self) -> None:
-        self.calibrator.begin_request()  # one controller per generation call
-
-    def next_k(self) -> int:
-        return self.k
-
-    def plan(self, confidence: list[float] | None, proposed: int, sampled: bool = False) -> tuple[int, int]:
-        """``(j, n)``: verify the first ``j`` of ``proposed`` draft tokens in a forward of ``n >= j + 1`` tokens.
-
-        ``sampled``: the draft tokens were sampled from the draft's distribution (speculative sampling). Then whether
-        token ``i`` is verified may depend only on what was known before it was drawn (confidences ``1..i``, each
-        read before its token), never on later tokens: ``j`` is the first length after which one more token stops
-        paying (a stopping rule), not the best length over the whole chain — which would make the decision to
-        verify token ``i`` depend on token ``i`` itself through the later confidences, and bias the output.
-        """
-        expected, chain = 1.0, 1.0
-        best_j, best_n = 0, self.cost.cheapest_at_least(1, self.widest)
-        best_rate = expected / (self.cost.ms(best_n) + self.overhead_ms)
-        for j in range(1, min(proposed, self.widest - 1) + 1):
-            chain *= self.calibrator.prob(None if confidence is None else confidence[j - 1], j)
-            expected += chain
-            n = self.cost.cheapest_at_least(j + 1, self.widest)
-            rate = expected / (self.cost.ms(n) + self.overhead_ms)
-            if rate > best_rate:
-                best_j, best_n, best_rate = j, n, rate
-            elif sampled:
-                break
-        return best_j, best_n
-
-    def update(self, drafted: int, accepted: int, confidence: list[float] | None = None) -> None:
-        if drafted:
-            self.calibrator.observe(confidence, drafted, accepted)
-
-    def timed(self, width: int, verify_ms: float, overhead_ms: float) -> None:
-        """A round's verify forward of ``width`` tokens took ``verify_ms``; its bookkeeping ``overhead_ms``."""
-        self.cost.observe(width, verify_ms)
-        self.overhead_ms += 0.1 * (overhead_ms - self.overhead_ms)

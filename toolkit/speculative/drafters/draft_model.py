@@ -28,7 +28,7 @@ class DraftModelConfig(DrafterConfig):
     name = "draft_model"
     draft = DRAFT_MODEL
     tree = True
-    batch = True  # in one draft forward per step over the batch (toolkit.speculative.batch_draft)
+    batch = True  # in one draft forward per step over the batch (toolkit.speculative.drafters.draft_model_rows)
     hf_baseline = "assisted"
     vllm_method = "draft_model"
     sglang_algorithm = "STANDALONE"

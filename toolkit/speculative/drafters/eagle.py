@@ -1,6 +1,6 @@
 """EAGLE drafter: drafts from the target's own features with a one-layer head (Li et al. 2024, EAGLE; EAGLE-3).
 
-Protocol with the decode loop (unchanged loop; see :mod:`toolkit.speculative.decoder`):
+Protocol with the decode loop (unchanged loop; see :mod:`toolkit.engine.decoder`):
 
 * ``reset()`` installs a forward hook on the target's feature layer(s) (:class:`toolkit.eagle.features.FeatureHook`)
   and empties the head's KV cache; ``close()`` removes the hook (the loop calls it in a ``finally``).
@@ -45,7 +45,7 @@ class EagleConfig(DrafterConfig):
     name = "eagle"
     draft = DRAFT_EAGLE_HEAD
     tree = True
-    batch = True  # in one head forward per step over the batch (toolkit.speculative.batch_eagle)
+    batch = True  # in one head forward per step over the batch (toolkit.speculative.drafters.eagle_rows)
     vllm_method = "eagle"
     sglang_algorithm = "EAGLE"
 

@@ -18,7 +18,7 @@ class NoDrafterConfig(DrafterConfig):
 
 @register_drafter(NoDrafterConfig)
 class NoDrafter:
-    """Builds no drafter: :class:`~toolkit.speculative.decoder.SpeculativeDecoder` with ``drafter=None`` is AR."""
+    """Builds no drafter: :class:`~toolkit.engine.decoder.SpeculativeDecoder` with ``drafter=None`` is AR."""
 
     @classmethod
     def from_config(cls, config: NoDrafterConfig, context) -> None:

@@ -40,8 +40,8 @@ class DrafterConfig:
         tree: the drafter proposes token trees (``spec.tree: true`` is allowed).
         persistent: one drafter instance serves every ``generate`` call of a Generator (memory across requests); its
             class then has ``fork()``: a drafter for a concurrent request sharing that memory (batches).
-        batch: the drafter runs in batched decoding (:mod:`toolkit.speculative.batch`): model-free drafters per
-            row, draft models over the whole batch (:mod:`toolkit.speculative.batch_draft`).
+        batch: the drafter runs in batched decoding (:mod:`toolkit.engine.decoder`): model-free drafters per
+            row, draft models over the whole batch (:mod:`toolkit.speculative.drafters.draft_model_rows`).
         hf_baseline: the HF ``generate`` method that does the same kind of drafting (``assisted``,
             ``prompt_lookup``), timed next to ours; ``None`` = only HF AR.
         vllm_method / sglang_algorithm: the serving engines' name of the method, ``None`` where they have none.

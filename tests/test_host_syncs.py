@@ -1,0 +1,91 @@
+"""One host sync per round: the decode loop and the target's cache read nothing back from the device but each round's
+accepted counts and next tokens (and the prefill's first token).
+
+Every way a tensor reaches the host (``tolist``, ``item``, ``int()``, ``float()``, ``bool()``, ``cpu()``,
+``numpy()``) is patched to count the calls made from the decoder's own modules (``toolkit.engine``) and the target's
+caches (``toolkit.kv``). On a CPU every tensor is already on the host, so the count is of the calls that would be
+device-to-host transfers on a GPU, plus one per request that is not: the prompt's ids, read once from the caller's
+host tensor. Drafters (``toolkit.speculative.drafters``) are not counted: model-free ones keep their state on the host
+by design (the main recipe's lookup drafter), and a draft model reads its own tokens back to hand them over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import pytest
+import torch
+from conftest import batch_decoder, tiny_llama
+from test_decoder import INIT, make_prompt
+
+from toolkit.engine.decoder import SpeculativeDecoder
+from toolkit.engine.forward import TargetForward
+from toolkit.engine.planner import CostAwareK
+from toolkit.recipe import GenerationSpec
+from toolkit.speculative.cost_model import VerifyCost
+from toolkit.speculative.drafters import LookupDrafter
+from toolkit.speculative.stats import GenerationStats
+from toolkit.speculative.verify_length import Calibrator
+
+READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy")
+WATCHED = ("toolkit.engine", "toolkit.kv")
+
+
+@contextlib.contextmanager
+def counted_reads():
+    """Count device-to-host reads made from :data:`WATCHED` modules inside the block (``counts["n"]``)."""
+    counts = {"n": 0, "where": []}
+    originals = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def wrap(name, original):
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith(WATCHED):
+                counts["n"] += 1
+                counts["where"].append(f"{caller}:{sys._getframe(1).f_lineno} {name}")
+            return original(self, *args, **kwargs)
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, wrap(name, original))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def repetitive(seed: int) -> torch.Tensor:
+    base = make_prompt(seed, length=8)[0]
+    return torch.cat([base, base, base[:3]]).view(1, -1)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+def test_the_default_path_reads_the_device_once_per_round(compiled, do_sample):
+    target = tiny_llama(seed=0, **INIT)
+    forward = TargetForward(target, compile=compiled, backend="eager")
+    controller = CostAwareK(VerifyCost([1.0] * 64, learn=False), Calibrator(), 6, 7)  # the main recipe's planner
+    decoder = SpeculativeDecoder(target, LookupDrafter(max_cached_requests=0), controller, forward=forward)
+    gen = GenerationSpec(max_new_tokens=30, ignore_eos=True, do_sample=do_sample, temperature=0.3, top_k=5, seed=3)
+    list(decoder.decode(repetitive(0), gen, GenerationStats()))  # warm: graphs traced outside the count
+    stats = GenerationStats()
+    with counted_reads() as counts:
+        list(decoder.decode(repetitive(1), gen, stats))
+    assert stats.rounds >= 5 and stats.accepted > 0
+    # exactly one read per round (+ 2 per request: the prefill's first token, the prompt's host ids): the instrument
+    # sees the loop's own reads, and there are no others
+    assert counts["n"] == stats.rounds + 2, counts["where"]
+
+
+def test_a_batch_reads_the_device_once_per_round_for_all_its_rows():
+    target = tiny_llama(seed=0, **INIT)
+    decoder = batch_decoder(target, lambda: LookupDrafter(max_cached_requests=0), VerifyCost([1.0] * 64, learn=False),
+                            num_draft_tokens=4, batch_size=4)
+    prompts = [repetitive(seed) for seed in range(4)]
+    gen = GenerationSpec(max_new_tokens=20, ignore_eos=True)
+    with counted_reads() as counts:
+        rows = decoder.decode_batch(prompts, gen)
+    rounds = max(stats.rounds for _, stats in rows)  # every round serves every row still in flight
+    assert counts["n"] <= rounds + 2 * len(prompts), counts["where"]

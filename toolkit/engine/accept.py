@@ -1,0 +1,57 @@
+"""Token choice and acceptance for every row of a round, on the device: the round's one host transfer reads the result.
+
+* :func:`choose` — the target's token from logits: argmax (greedy) or a sample after temperature / top-k / top-p.
+* :func:`accept` — for each row, how many of its draft tokens the target accepts and the token committed after them
+  (the correction at the first rejection, or the bonus token after the last draft token): greedy compares the
+  target's argmax with the drafts and counts the agreeing prefix (one ``cumprod`` over the batch); sampling runs
+  lossless speculative sampling per row (Leviathan et al., 2023, Alg. 1; :func:`toolkit.speculative.verify.
+  speculative_sample`) with the row's own generator. Nothing is read back to the host here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit.speculative.verify import process_logits, sample_token, speculative_sample
+
+
+def choose(logits: torch.Tensor, gen, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``logits`` ``(n, vocab)``: argmax, or (``gen.do_sample``) a sample with ``generator``
+    from the processed distribution. Returns ``(n,)`` long on the logits' device."""
+    if gen.do_sample:
+        return sample_token(process_logits(logits, gen.temperature, gen.top_k, gen.top_p), generator)
+    return logits.argmax(-1)
+
+
+def accept(logits: torch.Tensor, inputs: torch.Tensor, drafted: torch.Tensor, counts: list[int], gen,
+           rows: list) -> torch.Tensor:
+    """Verify a round.
+
+    Args:
+        logits: ``(B, W, vocab)`` target logits of the verify forward; position ``i`` predicts the token after input
+            ``i``.
+        inputs: ``(B, W)`` the forward's inputs on the device: each row's last committed token, its draft tokens, then
+            padding.
+        drafted: ``(B,)`` long on the device: per row, how many of its inputs after the first are draft tokens (the
+            rest is padding, never accepted).
+        counts: the same counts on the host.
+        gen: the generation settings (``do_sample``, ``temperature``, ``top_k``, ``top_p``).
+        rows: the rows (``generator`` and ``q`` — the draft probabilities ``(proposal, vocab)`` of sampled drafts,
+            ``None`` for deterministic ones — are read under sampling).
+
+    Returns:
+        ``(B, 2)`` long on the device: accepted count and the next token, per row.
+    """
+    width = inputs.shape[1]
+    if not gen.do_sample:
+        best = logits.argmax(-1)  # (B, W)
+        valid = torch.arange(width - 1, device=inputs.device)[None, :] < drafted[:, None]
+        agree = (best[:, : width - 1] == inputs[:, 1:]) & valid
+        accepted = agree.long().cumprod(1).sum(1)
+        return torch.stack([accepted, best.gather(1, accepted[:, None])[:, 0]], 1)
+    results = []
+    for i, (row, d) in enumerate(zip(rows, counts)):
+        p = process_logits(logits[i, : d + 1], gen.temperature, gen.top_k, gen.top_p)
+        q = None if row.q is None else row.q[:d]
+        results.append(torch.stack(speculative_sample(inputs[i, 1: d + 1], q, p, row.generator)))
+    return torch.stack(results)

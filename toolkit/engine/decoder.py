@@ -1,0 +1,319 @@
+"""The speculative decode loop of B >= 1 rows (Leviathan et al., 2023; Chen et al., 2023), in gpt-fast's shape.
+
+One decoder for one sequence and for batches (a sequence is one row). A round over the rows in flight::
+
+    propose   every row gets up to K draft tokens (:mod:`toolkit.speculative.drafters.rows`: a drafter per row, or a
+              draft model / EAGLE head over all rows in one forward per step)
+    plan      the controller picks n, the draft tokens every row verifies, and the forward width m >= n + 1
+              (:mod:`toolkit.engine.planner`: the measured cost curve x calibrated acceptance, with the stopping rule
+              for sampled drafts; n = 0 is a plain one-token step)
+    verify    ONE target forward over (B, m): row r = [its last committed token, its drafts, padding], on the
+              target's cache (:mod:`toolkit.kv.rows`; compiled on the static cache: :mod:`toolkit.engine.forward`)
+    accept    on the device (:mod:`toolkit.engine.accept`): greedy prefix match or lossless rejection sampling
+    sync      the round's ONE device-to-host transfer: each row's accepted count and next token
+    commit    cache.accept(kept) (rollback = not advancing past the kept tokens), the commit point (the only place a
+              KV policy compresses), the drafters roll back; rows hitting EOS / a stop string / their limit leave,
+              waiting requests are prefilled alone and join (continuous batching)
+
+Drafts reach the device as one host-to-device copy of the round's inputs (model-free drafters are host-side); nothing
+else is read back (``tests/test_host_syncs.py`` counts). Between rounds every row's cache represents its committed
+tokens but the last, whose position is the next forward's first. Positions are absolute.
+
+Greedy output of every row is the target's own greedy output for its prompt (fp32: token-identical to AR and to the
+prompt decoded alone, whatever the batch); sampling reproduces the target's distribution (chi-square tests).
+
+Token trees (``tree`` and a drafter with ``propose_tree``) are the one exception to the shared path: one row, on the
+policy's single-sequence cache (:mod:`toolkit.engine.tree`), because a tree's nodes share positions and its
+accepted path is gathered out of the forward's entries.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from toolkit.engine.accept import accept, choose
+from toolkit.engine.forward import TargetForward
+from toolkit.engine.planner import ConstantK, CostAwareK, batch_weights, most_per_ms
+from toolkit.engine.rows import Row, finish
+from toolkit.kv import ops as kv_ops
+from toolkit.kv.rows import SingleRowCache
+from toolkit.kv.static import StaticKV, capacity_for
+from toolkit.speculative.drafters.base import TreeDrafterProtocol
+from toolkit.speculative.drafters.rows import RowDrafters
+from toolkit.speculative.stats import GenerationStats
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class SpeculativeDecoder:
+    """Draft-then-verify decoding of one sequence or a batch (see the module docstring).
+
+    Args:
+        target: HF causal LM whose distribution the output follows exactly (greedy: token-identical output).
+        drafter: ``None`` (autoregressive decoding); a single-sequence drafter
+            (:class:`~toolkit.speculative.drafters.Drafter`, one request at a time); ``() -> drafter`` making one per
+            request; or a row drafter over the whole batch (:mod:`toolkit.speculative.drafters.rows`).
+        controller: how many draft tokens to ask and verify (:mod:`toolkit.engine.planner`; default K = 4).
+        target_policy: the target cache's KV policy (``None`` = uncompressed).
+        tree: :class:`~toolkit.speculative.tree.TreeShape` for token trees (a drafter with ``propose_tree``).
+        forward: the target's :class:`~toolkit.engine.forward.TargetForward` (default: eager).
+        batch_size: most rows per forward (continuous batching past it).
+
+    Raises:
+        TypeError: ``tree`` with a drafter that proposes no trees.
+        ValueError: ``batch_size > 1`` with a single drafter instance or token trees.
+    """
+
+    def __init__(self, target, drafter=None, controller=None, target_policy=None, tree=None,
+                 forward: TargetForward | None = None, batch_size: int = 1):
+        from toolkit.models.capabilities import check_tree_support
+
+        self.target, self.target_policy, self.batch_size = target, target_policy, batch_size
+        self.single = drafter is not None and not isinstance(drafter, type) and hasattr(drafter, "propose") \
+            and not hasattr(drafter, "step_ms")  # an instance, not a maker (a class or a function)
+        if tree is not None and drafter is not None and not isinstance(drafter, TreeDrafterProtocol):
+            raise TypeError(f"tree: {type(drafter).__name__} proposes no token trees (no propose_tree/commit_tree)")
+        self.tree = tree if drafter is not None else None
+        if self.tree is not None:
+            check_tree_support(target, "target")
+        if batch_size > 1 and (self.single or self.tree is not None):
+            raise ValueError("batch_size: a single drafter instance and token trees decode one sequence at a time")
+        if batch_size > 1:
+            from toolkit.kv.rows import batches
+
+            why = batches(target_policy, target)
+            if why:
+                raise ValueError(f"batch_size: requests cannot share a batch here ({why}); decode them one at a time")
+        self.drafter = drafter
+        self.controller = controller or ConstantK(4)
+        self.forward = forward or TargetForward(target)
+        self.device = next(target.parameters()).device
+        self.cache = None
+        self._pinned = None  # CUDA: the pinned staging buffer of the rounds' inputs
+
+    # ------------------------------------------------------------------------------------------------ public
+    def decode(self, input_ids: torch.Tensor, gen, stats: GenerationStats, eos_token_ids=(),
+               should_stop: Callable[[list[int]], int | None] | None = None) -> Iterator[list[int]]:
+        """Generate after ``input_ids`` ``(1, prompt_len)``; yields the newly committed ids of every round (the
+        first chunk is the prefill's token). ``stats`` is filled in place; ``stats.finish_reason`` is ``length``,
+        ``eos`` or ``stop_string``. Stops at ``gen.max_new_tokens`` (never more), an EOS id (kept; ignored when
+        ``gen.ignore_eos``) or where ``should_stop(new_ids)`` returns a cut length (stop strings)."""
+        run = self._run([input_ids], gen, eos_token_ids, should_stop, [stats])
+        try:
+            for _, chunk in run:
+                yield chunk
+        finally:  # a caller that stops early closes the loop now (hooks on shared models come off)
+            run.close()
+
+    def decode_batch(self, prompts: list[torch.Tensor], gen, eos_token_ids=(),
+                     should_stop: Callable[[list[int]], int | None] | None = None,
+                     ) -> list[tuple[list[int], GenerationStats]]:
+        """Generate after each of ``prompts`` (``(1, prompt_len)`` each), ``batch_size`` rows per forward; returns
+        ``(new ids, stats)`` in input order (each row stops as :meth:`decode` does)."""
+        stats = [GenerationStats() for _ in prompts]
+        out: list[list[int]] = [[] for _ in prompts]
+        for index, chunk in self._run(prompts, gen, eos_token_ids, should_stop, stats):
+            out[index].extend(chunk)
+        return list(zip(out, stats))
+
+    # ------------------------------------------------------------------------------------------------ set-up
+    def _drafting(self, gen):
+        """The row drafter of this call."""
+        if self.drafter is None:
+            return RowDrafters(lambda: None)
+        if self.single:
+            return RowDrafters(lambda: self.drafter, gen)
+        if hasattr(self.drafter, "step_ms"):
+            return self.drafter
+        return RowDrafters(self.drafter, gen)
+
+    def _widest(self) -> int:
+        """The widest forward after the prefill (tokens per row)."""
+        controller = self.controller
+        if self.drafter is None:
+            return 1  # autoregressive: one token per forward
+        if isinstance(controller, CostAwareK):
+            widest = controller.widest
+        else:
+            widest = max(getattr(controller, "k_max", 0), controller.next_k()) + 1
+        if self.tree is not None:
+            widest = max(widest, self.tree.budget + 1)
+        return self.forward.width_for(widest) if self.forward.compiled else widest
+
+    def _new_cache(self, prompts: list[torch.Tensor], gen):
+        rows = min(self.batch_size, len(prompts))
+        widest = self._widest()
+        if self.tree is not None:
+            return SingleRowCache(self.target_policy, self.target)
+        longest = max(p.shape[-1] for p in prompts) + gen.max_new_tokens + widest
+        return self.forward.cache_for(self.target_policy, rows, capacity_for(longest), widest)
+
+    # ------------------------------------------------------------------------------------------------ the loop
+    @torch.inference_mode()  # cheaper than no_grad: no version counters or view tracking (~5% on CPU here)
+    def _run(self, prompts, gen, eos_token_ids, should_stop, stats: list[GenerationStats]):
+        self.cache = self._new_cache(prompts, gen)
+        drafting = self._drafting(gen)
+        attention = self.forward.attached() if isinstance(self.cache, StaticKV) else \
+            kv_ops.attached(self.target_policy, self.target)
+        rows: list[Row] = []
+        try:
+            with attention, drafting.attached():
+                yield from self._loop(prompts, gen, eos_token_ids, should_stop, stats, drafting, rows)
+        finally:
+            for row in rows:  # a caller that stopped iterating early: release what the drafters set up
+                drafting.close(row)
+
+    def _loop(self, prompts, gen, eos_token_ids, should_stop, stats, drafting, rows: list[Row]):
+        eos = set() if gen.ignore_eos else set(eos_token_ids)
+        limit = gen.max_new_tokens
+        waiting = list(range(len(prompts)))
+        peak_kv = 0
+        while waiting or rows:
+            while waiting and len(rows) < self.batch_size:
+                row = self._start(waiting.pop(0), prompts, gen, stats, drafting)
+                finished = finish(row.new_ids, 0, limit, eos, should_stop, row.stats)
+                self._track_memory(row)
+                yield row.index, row.new_ids[:]
+                if finished:
+                    self._close(row, drafting, peak_kv if len(prompts) > 1 else 0)
+                    self.cache.keep_rows(list(range(self.cache.rows - 1)))
+                    continue
+                rows.append(row)
+                drafting.join(row)
+            if not rows:
+                continue
+            if self.tree is not None:
+                from toolkit.engine.tree import tree_round
+
+                round_ids = tree_round(self, rows[0], gen, limit, drafting)
+                chunks = [round_ids] if round_ids is not None else self._round(rows, gen, limit, drafting,
+                                                                                draining=not waiting)
+            else:
+                chunks = self._round(rows, gen, limit, drafting, draining=not waiting)
+            peak_kv = max(peak_kv, self.cache.kv_bytes())
+            done = []
+            for i, (row, chunk) in enumerate(zip(rows, chunks)):
+                before = len(row.new_ids)
+                row.ids += chunk
+                row.new_ids += chunk
+                finished = finish(row.new_ids, before, limit, eos, should_stop, row.stats)
+                self._track_memory(row)
+                if len(row.new_ids) > before:
+                    yield row.index, row.new_ids[before:]
+                if finished:
+                    done.append(i)
+            if done:
+                for i in done:
+                    self._close(rows[i], drafting, peak_kv if len(prompts) > 1 else 0)
+                keep = [i for i in range(len(rows)) if i not in done]
+                rows[:] = [rows[i] for i in keep]
+                self.cache.keep_rows(keep)
+                drafting.remove(keep)
+
+    def _start(self, index: int, prompts, gen, stats: list[GenerationStats], drafting) -> Row:
+        """Prefill one request alone into the cache's next row; its first token comes from the target alone. The
+        row drafter hears of it before the prefill (``begin``: a drafter's hooks must see the prompt's forward) and
+        after it (``join``)."""
+        _sync(self.device)
+        started = time.perf_counter()
+        prompt = prompts[index].view(1, -1)
+        input_ids, length = prompt.to(self.device), prompt.shape[-1]
+        generator = torch.Generator(device=self.device).manual_seed(gen.seed + index) if gen.do_sample else None
+        row = Row(index, length, prompt[0].tolist(), stats[index], generator, started)
+        drafting.begin(row)
+        prefilled, kwargs = self.cache.begin_row(length)
+        logits = self.forward.prefill(input_ids, kwargs)
+        self.cache.add_row(prefilled, length)
+        first = int(choose(logits.view(1, -1), gen, generator)[0])  # the prefill's one sync
+        row.ids.append(first)
+        row.new_ids.append(first)
+        row.stats.prompt_tokens, row.stats.target_forwards = length, row.stats.target_forwards + 1
+        _sync(self.device)
+        row.stats.ttft_ms = (time.perf_counter() - started) * 1000
+        return row
+
+    def _round(self, rows: list[Row], gen, limit: int, drafting, draining: bool) -> list[list[int]]:
+        """Propose, plan, verify, accept and commit once for every row; returns each row's committed ids."""
+        started = time.perf_counter()
+        draft_limits = [limit - len(r.new_ids) - 1 for r in rows]  # draft tokens that can still be committed
+        num_draft_tokens = self.controller.next_k() if self.drafter is not None else 0
+        drafting.propose(rows, self._draft_steps(rows, draft_limits, drafting, num_draft_tokens, draining))
+        drafted_at = time.perf_counter()
+        n, width = self.controller.plan(rows, batch_weights(draft_limits, draining)) if self.drafter is not None else (0, 1)
+        drafted = [min(len(r.proposal), n) for r in rows]
+        staged = self._stage([[r.ids[-1]] + r.proposal[:d] + [r.ids[-1]] * (width - 1 - d) + [d]
+                              for r, d in zip(rows, drafted)])  # the round's one host-to-device copy
+        inputs = staged[:, :width]
+        logits = self.forward(self.cache, inputs)
+        result = accept(logits, inputs, staged[:, width], drafted, gen, rows)
+        accepted, next_ids = zip(*result.tolist())  # the round's one device-to-host transfer
+        verified_at = time.perf_counter()
+        self.cache.accept(result[:, 0] + 1, [a + 1 for a in accepted])
+        self.cache.commit()
+        drafting.commit(rows, list(accepted))
+        self.controller.update(rows, n, list(accepted))
+        chunks = []
+        for row, d, a, nxt in zip(rows, drafted, accepted, next_ids):
+            chunks.append(row.proposal[:a] + [nxt])
+            row.stats.record_round(d, a)
+            row.stats.target_forwards += 1
+        ended = time.perf_counter()
+        verify_ms, share = (verified_at - drafted_at) * 1000, 1.0 / len(rows)
+        for row in rows:  # a round's time is shared by its rows
+            row.stats.record_time((drafted_at - started) * 1000 * share, verify_ms * share,
+                                  (ended - started) * 1000 * share, width)
+        self.controller.timed(len(rows), width, verify_ms, (ended - verified_at) * 1000)
+        return chunks
+
+    def _stage(self, table: list[list[int]]) -> torch.Tensor:
+        """``table`` (host ints, one list per row) as a long tensor on the target's device. On CUDA through a pinned
+        staging buffer and an asynchronous copy: a pageable copy would wait for the GPU's queue, a hidden sync (the
+        buffer is free again by the round's device-to-host read)."""
+        host = torch.tensor(table, dtype=torch.long)
+        if self.device.type != "cuda":
+            return host
+        if self._pinned is None or self._pinned.numel() < host.numel():
+            self._pinned = torch.empty(max(host.numel(), 4096), dtype=torch.long).pin_memory()
+        staging = self._pinned[: host.numel()].view(host.shape)
+        staging.copy_(host)
+        return staging.to(self.device, non_blocking=True)
+
+    def _draft_steps(self, rows: list[Row], draft_limits: list[int], drafting, num_draft_tokens: int,
+                     draining: bool) -> list[int]:
+        """Draft tokens to ask per row: K for free drafters; for a draft model or EAGLE head over the batch, the
+        count with the most expected tokens per ms of drafting (its measured step) plus verifying (0: plain)."""
+        step_ms = drafting.step_ms(len(rows)) if num_draft_tokens else None
+        if step_ms is not None and isinstance(self.controller, CostAwareK):
+            cost, acceptance = self.controller.cost, drafting.acceptance
+            weights, tokens = batch_weights(draft_limits, draining), [max(0, r) for r in draft_limits]
+            num_draft_tokens, _ = most_per_ms(weights, tokens, num_draft_tokens, lambda i, j: acceptance.prob(None, j),
+                                              lambda n: (cost.ms(len(rows), n + 1), n + 1), lambda n: n * step_ms)
+        return [max(0, min(num_draft_tokens, limit)) for limit in draft_limits]
+
+    # ------------------------------------------------------------------------------------------------ reports
+    def _track_memory(self, row: Row) -> None:
+        stats = row.stats
+        if self.cache.rows <= 1:
+            stats.kv_bytes_target = self.cache.kv_bytes()
+            stats.peak_kv_bytes_target = max(stats.peak_kv_bytes_target, stats.kv_bytes_target)
+        cache = getattr(row.drafter, "cache", None)
+        if cache is not None:
+            stats.kv_bytes_draft = kv_ops.kv_bytes(cache)
+            stats.peak_kv_bytes_draft = max(stats.peak_kv_bytes_draft, stats.kv_bytes_draft)
+
+    def _close(self, row: Row, drafting, peak_batch: int) -> None:
+        stats = row.stats
+        stats.new_tokens = len(row.new_ids)
+        stats.compressions_target = self.cache.compressions
+        stats.peak_kv_bytes_batch = peak_batch
+        if row.drafter is not None:
+            stats.compressions_draft = kv_ops.compressions(getattr(row.drafter, "cache", None))
+        drafting.close(row)
+        _sync(self.device)
+        stats.total_ms = (time.perf_counter() - row.started) * 1000

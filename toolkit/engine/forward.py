@@ -1,0 +1,306 @@
+"""The target's forward over the decoder's cache: eager, or compiled with ``torch.compile`` on the static cache.
+
+A round's verify forward runs ``(B, W)`` tokens (``B`` rows, ``W`` = 1 + the draft tokens verified) through the HF
+model on the cache's ``prepare(W)`` inputs and returns logits ``(B, W, vocab)``. On the static cache
+(:class:`~toolkit.kv.static.StaticKV`) the forward may be compiled (gpt-fast's decode step; DESIGN.md "The static
+engine"); what a graph is specialised to depends on the device:
+
+* **CPU** (inductor): one graph for single-token steps ``(1, 1)`` and one for verify forwards ``(1, W >= 2)`` with
+  ``W`` a dynamic size, and the same two for ``B >= 2`` rows; the attended span of the cache is a dynamic size too.
+  So a process compiles at most four graphs whatever the widths and lengths (about 90 s each cold on a 2-core
+  machine, seconds from inductor's on-disk cache), and no forward is padded.
+* **CUDA** (``mode="reduce-overhead"``: CUDA graphs): every shape is static — ``W`` is padded to the next of
+  :attr:`TargetForward.widths` and ``B`` to the next of :attr:`TargetForward.batch_sizes` (padding rows are unused rows
+  of the static cache), and the span is the whole cache. One graph per (batch bucket, width bucket), captured at its
+  first call; the cost model's curve then has the buckets' steps, which the verify planner reads.
+
+Eager forwards (no compile, or a cache that is not static: KV policies that re-pack or gather at commit points) call
+the model as it is. A padded forward's extra positions are never kept: the caller's :meth:`accept` counts only real
+tokens, and padding rows are never accepted into.
+
+Compiled code is cached on disk by inductor (``TORCHINDUCTOR_CACHE_DIR``, the toolkit's cache directory unless the user
+set it), so a second process starts warm.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import time
+
+import torch
+
+from toolkit.kv.attention import STATIC_NAME, attached
+
+log = logging.getLogger("toolkit.engine")
+
+#: CUDA graph buckets: verify widths and batch sizes a forward is padded up to
+CUDA_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+CUDA_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+#: compile modes: CPU -> inductor's default; CUDA -> CUDA graphs
+MODES = {"cpu": "default", "cuda": "reduce-overhead"}
+
+
+def inductor_cache() -> None:
+    """Inductor's on-disk cache under the toolkit's cache directory, unless the user chose one. Inductor reads the
+    variable at every use but writes its default (``/tmp/torchinductor_<user>``) into it on first use, so a value
+    equal to that default counts as unset."""
+    from toolkit.resources import cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        default = os.path.abspath(default_cache_dir())
+    except (ImportError, OSError):  # a torch without this helper: only an unset variable is replaced
+        default = None
+    if current is None or os.path.abspath(current) == default:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+
+
+def model_kwargs(model, kwargs: dict) -> dict:
+    """``kwargs`` with the cache under the name ``model.forward`` takes: ``cache`` from transformers 5.24 on (which
+    warns about ``past_key_values``, a graph break inside a compiled region), ``past_key_values`` before."""
+    if "past_key_values" in kwargs and _takes_cache(type(model)):
+        kwargs = dict(kwargs)
+        kwargs["cache"] = kwargs.pop("past_key_values")
+    return kwargs
+
+
+@functools.cache
+def _takes_cache(model_class) -> bool:
+    return "cache" in inspect.signature(model_class.forward).parameters
+
+
+def _step(model, input_ids, position_ids, attention_mask, cache_kwargs: dict):
+    """One forward (the compiled region): logits ``(B, W, vocab)``."""
+    return model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=True,
+                 **cache_kwargs).logits
+
+
+def _foreign(hook) -> bool:
+    """A hook that is not transformers' own output capturing (installed once ``output_hidden_states`` was asked
+    for; it records only when asked, and compiles as part of the model)."""
+    return not getattr(getattr(hook, "__func__", hook), "__module__", "").startswith("transformers.")
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} is past the largest bucket {buckets[-1]}")
+
+
+class TargetForward:
+    """The target's forward of the decoder (see the module docstring).
+
+    Args:
+        model: the HF causal LM (any weights: fp32, bf16, torchao int4/int8, bitsandbytes).
+        compile: compile forwards on the static cache (``False``: always eager).
+        backend / mode: ``torch.compile``'s (``eager`` traces without code generation: tests); ``mode`` defaults
+            to :data:`MODES` for the model's device.
+        buckets: pad to static shapes (default: on CUDA); ``False``: dynamic sizes (CPU).
+
+    Attributes:
+        compile_s: first-call seconds (compile + run) per graph key.
+        static_span: whether static caches built for it must attend to every slot (bucketed shapes).
+    """
+
+    def __init__(self, model, compile: bool = False, backend: str = "inductor", mode: str | None = None,
+                 buckets: bool | None = None):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.buckets = (self.device.type == "cuda") if buckets is None else buckets
+        self.widths, self.batch_sizes = CUDA_WIDTHS, CUDA_BATCH_SIZES
+        self.mode = mode or MODES.get(self.device.type, "default")
+        self.compile_s: dict[tuple, float] = {}
+        self._compiled = None
+        self._cache = None  # the last static cache built, reused by requests it can hold (addresses stay fixed)
+        self.skip_guards = os.environ.get("TOOLKIT_FULL_GUARDS", "") in ("", "0")
+        self._modules = None  # the model's modules, read for forward hooks (see _hooked)
+        self._said_hooked = False
+        if compile:
+            inductor_cache()
+            # one graph per shape key and cache capacity: more than dynamo's default of 8 per function
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self._compiled = torch.compile(_step, dynamic=False, backend=backend,
+                                           mode=None if self.mode == "default" else self.mode)
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
+
+    @property
+    def static_span(self) -> bool:
+        return self.compiled and self.buckets
+
+    def width_for(self, width: int) -> int:
+        """Tokens per row a forward of ``width`` really runs (its bucket when shapes are bucketed)."""
+        return _bucket(width, self.widths) if self.compiled and self.buckets else width
+
+    def rows_for(self, rows: int, allocated: int) -> int:
+        """Rows a forward over ``rows`` rows really runs (its bucket, within the cache's allocated rows)."""
+        if self.compiled and self.buckets:
+            return min(_bucket(rows, self.batch_sizes), allocated)
+        return rows
+
+    def cache_for(self, policy, rows: int, capacity: int, widest: int):
+        """The target's cache for ``rows`` rows of up to ``capacity`` positions and forwards of up to ``widest``
+        tokens (:func:`toolkit.kv.rows.rows_cache`). A static cache is kept and reused by later calls it can hold
+        (capacities only grow, so compiled graphs and captured CUDA graphs keep their buffers)."""
+        from toolkit.kv.rows import rows_cache
+        from toolkit.kv.static import StaticKV
+
+        rows = self.rows_for(rows, self.batch_sizes[-1])
+        cached = self._cache
+        if cached is not None and cached.allocated >= rows and cached.window is policy and cached.widest >= widest \
+                and (policy is not None or cached.capacity >= capacity):
+            cached.keep_rows([])
+            return cached
+        if cached is not None and cached.window is policy and policy is None:
+            capacity = max(capacity, cached.capacity)
+        cache = rows_cache(policy, self.model, rows, capacity, widest, static_span=self.static_span)
+        if isinstance(cache, StaticKV):
+            self._cache = cache
+        return cache
+
+    def attached(self):
+        """The static engine's attention function on the model for a ``with`` block (see
+        :func:`toolkit.kv.attention.static_attention`)."""
+        return attached(self.model, STATIC_NAME)
+
+    def prefill(self, input_ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """Eager forward of a prompt ``(1, n)`` on ``kwargs`` (a cache's ``begin_row``); logits ``(vocab,)`` of the
+        last position."""
+        return self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1,
+                          **model_kwargs(self.model, kwargs)).logits[0, -1]
+
+    def __call__(self, cache, input_ids: torch.Tensor) -> torch.Tensor:
+        """Forward over ``input_ids`` ``(B, W)`` appending ``W`` tokens to each of the cache's ``B`` rows; returns
+        logits ``(B, W, vocab)``. Compiled where the cache is static and compiling is on (padded to buckets where
+        shapes are bucketed; the padding is cut from the logits), else eager."""
+        rows, width = input_ids.shape
+        if not (self.compiled and getattr(cache, "static", False)) or self._hooked():
+            return self.model(input_ids=input_ids, use_cache=True,
+                              **model_kwargs(self.model, cache.prepare(width))).logits
+        run_rows, run_width = self.rows_for(rows, cache.allocated), self.width_for(width)
+        if (run_rows, run_width) != (rows, width):
+            padded = input_ids.new_zeros(run_rows, run_width)
+            padded[:rows, :width] = input_ids
+            padded[:rows, width:] = input_ids[:, -1:]
+            input_ids = padded
+        kwargs = cache.prepare(run_width, range(run_rows))
+        if not self.buckets:
+            self._mark_dynamic(input_ids, kwargs, cache)
+        key = (run_rows if self.buckets else min(run_rows, 2), run_width if self.buckets else min(run_width, 2))
+        first = key not in self.compile_s
+        began = time.perf_counter()
+        if self.device.type == "cuda" and self.mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # the previous round's outputs were consumed
+        args = (self.model, input_ids, kwargs["position_ids"], kwargs["attention_mask"],
+                model_kwargs(self.model, {"past_key_values": kwargs["past_key_values"]}))
+        logits = self._run(args, first)
+        if first:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.compile_s[key] = time.perf_counter() - began
+            log.info("compiled the %s forward in %.1f s", "x".join(map(str, key)), self.compile_s[key])
+        return logits[:rows, :width]
+
+    def _hooked(self) -> bool:
+        """Whether a forward hook is on the model (an EAGLE drafter's feature hook): such forwards run eager. A
+        graph traced without the hook would not call it (and the guards that notice are the ones skipped)."""
+        if self._modules is None:
+            self._modules = list(self.model.modules())
+        from torch.nn.modules import module as nn_module
+
+        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            return True
+        hooked = any(_foreign(h) for m in self._modules if m._forward_hooks or m._forward_pre_hooks
+                     for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))
+        if hooked and not self._said_hooked:
+            self._said_hooked = True
+            log.info("forward hooks on the target (a drafter reading its features): its forwards run eager")
+        return hooked
+
+    def _run(self, args: tuple, first: bool) -> torch.Tensor:
+        """Call the compiled forward. Once its graph exists, only the guards that tell the compiled graphs apart are
+        evaluated (``skip_guard_eval_unsafe``): dynamo's full guard check walks every weight of the model and cost
+        2-4 ms a forward on this CPU (10-20% of a decode step). Every input here is made by the engine itself, so
+        the skipped guards (weights, dtypes, the model's attributes) cannot have changed; a call that would need a
+        new graph raises instead of running a wrong one, and is retried with every guard
+        (``TOOLKIT_FULL_GUARDS=1`` turns the shortcut off)."""
+        if first or not self.skip_guards:
+            return self._compiled(*args)
+        try:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return self._compiled(*args)
+        except RuntimeError as exc:
+            if "Recompilation" not in str(exc):
+                raise
+            return self._compiled(*args)
+
+    @staticmethod
+    def _mark_dynamic(input_ids, kwargs: dict, cache) -> None:
+        """CPU graphs: the span, and the rows and width where they exceed 1 (sizes of 1 get graphs of their own)."""
+        mask, positions = kwargs["attention_mask"], kwargs["position_ids"]
+        torch._dynamo.mark_dynamic(mask, 3)
+        rows, width = input_ids.shape
+        for tensor in (input_ids, positions, cache.write_index):
+            if width > 1:
+                torch._dynamo.mark_dynamic(tensor, 1)
+            if rows > 1:
+                torch._dynamo.mark_dynamic(tensor, 0)
+        if width > 1:
+            torch._dynamo.mark_dynamic(mask, 2)
+        if rows > 1:
+            torch._dynamo.mark_dynamic(mask, 0)
+
+    def warm_up(self, cache_factory, widths: tuple[int, ...] = (1, 2), rows: tuple[int, ...] = (1,)) -> float:
+        """Compile now the graphs forwards of ``widths`` x ``rows`` use, on a scratch cache from
+        ``cache_factory(rows)``; returns the seconds it took (seconds from inductor's cache, minutes cold)."""
+        began = time.perf_counter()
+        with torch.inference_mode(), self.attached():
+            for r in rows:
+                cache = cache_factory(r)
+                prompt = torch.zeros(1, 8, dtype=torch.long, device=self.device)
+                for _ in range(r):
+                    prefilled, kwargs = cache.begin_row(8)
+                    self.prefill(prompt, kwargs)
+                    cache.add_row(prefilled, 8)
+                for w in widths:
+                    self(cache, torch.zeros(r, w, dtype=torch.long, device=self.device))
+        return time.perf_counter() - began
+
+
+def compile_pays(target) -> bool:
+    """Where compiling was measured to pay (DESIGN.md, cost model): on CUDA, and on CPU for torchao weights (int4 /
+    int8 tensor subclasses: eager per-op overhead dominates); fp32 / bf16 / bitsandbytes weights on CPU are
+    bytes-bound or opaque kernels, where compiling gained nothing."""
+    params = list(target.parameters())
+    if params[0].device.type == "cuda":
+        return True
+    return any(type(p.data).__module__.startswith("torchao") for p in params)
+
+
+def forward_for(recipe, target, plan) -> tuple[TargetForward, str]:
+    """``(TargetForward, why)`` for a :class:`~toolkit.recipe.Recipe`'s ``compile`` field and its
+    :class:`~toolkit.session.Plan`: ``on`` compiles where the static cache holds the recipe (no token trees, a KV
+    policy with a static form, full-attention layers); ``auto`` also needs :func:`compile_pays`."""
+    from toolkit.kv.rows import supports_static
+    from toolkit.kv.static import static_form
+
+    mode = recipe.compile
+    if mode == "off":
+        return TargetForward(target), "eager (compile: off)"
+    if mode == "auto" and not compile_pays(target):
+        return TargetForward(target), (f"eager (compile: auto; {recipe.target.precision} weights on CPU are "
+                                       "bytes-bound: compiling was measured to gain nothing there)")
+    why = static_form(plan.target_policy) or ("token trees" if recipe.spec.tree else None) or supports_static(target)
+    if why:
+        return TargetForward(target), f"eager (compile: {mode}, but the static cache does not hold {why})"
+    engine = TargetForward(target, compile=True)
+    shapes = "bucketed widths and batch sizes, CUDA graphs" if engine.buckets else "dynamic widths and spans"
+    return engine, f"compiled static engine (compile: {mode}; {shapes})"

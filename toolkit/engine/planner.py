@@ -1,0 +1,251 @@
+"""How many draft tokens a round verifies, for one row or a batch: one rule, with a stopping rule for sampled drafts.
+
+A round over ``B`` rows that verifies ``n`` draft tokens per row runs a forward of width ``m >= n + 1`` and commits, in
+expectation,
+
+    E(n) = sum_r w_r (1 + c_r1 + c_r1 c_r2 + ... + c_r1 ... c_rn)      (row r's chain stops at its own proposal)
+
+tokens, where ``c_ri`` is the calibrated probability that row ``r``'s draft token ``i`` is accepted given the ones
+before it (:class:`~toolkit.speculative.verify_length.Calibrator`) and ``w_r`` weighs the row (1, or while a batch
+drains, its share of the work left). :func:`most_per_ms` picks the ``n`` with the most expected tokens per
+millisecond of ``ms(B, m) + extra(n)``: ``ms`` is the measured cost of a forward (:class:`ForwardCost`: the target's
+verify cost curve for one row, learned online for batches), ``m`` the cheapest width that holds ``n + 1`` tokens (a
+forward of 5 tokens can cost less than one of 3; bucketed CUDA graphs make the curve a staircase), ``extra`` what
+drafting ``n`` tokens costs where it is not free (a draft model's steps). ``n = 0`` is a plain one-token step, so a
+round never expects fewer tokens per unit time than AR decoding.
+
+**Stopping rule** (lossless sampling): when draft tokens were *sampled* from q, whether token ``i`` is verified may
+depend only on what was known before it was drawn — the confidences ``c_1..c_i``, each read before its token — never
+on later ones, which depend on token ``i`` itself. So with sampled drafts ``n`` is the first length after which one
+more token stops paying, not the best length over the whole chain (which would bias the output: ``tests/
+test_verify_length.py`` and ``tests/test_batch_verify_length.py`` catch exactly that). Greedy drafts may use the best.
+
+Controllers (the recipe's ``spec.adaptive``): :class:`CostAwareK` (``cost``) plans by this rule;
+:class:`ConstantK` (``constant``) and :class:`EmaK` (``ema``) verify every proposed token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from toolkit.speculative.cost_model import VerifyCost
+from toolkit.speculative.verify_length import Calibrator
+
+#: weight of a new observation in :class:`ForwardCost`'s moving averages of batched forwards
+BATCH_OBSERVE_WEIGHT = 0.3
+#: a wider forward is chosen over a narrower one only when at least this much cheaper (not for noise)
+PAD_MARGIN = 0.98
+
+
+@dataclass
+class ForwardCost:
+    """Milliseconds of one target forward over ``rows x width`` tokens.
+
+    One row reads the target's verify cost curve (``curve.ms(width)``, measured on this machine and blended with
+    real verify times). Batches start from the curve at ``rows * width`` tokens and learn what batched forwards really
+    take: a ``(rows, width)`` once seen is predicted by its own moving average, an unseen one by the curve times the
+    observed/predicted ratio of the nearest narrower width seen (wide batched forwards cost more than one sequence of
+    as many tokens: every row attends to its own history).
+    """
+
+    curve: VerifyCost
+    seen: dict = field(default_factory=dict)  # (rows, width) -> ms, moving average
+    ratio: dict = field(default_factory=dict)  # width -> observed / curve, moving average
+
+    def ms(self, rows: int, width: int) -> float:
+        if rows == 1:
+            return self.curve.ms(width)
+        if (rows, width) in self.seen:
+            return self.seen[(rows, width)]
+        narrower = [w for w in self.ratio if w <= width]
+        return self.curve.ms(rows * width) * (self.ratio[max(narrower)] if narrower else 1.0)
+
+    def cheapest(self, rows: int, width: int, widest: int) -> int:
+        """The forward width ``m`` in ``[width, widest]`` with the lowest cost (``width`` itself on near-ties)."""
+        best, best_ms = width, self.ms(rows, width)
+        for m in range(width + 1, widest + 1):
+            ms = self.ms(rows, m)
+            if ms < best_ms * PAD_MARGIN:
+                best, best_ms = m, ms
+        return best
+
+    def observe(self, rows: int, width: int, ms: float) -> None:
+        """Blend a forward of ``(rows, width)`` that took ``ms`` in (nothing when the curve is fixed)."""
+        if not self.curve.learn or ms <= 0:
+            return
+        if rows == 1:
+            self.curve.observe(width, ms)
+            return
+        old = self.seen.get((rows, width))
+        self.seen[(rows, width)] = ms if old is None else old + BATCH_OBSERVE_WEIGHT * (ms - old)
+        ratio = ms / self.curve.ms(rows * width)
+        self.ratio[width] = ratio if width not in self.ratio else \
+            self.ratio[width] + BATCH_OBSERVE_WEIGHT * (ratio - self.ratio[width])
+
+
+def most_per_ms(weights: list[float], tokens: list[int], longest: int, prob: Callable[[int, int], float],
+                forward_ms: Callable[[int], tuple[float, int]], extra_ms: Callable[[int], float] = lambda n: 0.0,
+                stopping: bool = False) -> tuple[int, int]:
+    """``(n, m)``: the ``n`` in ``0 .. longest`` with the most expected committed tokens per ms, and the forward width
+    ``m`` it runs at (see the module docstring).
+
+    Args:
+        weights: per row, how much its tokens count.
+        tokens: per row, how many draft tokens it has (its chain stops there).
+        longest: the most draft tokens a row may verify.
+        prob: ``prob(row, j)`` — P(draft token ``j`` (1-based) of ``row`` accepted | the ones before it were).
+        forward_ms: ``forward_ms(n) -> (ms, m)`` — the cheapest forward holding ``n + 1`` tokens per row.
+        extra_ms: milliseconds of drafting ``n`` tokens.
+        stopping: stop at the first ``n`` after which ``n + 1`` stops paying (sampled drafts).
+    """
+    ms, width = forward_ms(0)
+    best, best_width, best_rate = 0, width, sum(weights) / (extra_ms(0) + ms)
+    chains, expected = [1.0] * len(weights), sum(weights)
+    for n in range(1, longest + 1):
+        for i, w in enumerate(weights):
+            if n <= tokens[i]:
+                chains[i] *= prob(i, n)
+                expected += w * chains[i]
+        ms, width = forward_ms(n)
+        rate = expected / (extra_ms(n) + ms)
+        if rate > best_rate:
+            best, best_width, best_rate = n, width, rate
+        elif stopping:
+            break
+    return best, best_width
+
+
+class _VerifyAll:
+    """Verify every proposed token in a forward of exactly ``1 + the longest proposal`` tokens."""
+
+    uses_confidence = False
+
+    def plan(self, rows: list, weights: list[float]) -> tuple[int, int]:
+        longest = max((len(r.proposal) for r in rows), default=0)
+        return longest, longest + 1
+
+    def update(self, rows: list, verified: int, accepted: list[int]) -> None:
+        pass
+
+    def timed(self, rows: int, width: int, verify_ms: float, overhead_ms: float) -> None:
+        pass
+
+
+@dataclass
+class ConstantK(_VerifyAll):
+    """K draft tokens asked every round, all of them verified."""
+
+    k: int
+
+    def next_k(self) -> int:
+        return self.k
+
+
+@dataclass
+class EmaK(_VerifyAll):
+    """An acceptance-EMA controller (HF's ``num_assistant_tokens_schedule="heuristic"`` made smooth): after each round
+    the EMA of its acceptance ratio moves; K shrinks by one below ``shrink_below`` and grows by one above
+    ``grow_above``, within ``[k_min, k_max]``."""
+
+    k: int
+    k_min: int = 1
+    k_max: int = 8
+    decay: float = 0.7
+    shrink_below: float = 0.5
+    grow_above: float = 0.85
+    ema: float | None = None
+
+    def __post_init__(self) -> None:
+        self.k = min(max(self.k, self.k_min), self.k_max)
+
+    def next_k(self) -> int:
+        return self.k
+
+    def update(self, rows: list, verified: int, accepted: list[int]) -> None:
+        for row, a in zip(rows, accepted):
+            drafted = min(len(row.proposal), verified)
+            if drafted == 0:
+                continue
+            ratio = a / drafted
+            self.ema = ratio if self.ema is None else self.decay * self.ema + (1 - self.decay) * ratio
+            if self.ema < self.shrink_below:
+                self.k = max(self.k_min, self.k - 1)
+            elif self.ema > self.grow_above:
+                self.k = min(self.k_max, self.k + 1)
+
+
+@dataclass
+class CostAwareK:
+    """Verify the number of draft tokens with the most expected tokens per ms (:func:`most_per_ms`), with the
+    stopping rule when any row's drafts were sampled.
+
+    Args:
+        cost: the target's forward cost (:class:`ForwardCost`, or its single-row :class:`VerifyCost` curve).
+        calibrator: acceptance calibration, shared by every call of one Generator.
+        k: most draft tokens asked of the drafter per round.
+        widest: most tokens one forward may hold per row (padding stays within it).
+    """
+
+    cost: ForwardCost | VerifyCost
+    calibrator: Calibrator
+    k: int
+    widest: int
+    overhead_ms: float = 0.0
+    uses_confidence = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cost, VerifyCost):
+            self.cost = ForwardCost(self.cost)
+        self.calibrator.begin_request()  # one controller per generation call
+
+    def next_k(self) -> int:
+        return self.k
+
+    def plan(self, rows: list, weights: list[float]) -> tuple[int, int]:
+        """``(n, m)``: verify the first ``n`` draft tokens of every row in a forward of ``m >= n + 1`` tokens."""
+        def prob(i: int, j: int) -> float:
+            confidence = rows[i].confidence
+            return self.calibrator.prob(None if confidence is None else confidence[j - 1], j)
+
+        def forward_ms(n: int) -> tuple[float, int]:
+            width = self.cost.cheapest(len(rows), n + 1, max(self.widest, n + 1))
+            return self.cost.ms(len(rows), width) + self.overhead_ms, width
+
+        tokens = [len(r.proposal) for r in rows]
+        longest = min(max(tokens, default=0), self.widest - 1)
+        return most_per_ms(weights, tokens, longest, prob, forward_ms, stopping=any(r.q is not None for r in rows))
+
+    def update(self, rows: list, verified: int, accepted: list[int]) -> None:
+        for row, a in zip(rows, accepted):
+            drafted = min(len(row.proposal), verified)
+            if drafted:
+                self.calibrator.observe(row.confidence, drafted, a)
+
+    def timed(self, rows: int, width: int, verify_ms: float, overhead_ms: float) -> None:
+        """A round's forward of ``(rows, width)`` took ``verify_ms``; its bookkeeping ``overhead_ms``."""
+        self.cost.observe(rows, width, verify_ms)
+        self.overhead_ms += 0.1 * (overhead_ms - self.overhead_ms)
+
+
+def make_controller(spec, cost=None, calibrator=None, widest: int | None = None):
+    """The controller of a recipe's ``spec`` (``adaptive``: ``constant``, ``ema`` or ``cost``); ``cost`` needs the
+    target's forward ``cost`` and a :class:`~toolkit.speculative.verify_length.Calibrator`.
+
+    Raises:
+        ValueError: ``adaptive: cost`` without ``cost`` or ``calibrator``.
+    """
+    if spec.adaptive == "ema":
+        return EmaK(spec.num_draft_tokens, spec.k_min, spec.k_max, spec.ema_decay)
+    if spec.adaptive == "cost":
+        if cost is None or calibrator is None:
+            raise ValueError("adaptive 'cost' needs the target's verify cost curve and a calibrator")
+        return CostAwareK(cost, calibrator, spec.num_draft_tokens, widest or spec.num_draft_tokens + 1)
+    return ConstantK(spec.num_draft_tokens)
+
+
+def batch_weights(left: list[int], draining: bool) -> list[float]:
+    """How much each row's tokens count, given the tokens ``left`` to each row's limit. While requests wait every row
+    counts alike (a row that finishes early frees its place); once none waits (``draining``) the batch ends with its
+    longest row, so a row counts in proportion to its work left against the most any row has left."""
+    return [x / max(left) for x in left] if draining and left and max(left) > 0 else [1.0] * len(left)

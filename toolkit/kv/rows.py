@@ -1,0 +1,173 @@
+"""The one cache protocol of the decoder: rows of sequences, each accepting its own number of tokens per forward.
+
+The decoder (:mod:`toolkit.engine.decoder`) drives the target's cache through exactly these calls, whatever the KV
+policy, for one row or a batch::
+
+    begin_row(length)        -> (cache, kwargs)   where a new request's prompt of `length` tokens is prefilled alone
+    add_row(cache, length)                        that prefill becomes the last row
+    prepare(width[, rows])   -> kwargs            position_ids, attention_mask and past_key_values of a forward
+                                                  appending `width` tokens to every row
+    accept(kept, kept_host)                       row r keeps the first kept[r] of them (rollback of the rest)
+    commit()                                      a commit point: the only place a policy may compress
+    keep_rows(keep)                               only the rows `keep` stay (in that order)
+    kv_bytes() / compressions / rows / static     reports; whether compiled forwards may run on it
+
+Between forwards row ``r`` represents the tokens committed so far but its last one (the next forward's first input).
+
+Which cache a policy gets (:func:`rows_cache`): the static cache (:class:`~toolkit.kv.static.StaticKV`) where it
+holds the policy (none, StreamingLLM with absolute positions and the exact window); else the policy's own per-row
+cache for batches (``policy.rows_cache(model)``: KIVI-quantized, L2-norm, head-aware), or, for one sequence and for
+policies with no per-row form, the policy's single-sequence cache behind :class:`SingleRowCache`. No ``isinstance``:
+each policy declares its forms.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from toolkit.kv import ops as kv_ops
+from toolkit.kv.static import StaticKV, static_form
+
+
+@runtime_checkable
+class RowCache(Protocol):
+    """What the decoder calls on the target's cache (see the module docstring)."""
+
+    compressions: int
+    static: bool
+
+    @property
+    def rows(self) -> int: ...
+
+    def begin_row(self, length: int) -> tuple[object, dict]: ...
+
+    def add_row(self, prefilled, length: int) -> None: ...
+
+    def prepare(self, width: int, rows: range | None = None) -> dict: ...
+
+    def accept(self, kept: torch.Tensor, kept_host: list[int]) -> None: ...
+
+    def commit(self) -> None: ...
+
+    def keep_rows(self, keep: list[int]) -> None: ...
+
+    def kv_bytes(self) -> int: ...
+
+
+class SingleRowCache:
+    """One sequence on a policy's single-sequence cache (:class:`~toolkit.kv.contract.CacheProtocol`: ``crop``,
+    ``commit``, ``forward_kwargs``): the form of every policy for one row, and the only one of policies without a
+    per-row or static form (StreamingLLM with reindexed positions, compositions with quantization).
+
+    Args:
+        policy: the KV policy (``None``: an uncompressed ``DynamicCache``; the decoder uses the static cache there).
+        model: the HF causal LM.
+    """
+
+    static = False
+
+    def __init__(self, policy, model):
+        self.policy, self.model = policy, model
+        self.cache = None  # the policy's cache of the current (or, once it left, the last) sequence
+        self.in_use = False
+        self.length = 0  # tokens represented (the next position)
+        self._width = 0
+
+    @property
+    def rows(self) -> int:
+        return 1 if self.in_use else 0
+
+    @property
+    def compressions(self) -> int:
+        return kv_ops.compressions(self.cache)
+
+    def begin_row(self, length: int) -> tuple[object, dict]:
+        """The prompt is prefilled straight into the cache (a second row is a ``ValueError``)."""
+        if self.in_use:
+            raise ValueError("SingleRowCache: holds one sequence; batches need a policy with a per-row form")
+        self.cache, self.in_use = kv_ops.new_cache(self.policy, self.model), True
+        device = next(self.model.parameters()).device
+        kwargs = kv_ops.model_inputs(self.cache, torch.arange(length, device=device).view(1, -1))
+        return self.cache, {**kwargs, "past_key_values": self.cache}
+
+    def add_row(self, prefilled, length: int) -> None:
+        kv_ops.commit(self.cache)
+        self.length = length
+
+    def prepare(self, width: int, rows: range | None = None, positions: torch.Tensor | None = None,
+                tree_mask: torch.Tensor | None = None) -> dict:
+        """Inputs of a forward of ``width`` tokens at the next positions (or at ``positions`` ``(1, width)``:
+        token trees, whose nodes share depths, under ``tree_mask``)."""
+        self._width = width
+        if positions is None:
+            device = next(self.model.parameters()).device
+            positions = torch.arange(self.length, self.length + width, device=device).view(1, -1)
+        kwargs = kv_ops.model_inputs(self.cache, positions, tree_mask=tree_mask)
+        return {**kwargs, "past_key_values": self.cache}
+
+    def accept(self, kept: torch.Tensor, kept_host: list[int]) -> None:
+        """Keep the first ``kept_host[0]`` of the forward's tokens: ``crop`` the rest (exact rollback)."""
+        rejected = self._width - kept_host[0]
+        if rejected > 0:
+            self.cache.crop(-rejected)
+        self.length += kept_host[0]
+
+    def keep_path(self, keep: list[int]) -> None:
+        """After a token-tree forward: keep the forward's entries at offsets ``keep`` (the root and the accepted
+        path), a gather over the tail (:func:`toolkit.kv.ops.keep_tail`)."""
+        kv_ops.keep_tail(self.cache, keep)
+        self.length += len(keep)
+
+    def commit(self) -> None:
+        kv_ops.commit(self.cache)
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """``[]``: the sequence left (its cache stays readable, for reports, until the next ``begin_row``)."""
+        if not keep:
+            self.in_use = False
+
+    def kv_bytes(self) -> int:
+        return kv_ops.kv_bytes(self.cache)
+
+
+def rows_cache(policy, model, rows: int, capacity: int, widest: int, static_span: bool = False) -> RowCache:
+    """The target's cache for ``rows`` rows of requests of up to ``capacity`` positions (prompt + new tokens) and
+    forwards of up to ``widest`` tokens, under ``policy`` (see the module docstring).
+
+    Raises:
+        ValueError: ``rows > 1`` with a policy that has no per-row form (the caller decodes one at a time).
+    """
+    if static_form(policy) is None and supports_static(model) is None:
+        return StaticKV(model, rows, capacity, widest, window=policy, static_span=static_span)
+    if rows == 1:
+        return SingleRowCache(policy, model)
+    why = batches(policy, model)
+    if why:
+        raise ValueError(f"batch_size: requests cannot share a batch here ({why}); decode them one at a time")
+    return policy.rows_cache(model)
+
+
+def batches(policy, model) -> str | None:
+    """Why requests under ``policy`` cannot share a batch (``None``: they can)."""
+    if static_form(policy) is None and supports_static(model) is None:
+        return None
+    if policy is None:
+        return supports_static(model)
+    if getattr(policy, "rows_cache", None) is None:
+        return static_form(policy)
+    return None
+
+
+def supports_static(model) -> str | None:
+    """Why ``model`` cannot run on the static cache (``None`` when it can): every layer must be full attention
+    (sliding-window and linear-attention layers keep their own cache semantics)."""
+    config = model.config.get_text_config(decoder=True)
+    types = getattr(config, "layer_types", None) or ["full_attention"]
+    others = sorted(set(types) - {"full_attention"})
+    if others:
+        return f"layers of type {', '.join(others)} (the static cache holds full-attention layers only)"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "a sliding attention window"
+    return None
