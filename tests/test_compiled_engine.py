@@ -142,6 +142,8 @@ def test_what_the_static_cache_does_not_hold_runs_eager(setup):
     compiled, why = engine(base, windowed)
     assert not compiled and "layers of type sliding_attention" in why
     assert engine(base.replace(compile="off")) == (False, "eager (compile: off)")
+    compiled, why = engine(base.replace(compile="max"))
+    assert compiled and "frozen weights, C++ wrapper" in why
     compiled, why = engine(base.replace(compile="auto"))  # fp32 weights on the CPU: compiling does not pay
     assert not compiled and "bytes-bound" in why
     with pytest.raises(ValueError, match="does not hold StreamingLLM with reindexed positions"):
@@ -159,12 +161,14 @@ def test_what_the_static_cache_does_not_hold_runs_eager(setup):
 
 
 @pytest.mark.slow
-def test_inductor_compiled_engine_matches_hf_greedy():
-    """The real compiler (inductor, C++ code generation) on a one-layer model: CPU's dynamic widths and spans."""
+@pytest.mark.parametrize("tuned", [False, True], ids=["auto", "max"])
+def test_inductor_compiled_engine_matches_hf_greedy(tuned):
+    """The real compiler (inductor, C++ code generation) on a one-layer model: CPU's dynamic widths and spans; with
+    ``compile: max``'s frozen weights and C++ wrapper too."""
     torch._dynamo.reset()
     target = tiny_llama(seed=5, layers=1, initializer_range=0.2)
     prompt = torch.randint(1, 128, (1, 9), generator=torch.Generator().manual_seed(5))
-    engine = TargetForward(target, compile=True)
+    engine = TargetForward(target, compile=True, tuned=tuned)
     ids, _, _ = run(target, LookupDrafter(max_cached_requests=0), prompt, engine, ConstantK(3))
     assert ids == hf_greedy(target, prompt, NEW)
     assert set(engine.compile_s) <= {(1, 1), (1, 2)}  # one graph per class of widths, whatever the widths

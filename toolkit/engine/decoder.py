@@ -247,11 +247,10 @@ class SpeculativeDecoder:
         drafted_at = time.perf_counter()
         n, width = self.controller.plan(rows, batch_weights(draft_limits, draining)) if self.drafter is not None else (0, 1)
         drafted = [min(len(r.proposal), n) for r in rows]
-        staged = self._stage([[r.ids[-1]] + r.proposal[:d] + [r.ids[-1]] * (width - 1 - d) + [d]
-                              for r, d in zip(rows, drafted)])  # the round's one host-to-device copy
-        inputs = staged[:, :width]
+        inputs, counts = self._stage([[r.ids[-1]] + r.proposal[:d] + [r.ids[-1]] * (width - 1 - d)
+                                      for r, d in zip(rows, drafted)], drafted)  # the round's one upload
         logits = self.forward(self.cache, inputs)
-        result = accept(logits, inputs, staged[:, width], drafted, gen, rows)
+        result = accept(logits, inputs, counts, drafted, gen, rows)
         accepted, next_ids = zip(*result.tolist())  # the round's one device-to-host transfer
         verified_at = time.perf_counter()
         self.cache.accept(result[:, 0] + 1, [a + 1 for a in accepted])
@@ -271,18 +270,20 @@ class SpeculativeDecoder:
         self.controller.timed(len(rows), width, verify_ms, (ended - verified_at) * 1000)
         return chunks
 
-    def _stage(self, table: list[list[int]]) -> torch.Tensor:
-        """``table`` (host ints, one list per row) as a long tensor on the target's device. On CUDA through a pinned
-        staging buffer and an asynchronous copy: a pageable copy would wait for the GPU's queue, a hidden sync (the
-        buffer is free again by the round's device-to-host read)."""
-        host = torch.tensor(table, dtype=torch.long)
-        if self.device.type != "cuda":
-            return host
-        if self._pinned is None or self._pinned.numel() < host.numel():
-            self._pinned = torch.empty(max(host.numel(), 4096), dtype=torch.long).pin_memory()
-        staging = self._pinned[: host.numel()].view(host.shape)
-        staging.copy_(host)
-        return staging.to(self.device, non_blocking=True)
+    def _stage(self, inputs: list[list[int]], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The round's inputs ``(B, W)`` and draft counts ``(B,)`` as long tensors on the target's device, in one
+        flat buffer (two contiguous views: the compiled graphs were traced on contiguous inputs). On CUDA through a
+        pinned staging buffer and an asynchronous copy: a pageable copy would wait for the GPU's queue, a hidden sync
+        (the buffer is free again by the round's device-to-host read)."""
+        rows, width = len(inputs), len(inputs[0])
+        flat = torch.tensor([t for row in inputs for t in row] + counts, dtype=torch.long)
+        if self.device.type == "cuda":
+            if self._pinned is None or self._pinned.numel() < flat.numel():
+                self._pinned = torch.empty(max(flat.numel(), 4096), dtype=torch.long).pin_memory()
+            staging = self._pinned[: flat.numel()]
+            staging.copy_(flat)
+            flat = staging.to(self.device, non_blocking=True)
+        return flat[: rows * width].view(rows, width), flat[rows * width:]
 
     def _draft_steps(self, rows: list[Row], draft_limits: list[int], drafting, num_draft_tokens: int,
                      draining: bool) -> list[int]:

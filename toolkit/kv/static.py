@@ -82,12 +82,14 @@ class StaticLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         owner = self.owner
         rows = slice(owner.first, owner.first + key_states.shape[0])
-        keys, values = self.keys[rows], self.values[rows]
-        index = owner.write_index[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[-1])
-        keys.scatter_(2, index, key_states.to(keys.dtype))
-        values.scatter_(2, index, value_states.to(values.dtype))
+        # one index_put_ on the whole buffer (not on a slice of it): inductor then writes in place; a scatter into a
+        # slice made it copy every layer's whole buffer in and out of each compiled forward
+        heads = torch.arange(key_states.shape[1], device=key_states.device).view(1, -1, 1)
+        index = (owner.row_index.view(-1, 1, 1), heads, owner.write_index[:, None, :])
+        self.keys.index_put_(index, key_states.to(self.keys.dtype))
+        self.values.index_put_(index, value_states.to(self.values.dtype))
         span = owner.attention_mask.shape[-1]
-        return keys[:, :, :span], values[:, :, :span]
+        return self.keys[rows, :, :span], self.values[rows, :, :span]
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         return self.owner.attention_mask.shape[-1], 0
@@ -167,6 +169,7 @@ class StaticKV(Cache):
         self.held = [0] * rows
         self.first = 0  # first row of the current forward
         self.write_index = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.row_index = torch.zeros(1, dtype=torch.long, device=device)
         self.attention_mask = torch.ones(1, 1, 1, min(self.capacity, SPAN_STEP), dtype=torch.bool, device=device)
 
     # ------------------------------------------------------------------------------------------------ a forward
@@ -219,6 +222,7 @@ class StaticKV(Cache):
         rows = rows if rows is not None else range(self.active)
         span = span if span is not None else self.span_for(width, rows)
         self.first = rows.start
+        self.row_index = torch.arange(rows.start, rows.stop, device=self.lengths.device)
         lengths = self.lengths[rows.start:rows.stop]
         positions = lengths[:, None] + torch.arange(width, device=lengths.device)[None, :]
         self.write_index = self.slots(positions)
