@@ -42,7 +42,6 @@ sys.path.insert(0, str(ROOT))
 from eval.data import heldout_ids  # noqa: E402
 from eval.run import run_recipe  # noqa: E402
 from eval.runners import engine_model  # noqa: E402
-from toolkit.generator import build  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_png, atomic_write_text  # noqa: E402
 from toolkit.measure import engines  # noqa: E402
 from toolkit.measure.baselines import hf_generate  # noqa: E402
@@ -51,6 +50,7 @@ from toolkit.measure.prompts import load_suite  # noqa: E402
 from toolkit.recipe import Recipe  # noqa: E402
 from toolkit.resources import resolve  # noqa: E402
 from toolkit.session import SHARED_POOL  # noqa: E402
+from toolkit.speculative_lm import build  # noqa: E402
 
 SUITES = {"short": "short", "short-heldout": "short-heldout", "unseen": str(ROOT / "bench/prompts/unseen.yaml")}
 COLUMNS = {"ours": "ours", "ar": "HF AR", "ar_static": "HF static+compile AR", "prompt_lookup": "HF PL K=4",
@@ -60,9 +60,10 @@ COLUMNS = {"ours": "ours", "ar": "HF AR", "ar_static": "HF static+compile AR", "
 
 def ours_ar(recipe: Recipe, suite: str, num_prompts: int, repeats: int) -> dict:
     """Our AR path: the recipe without a drafter (same weights, same engine), run alone."""
-    from toolkit.recipe import SpecSpec
+    from toolkit.recipe import SpeculationSpec
 
-    ar = dataclasses.replace(recipe, name=f"{recipe.name}-ar", spec=SpecSpec(drafter="none", adaptive="constant"))
+    ar = dataclasses.replace(recipe, name=f"{recipe.name}-ar",
+                             spec=SpeculationSpec(drafter="none", adaptive="constant"))
     result = run_recipe(ar, compare=False, repeats=repeats, prompts=load_suite(SUITES[suite]),
                         num_prompts=num_prompts).to_dict()
     return {"throughput": result["summary"]["ours"]["throughput"],

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 import toolkit  # noqa: E402
 from toolkit.io import atomic_write_json  # noqa: E402
 from toolkit.measure.prompts import load_suite  # noqa: E402
-from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec  # noqa: E402
+from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpeculationSpec  # noqa: E402
 from toolkit.speculative.drafters import LookupConfig, LookupDrafter  # noqa: E402
 
 TRAIN = ["short", "repeat"]
@@ -41,7 +41,7 @@ EVAL = ["short-heldout", str(ROOT / "bench/prompts/unseen.yaml")]
 def answers(precision: str, suites: list[str]) -> list[tuple[list[int], list[int]]]:
     """``(prompt ids, greedy answer ids)`` of every prompt of ``suites``."""
     recipe = Recipe(name="fit-prior", target=ModelSpec(precision=precision), draft=None,
-                    spec=SpecSpec(drafter="none"), generation=GenerationSpec(max_new_tokens=128))
+                    spec=SpeculationSpec(drafter="none"), generation=GenerationSpec(max_new_tokens=128))
     generator = toolkit.build(recipe)
     out = []
     for suite in suites:

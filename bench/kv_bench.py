@@ -26,13 +26,13 @@ sys.path.insert(0, str(ROOT))
 
 from eval.metrics import perplexity_through_cache  # noqa: E402
 from eval.runners import ours_runner  # noqa: E402
-from toolkit.generator import build  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from toolkit.kv import make_policy  # noqa: E402
 from toolkit.measure.harness import Call, Prompt, measure  # noqa: E402
 from toolkit.measure.timing import Summary  # noqa: E402
-from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec, Recipe, SpecSpec  # noqa: E402
+from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec, Recipe, SpeculationSpec  # noqa: E402
 from toolkit.session import ModelPool  # noqa: E402
+from toolkit.speculative_lm import build  # noqa: E402
 
 PROMPT = ("Write a detailed, multi-chapter guide to learning the Python programming language, from installing it "
           "to writing tests, packaging and profiling. Use headings and code examples.")
@@ -48,7 +48,8 @@ PPL_POLICIES = {
 def recipe(kv: KVSpec, k: int, new_tokens: int) -> Recipe:
     """The benchmarked recipe: fp32 embedded target, n-gram drafter with constant K, greedy, EOS ignored."""
     return Recipe(name=f"kv-bench-{kv.policy}", target=ModelSpec(source="embedded", precision="fp32", device="cpu"),
-                  draft=None, kv=kv, spec=SpecSpec(drafter="ngram", num_draft_tokens=k, max_ngram=3, min_ngram=1),
+                  draft=None, kv=kv,
+                  spec=SpeculationSpec(drafter="ngram", num_draft_tokens=k, max_ngram=3, min_ngram=1),
                   generation=GenerationSpec(max_new_tokens=new_tokens, ignore_eos=True))
 
 

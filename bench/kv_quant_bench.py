@@ -40,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 from eval.data import heldout_ids  # noqa: E402
 from eval.metrics import perplexity_through_cache  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
-from toolkit.kv import make_policy, ops  # noqa: E402
+from toolkit.kv import make_policy  # noqa: E402
+from toolkit.kv.contract import new_cache  # noqa: E402
 from toolkit.measure.harness import Call, Prompt, measure  # noqa: E402
 from toolkit.models import load_model  # noqa: E402
 from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec  # noqa: E402
@@ -100,7 +101,7 @@ def hf_quantized_nbytes(q) -> int:
 
 
 class HFPolicy:
-    """Adapter so HF's cache goes through the same code paths (``ops.new_cache``, the decoder) as ours."""
+    """Adapter so HF's cache goes through the same code paths (``new_cache``, the decoder) as ours."""
 
     def __init__(self, backend: str, bits: int):
         self.backend, self.bits, self.name = backend, bits, f"hf-{backend}"
@@ -191,10 +192,10 @@ def bytes_section(tokenizer, num_tokens, errors) -> dict:
     rows = {}
     for name, factory in caches(eight_bit=True).items():
         def nbytes(f=factory, m=model):
-            cache = ops.new_cache(f(), m)
+            cache = new_cache(f(), m)
             m(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            ops.commit(cache)
-            return ops.kv_bytes(cache)
+            cache.commit()
+            return cache.kv_bytes()
 
         value = attempt(nbytes, errors, f"bytes/{name}")
         if value is not None:
@@ -251,25 +252,25 @@ def rollback_section(model, tokenizer, rounds, errors) -> dict:
             continue
 
         def probe(f=factory):
-            seen, clean = ops.new_cache(f(), model), ops.new_cache(f(), model)
+            seen, clean = new_cache(f(), model), new_cache(f(), model)
             prefix = torch.tensor([ids[:start]])
             for cache in (seen, clean):
-                model(input_ids=prefix, past_key_values=cache, **ops.model_inputs(cache, torch.arange(start)[None]))
-                ops.commit(cache)
+                model(input_ids=prefix, past_key_values=cache, **cache.forward_kwargs(torch.arange(start)[None]))
+                cache.commit()
             first_bad, max_diff, length_ok = None, 0.0, True
             for r in range(rounds):
                 pos = start + r
                 wrong = torch.tensor([[(ids[pos] + 1 + j) % 49152 for j in range(K + 1)]])
                 model(input_ids=wrong, past_key_values=seen,
-                      **ops.model_inputs(seen, torch.arange(pos, pos + K + 1)[None]))
+                      **seen.forward_kwargs(torch.arange(pos, pos + K + 1)[None]))
                 seen.crop(-(K + 1))
                 length_ok &= seen.get_seq_length() == pos
                 true = torch.tensor([[ids[pos]]])
                 logits = []
                 for cache in (seen, clean):
                     o = model(input_ids=true, past_key_values=cache,
-                              **ops.model_inputs(cache, torch.tensor([[pos]])))
-                    ops.commit(cache)
+                              **cache.forward_kwargs(torch.tensor([[pos]])))
+                    cache.commit()
                     logits.append(o.logits[0, -1])
                 diff = float((logits[0] - logits[1]).abs().max())
                 max_diff = max(max_diff, diff)

@@ -30,13 +30,13 @@ sys.path.insert(0, str(ROOT))
 
 from eval.run import run_recipe  # noqa: E402
 from eval.runners import PROMPT_LOOKUPS  # noqa: E402
-from toolkit.generator import build  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_png, atomic_write_text  # noqa: E402
 from toolkit.measure.harness import environment  # noqa: E402
 from toolkit.measure.prompts import load_suite  # noqa: E402
 from toolkit.recipe import Recipe  # noqa: E402
 from toolkit.resources import resolve  # noqa: E402
 from toolkit.session import SHARED_POOL  # noqa: E402
+from toolkit.speculative_lm import build  # noqa: E402
 
 SUITES = {"short": "short", "short-heldout": "short-heldout", "unseen": str(ROOT / "bench/prompts/unseen.yaml"),
           "repeat": "repeat"}

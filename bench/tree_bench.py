@@ -17,7 +17,7 @@ then asked again with a small edit), greedy, the same prompts and ``max_new_toke
 Timing is :func:`toolkit.measure.harness.measure`: one untimed warm-up call per method (16 tokens), then ``--repeats``
 repetitions; in each, every prompt of the suite in order and, per prompt, the methods back to back (interleaved,
 so load drift on a shared machine hits them alike), their order rotated between repetitions. Our methods get a
-fresh Generator before every repetition, so the suffix drafter's memory holds only the earlier requests of that
+fresh SpeculativeLM before every repetition, so the suffix drafter's memory holds only the earlier requests of that
 repetition, never an earlier repetition of the same prompt. Reported per method: throughput (new tokens / wall
 time of a repetition; median and min-max over repetitions), tokens per round τ (committed / rounds; HF: new tokens
 per target forward), and whether every output is token-identical to ``hf-ar``. Ratios (computed within each
@@ -47,41 +47,42 @@ from toolkit.measure.baselines import hf_generate  # noqa: E402
 from toolkit.measure.harness import Call, Measurement, Prompt, environment, measure  # noqa: E402
 from toolkit.measure.prompts import load_suite  # noqa: E402
 from toolkit.models import load_model  # noqa: E402
-from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec  # noqa: E402
+from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpeculationSpec  # noqa: E402
 
 SUFFIX_K = 16
 SUFFIX = {"drafter": "suffix", "max_spec_factor": 2.0, "min_token_prob": 0.05, "max_cached_requests": 16}
 TREE = {"tree_budget": 12, "tree_depth": 16, "tree_topk": 4}
 
 
-def method_specs(draft_model: bool) -> dict[str, SpecSpec | str]:
-    methods: dict[str, SpecSpec | str] = {
+def method_specs(draft_model: bool) -> dict[str, SpeculationSpec | str]:
+    methods: dict[str, SpeculationSpec | str] = {
         "hf-ar": "ar",
         "hf-prompt-lookup": "prompt_lookup",
-        "ngram": SpecSpec(drafter="ngram", num_draft_tokens=4, max_ngram=3, min_ngram=1),
-        "suffix-linear": SpecSpec(num_draft_tokens=SUFFIX_K, **SUFFIX),
-        "suffix-tree": SpecSpec(num_draft_tokens=SUFFIX_K, tree=True, **SUFFIX, **TREE),
+        "ngram": SpeculationSpec(drafter="ngram", num_draft_tokens=4, max_ngram=3, min_ngram=1),
+        "suffix-linear": SpeculationSpec(num_draft_tokens=SUFFIX_K, **SUFFIX),
+        "suffix-tree": SpeculationSpec(num_draft_tokens=SUFFIX_K, tree=True, **SUFFIX, **TREE),
     }
     if draft_model:
-        methods["self-linear"] = SpecSpec(drafter="self", num_draft_tokens=4)
-        methods["self-tree"] = SpecSpec(drafter="self", num_draft_tokens=4, tree=True, tree_budget=16,
+        methods["self-linear"] = SpeculationSpec(drafter="self", num_draft_tokens=4)
+        methods["self-tree"] = SpeculationSpec(drafter="self", num_draft_tokens=4, tree=True, tree_budget=16,
                                         tree_depth=5, tree_topk=4)
     return methods
 
 
 def make_generator(method: str, spec, target, tokenizer, draft, gen: GenerationSpec):
-    """A fresh Generator for ``method`` (a fresh suffix memory); ``spec`` is a SpecSpec or an HF baseline name."""
+    """A fresh SpeculativeLM for ``method`` (a fresh suffix memory); ``spec`` is a SpeculationSpec or an HF baseline
+    name."""
     hf = isinstance(spec, str)
     recipe = Recipe(name=f"tree-bench-{method}", target=ModelSpec(source="embedded"),
                     draft=ModelSpec(source="embedded", precision="int4") if not hf and spec.config.uses_draft_model else None,
-                    spec=SpecSpec(drafter="none") if hf else spec, generation=gen)
+                    spec=SpeculationSpec(drafter="none") if hf else spec, generation=gen)
     return toolkit.build(recipe, target=target, tokenizer=tokenizer,
                          draft_model=draft if recipe.draft is not None else None)
 
 
 def make_runners(methods: dict, target, tokenizer, draft, gen: GenerationSpec, eos_ids: list[int]):
     """``(runners, fresh)`` for :func:`toolkit.measure.harness.measure`: HF rows call ``hf_generate`` on the
-    target; our rows run the decode loop of a Generator that ``fresh(rep)`` rebuilds before every repetition (a
+    target; our rows run the decode loop of a SpeculativeLM that ``fresh(rep)`` rebuilds before every repetition (a
     fresh suffix memory: it holds only the earlier prompts of this repetition, never an earlier repetition of the
     same prompt)."""
     generators: dict = {}

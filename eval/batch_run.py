@@ -4,7 +4,7 @@ speculative decoding, throughput next to HF batched AR and our single-row decode
 Methods (``--compare``), each over ALL prompts, interleaved within every repetition, a fresh drafter state per
 repetition (memory across requests holds only the earlier prompts of that repetition):
 
-* ``ours-batch`` — :meth:`toolkit.generator.Generator.generate_batch` with ``batch_size`` rows per forward;
+* ``ours-batch`` — :meth:`toolkit.speculative_lm.SpeculativeLM.generate_batch` with ``batch_size`` rows per forward;
 * ``hf-batch-ar`` — HF ``generate`` on left-padded batches of ``batch_size`` prompts (AR, greedy);
 * ``ours-single`` — our decoder one prompt at a time (the recipe as ``toolkit run`` runs it).
 

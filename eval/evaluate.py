@@ -329,7 +329,7 @@ class _Run:
 
     @classmethod
     def start(cls, recipe, settings, prompts, progress, target, tokenizer, draft_model, reference_model) -> _Run:
-        from toolkit.generator import build
+        from toolkit.speculative_lm import build
 
         if target is None:
             target, tokenizer, draft_model, loaded_ref = load_recipe_models(recipe, settings.reference)

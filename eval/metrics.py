@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.kv import ops as kv_ops
+from toolkit.kv.contract import new_cache, policy_attached
 
 
 # ------------------------------------------------------------------------------------------------------ perplexity
@@ -29,8 +29,8 @@ def perplexity_through_cache(model, ids: list[int], policy=None, chunk: int = 5,
     """Teacher-forced perplexity of ``ids`` fed through ``model``'s cache in chunks of ``chunk`` tokens (K + 1).
 
     This is the perplexity the recipe's target actually has during generation: the cache is built by
-    :func:`toolkit.kv.ops.new_cache` with the recipe's KV ``policy``, every chunk is one forward at absolute
-    ``position_ids`` with :func:`toolkit.kv.ops.model_inputs`, and :func:`toolkit.kv.ops.commit` runs after every chunk
+    :func:`toolkit.kv.contract.new_cache` with the recipe's KV ``policy``, every chunk is one forward at absolute
+    ``position_ids`` with ``cache.forward_kwargs``, and ``cache.commit()`` runs after every chunk
     (the commit point, where a policy compresses), exactly as after a verify forward of K + 1 tokens.
 
     Protocol: token 0 is context only; tokens 1..n-1 are predicted (``n - 1`` predictions), each from everything the
@@ -45,25 +45,25 @@ def perplexity_through_cache(model, ids: list[int], policy=None, chunk: int = 5,
     device = next(model.parameters()).device
     seq = torch.tensor([ids], device=device)
     n = seq.shape[1]
-    cache = kv_ops.new_cache(policy, model)
+    cache = new_cache(policy, model)
     nll, count, peak_kv = 0.0, 0, 0
     starts = range(0, n - 1, chunk)
     if progress:
         from tqdm.auto import tqdm
 
         starts = tqdm(starts, desc=f"ppl through cache (chunk {chunk})", unit="fwd", leave=False)
-    with kv_ops.attached(policy, model):
+    with policy_attached(policy, model):
         for start in starts:
             tokens = seq[:, start:start + chunk]
             q = tokens.shape[1]
             positions = torch.arange(start, start + q, device=device).unsqueeze(0)
             out = model(input_ids=tokens, past_key_values=cache, use_cache=True,
-                        **kv_ops.model_inputs(cache, positions))
+                        **cache.forward_kwargs(positions))
             targets = seq[0, start + 1:start + q + 1]
             nll += _nll_sum(out.logits[0, : targets.shape[0]], targets)
             count += targets.shape[0]
-            kv_ops.commit(cache)
-            peak_kv = max(peak_kv, kv_ops.kv_bytes(cache))
+            cache.commit()
+            peak_kv = max(peak_kv, cache.kv_bytes())
     return {
         "value": math.exp(nll / count), "nll_sum": nll, "tokens": count, "peak_kv_bytes": peak_kv,
         "protocol": {"method": "teacher-forced through the recipe's KV cache", "chunk_tokens": chunk,
@@ -242,7 +242,7 @@ def merge_peaks(results: list[dict]) -> dict:
 def kv_bytes_per_token(model) -> int:
     """Bytes one token adds to an uncompressed ``DynamicCache`` of ``model`` (all layers, keys + values)."""
     device = next(model.parameters()).device
-    cache = kv_ops.new_cache(None, model)
+    cache = new_cache(None, model)
     with torch.no_grad():
         model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), past_key_values=cache, use_cache=True)
-    return kv_ops.kv_bytes(cache)
+    return cache.kv_bytes()

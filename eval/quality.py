@@ -130,7 +130,7 @@ def quality_section(items: list, first: dict, generator, reference_model, gen, o
     Args:
         items: the per-request prompts (``.id``, ``.kind``, ``.input_ids`` ``(1, prompt_len)``).
         first: ``{method: [(new token ids, stats) per prompt]}`` of the first timed repetition.
-        generator: the recipe's :class:`toolkit.generator.Generator` (target, tokenizer, EOS ids).
+        generator: the recipe's :class:`toolkit.speculative_lm.SpeculativeLM` (target, tokenizer, EOS ids).
         reference_model: the fp32 uncompressed target (the target itself when it is fp32), or ``None``.
         gen: the generation settings every method ran with.
     """

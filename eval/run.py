@@ -20,7 +20,6 @@ from pathlib import Path
 
 from eval.fidelity import agreement, first_divergence
 from eval.runners import OURS, PROMPT_LOOKUPS, baseline_methods, engine_runners, runners_for, strongest_baselines
-from toolkit.generator import Generator, build
 from toolkit.io import atomic_write_json, atomic_write_text
 from toolkit.measure.engines import ENGINES
 from toolkit.measure.harness import Measurement, Prompt, environment, measure, spread
@@ -30,6 +29,7 @@ from toolkit.measure.timing import Summary
 from toolkit.recipe import Recipe
 from toolkit.session import SHARED_POOL
 from toolkit.speculative.stats import acceptance_summary
+from toolkit.speculative_lm import SpeculativeLM, build
 
 
 @dataclass
@@ -95,7 +95,7 @@ class RunResult:
 
 
 def run_recipe(recipe: Recipe, compare: bool = False, repeats: int = 3, prompts: list[SuitePrompt] | None = None,
-               generator: Generator | None = None, progress: bool = True, num_prompts: int | None = None,
+               generator: SpeculativeLM | None = None, progress: bool = True, num_prompts: int | None = None,
                time_budget_s: float | None = None) -> RunResult:
     """Run ``recipe`` (and, with ``compare``, its HF baselines) over its prompt suite (``num_prompts`` of them,
     spread over the suite's kinds, or all).
@@ -145,7 +145,7 @@ def run_recipe(recipe: Recipe, compare: bool = False, repeats: int = 3, prompts:
     return result
 
 
-def _compile_first(generator: Generator, items: list[Prompt], max_new_tokens: int, progress: bool) -> dict:
+def _compile_first(generator: SpeculativeLM, items: list[Prompt], max_new_tokens: int, progress: bool) -> dict:
     """Compile the engine's graphs for these requests before any timed call; what path decoding takes."""
     seconds = generator.warm_up(max(int(i.input_ids.shape[1]) for i in items) + max_new_tokens)
     if progress:
@@ -154,7 +154,7 @@ def _compile_first(generator: Generator, items: list[Prompt], max_new_tokens: in
     return {"path": generator.engine_note, "compile_s": round(seconds, 1)}
 
 
-def _result(recipe: Recipe, generator: Generator, measured: Measurement, compare: bool) -> RunResult:
+def _result(recipe: Recipe, generator: SpeculativeLM, measured: Measurement, compare: bool) -> RunResult:
     ar_ids = {p.id: c.token_ids for p, c in zip(measured.prompts, measured.last("ar"))} if "ar" in measured.calls \
         else {}
     rows = []

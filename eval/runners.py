@@ -1,6 +1,6 @@
 """Runners for :func:`toolkit.measure.harness.measure`: our decoder and the in-process HF baselines, on the same models.
 
-* ``ours`` — the recipe's :class:`~toolkit.generator.Generator` decode loop;
+* ``ours`` — the recipe's :class:`~toolkit.speculative_lm.SpeculativeLM` decode loop;
 * ``ar`` — the recipe's target with plain HF ``generate`` (autoregressive, uncompressed ``DynamicCache``);
 * ``ar_static`` — the same target with HF's static cache + compiled decoding step, the strongest HF baseline (one
   graph for the whole suite: the cache is sized to its longest prompt + ``max_new_tokens``);

@@ -124,13 +124,13 @@ def test_a_family_without_sdpa_loads_with_eager_attention_and_decodes(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
     import toolkit
-    from toolkit.recipe import ModelSpec, Recipe, SpecSpec
+    from toolkit.recipe import ModelSpec, Recipe, SpeculationSpec
 
     tiny("gemma2").save_pretrained(tmp_path)
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
         {f"t{i}": i for i in range(128)}, unk_token="t0"))).save_pretrained(tmp_path)
     recipe = Recipe(name="gemma2", target=ModelSpec(source=str(tmp_path), device="cpu"), draft=None,
-                    spec=SpecSpec(drafter="lookup", num_draft_tokens=4), generation=GenerationSpec(
+                    spec=SpeculationSpec(drafter="lookup", num_draft_tokens=4), generation=GenerationSpec(
                         max_new_tokens=NEW, ignore_eos=True))
     generator = toolkit.build(recipe)
     expected = "sdpa" if type(generator.target)._supports_sdpa else "eager"

@@ -484,12 +484,12 @@ def test_force_deletes_a_directory_the_toolkit_created(tmp_path):
 
 # ------------------------------------------------------------------------------------------------- the CLI itself
 def test_internal_errors_say_so_and_debug_shows_the_traceback(models, tmp_path, monkeypatch):
-    import toolkit.generator
+    import toolkit.speculative_lm
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated bug")
 
-    monkeypatch.setattr(toolkit.generator.Generator, "generate", broken)
+    monkeypatch.setattr(toolkit.speculative_lm.SpeculativeLM, "generate", broken)
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(base_recipe(models)))
     result = cli("generate", "--recipe", path, "--no-chat", "--no-stream", "hello")
@@ -508,11 +508,11 @@ def test_debug_shows_the_traceback_of_a_user_error(tmp_path):
 # ------------------------------------------------------------------------------------------------- Python API
 def test_api_probes(models):
     """The same checks reached through the Python API raise one ToolkitError naming the field."""
-    from toolkit.generator import build
-    from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec
+    from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpeculationSpec
+    from toolkit.speculative_lm import build
 
     recipe = Recipe(name="api", target=ModelSpec(source=str(models["tiny"]), device="cpu"), draft=None,
-                    spec=SpecSpec("none"), generation=GenerationSpec(max_new_tokens=2))
+                    spec=SpeculationSpec("none"), generation=GenerationSpec(max_new_tokens=2))
     generator = build(recipe)
     for kwargs, field in (({"prompt": ""}, "prompt"), ({"prompt": []}, "prompt"),
                           ({"prompt": [{"role": "user"}]}, "prompt"),

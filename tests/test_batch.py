@@ -13,7 +13,7 @@ from conftest import batch_decoder, tiny_llama, tiny_neox
 from test_decoder import INIT, hf_greedy, make_prompt
 
 import toolkit
-from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec, Recipe, SpecSpec
+from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec, Recipe, SpeculationSpec
 from toolkit.kv.ragged import BatchCache
 from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.drafters import LookupDrafter, NGramDrafter, SuffixDrafter
@@ -112,7 +112,7 @@ def test_generator_generate_batch_matches_single_calls_and_falls_back():
         {f"t{i}": i for i in range(128)}, unk_token="t0")))
     texts = [" ".join(f"t{int(i)}" for i in p[0]) for p in prompts(5)]
     recipe = Recipe(name="batch", target=ModelSpec(device="cpu"), draft=None,
-                    spec=SpecSpec(drafter="lookup", num_draft_tokens=6, adaptive="cost"),
+                    spec=SpeculationSpec(drafter="lookup", num_draft_tokens=6, adaptive="cost"),
                     generation=GenerationSpec(max_new_tokens=16, ignore_eos=True))
     generator = toolkit.build(recipe, target=target, tokenizer=tokenizer)
     assert generator.batchable
@@ -122,7 +122,7 @@ def test_generator_generate_batch_matches_single_calls_and_falls_back():
     assert len(generator._persistent_drafter.cached_requests) == 5  # the rows' memory is shared and kept
     with pytest.raises(toolkit.errors.ConfigError):
         generator.generate_batch(texts, batch_size=0)
-    tree = toolkit.build(recipe.replace(spec=SpecSpec(drafter="suffix", tree=True)), target=target,
+    tree = toolkit.build(recipe.replace(spec=SpeculationSpec(drafter="suffix", tree=True)), target=target,
                          tokenizer=tokenizer)
     assert not tree.batchable and len(tree.generate_batch(texts[:2])) == 2  # one at a time
 
@@ -171,7 +171,7 @@ def test_prompt_file_and_batched_run_with_baselines(tmp_path):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
         {f"t{i}": i for i in range(128)}, unk_token="t0")), pad_token="t0")
     recipe = Recipe(name="batch", target=ModelSpec(device="cpu"), draft=None,
-                    spec=SpecSpec(drafter="lookup", num_draft_tokens=4, adaptive="cost"),
+                    spec=SpeculationSpec(drafter="lookup", num_draft_tokens=4, adaptive="cost"),
                     generation=GenerationSpec(max_new_tokens=12, ignore_eos=True))
     result = run_batch(toolkit.build(recipe, target=target, tokenizer=tokenizer), texts, batch_size=2, compare=True,
                        repeats=1)

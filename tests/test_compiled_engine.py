@@ -17,7 +17,7 @@ from toolkit.engine.planner import ConstantK, CostAwareK
 from toolkit.kv import make_policy
 from toolkit.kv.rows import SingleRowCache, supports_static
 from toolkit.kv.static import StaticKV, capacity_for
-from toolkit.recipe import GenerationSpec, KVSpec, Recipe, SpecSpec
+from toolkit.recipe import GenerationSpec, KVSpec, Recipe, SpeculationSpec
 from toolkit.session import plan
 from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.drafters import DraftModel, LookupDrafter
@@ -134,7 +134,7 @@ def test_what_the_static_cache_does_not_hold_runs_eager(setup):
     assert not compiled and "StreamingLLM with reindexed positions" in why
     compiled, why = engine(kv({"policy": "l2norm", "budget": 16, "sink_tokens": 2, "protect_recent": 4}))
     assert not compiled and "the l2norm policy" in why
-    compiled, why = engine(base.replace(spec=SpecSpec(drafter="suffix", tree=True)))
+    compiled, why = engine(base.replace(spec=SpeculationSpec(drafter="suffix", tree=True)))
     assert not compiled and "token trees" in why
     windowed = tiny_llama(seed=0)
     windowed.config.layer_types = ["sliding_attention", "full_attention"]

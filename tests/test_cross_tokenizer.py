@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import toolkit
-from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec
+from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpeculationSpec
 from toolkit.engine.planner import ConstantK
 from toolkit.engine.decoder import SpeculativeDecoder
 from toolkit.speculative.drafters.cross_tokenizer import CrossTokenizerDrafter
@@ -112,7 +112,7 @@ def test_draft_model_recipe_translates_by_itself_and_hf_universal_assisted_runs(
     target, draft, prompt, reference = pair
     words, chars = word_tokenizer(), char_tokenizer()
     recipe = Recipe(name="cross", target=ModelSpec(device="cpu"), draft=ModelSpec(device="cpu"),
-                    spec=SpecSpec(drafter="draft_model", num_draft_tokens=3),
+                    spec=SpeculationSpec(drafter="draft_model", num_draft_tokens=3),
                     generation=GenerationSpec(max_new_tokens=24, ignore_eos=True))
     generator = toolkit.build(recipe, target=target, tokenizer=words, draft_model=draft, draft_tokenizer=chars)
     text = words.decode(prompt[0].tolist())

@@ -10,8 +10,7 @@ from test_decoder import hf_greedy, make_prompt
 
 from toolkit.distill.eagle_train import build_head
 from toolkit.errors import ConfigError
-from toolkit.kv import ops as kv_ops
-from toolkit.recipe import ModelSpec, Recipe, SpecSpec
+from toolkit.recipe import ModelSpec, Recipe, SpeculationSpec
 from toolkit.engine.planner import ConstantK
 from toolkit.engine.decoder import SpeculativeDecoder
 from toolkit.speculative.drafters import (
@@ -69,7 +68,7 @@ def test_registered_drafter_keeps_the_contract_and_is_greedy_exact(name, target)
     assert ids == reference
     assert check_acceptance(stats) == []
     if config.draft != DRAFT_UNUSED:  # a model or head drafter keeps a KV cache, and its bytes are reported
-        assert stats.kv_bytes_draft == kv_ops.kv_bytes(drafter.cache) > 0
+        assert stats.kv_bytes_draft == drafter.cache.kv_bytes() > 0
     if config.tree:
         ids, _ = _decode(target, build_drafter(config, _context(config, target)), TreeShape(6, 3, 2))
         assert ids == reference
@@ -83,7 +82,7 @@ def test_tree_shape_with_a_chain_only_drafter_is_refused(target):
 
 @pytest.mark.parametrize("kind", config_types(), ids=lambda c: c.name)
 def test_every_config_round_trips_through_the_flat_yaml_form(kind):
-    spec = SpecSpec(kind(), num_draft_tokens=3)
+    spec = SpeculationSpec(kind(), num_draft_tokens=3)
     draft = None if kind.draft == DRAFT_UNUSED else ModelSpec(precision="bf16")
     recipe = Recipe(name="r", draft=draft, spec=spec)
     again = Recipe.from_yaml(recipe.to_yaml())
@@ -105,7 +104,7 @@ def test_another_drafters_field_is_an_error_unless_it_is_that_drafters_default()
 
 
 def test_config_fields_read_through_the_spec_as_before():
-    spec = SpecSpec(drafter="ngram", max_ngram=5)
+    spec = SpeculationSpec(drafter="ngram", max_ngram=5)
     assert spec.max_ngram == 5 == spec.config.max_ngram
     with pytest.raises(AttributeError):
         spec.max_spec_factor  # noqa: B018  (a suffix field: not part of an ngram spec)

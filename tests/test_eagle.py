@@ -350,19 +350,20 @@ def test_a_hostile_pickled_head_is_refused_and_never_run(tmp_path, target):
 
 # ------------------------------------------------------------------------------------------------------ recipe
 def test_recipe_fields_for_eagle(tmp_path, target, trained_head):
-    from toolkit.generator import build
-    from toolkit.recipe import ModelSpec, Recipe, SpecSpec
+    from toolkit.recipe import ModelSpec, Recipe, SpeculationSpec
+    from toolkit.speculative_lm import build
 
     with pytest.raises(ConfigError, match=r"^draft: spec.drafter='eagle' needs a draft section"):
-        Recipe(draft=None, spec=SpecSpec(drafter="eagle"))
+        Recipe(draft=None, spec=SpeculationSpec(drafter="eagle"))
     with pytest.raises(ConfigError, match=r"^draft\.precision: unknown value 'int4'"):
-        Recipe(draft=ModelSpec(source="x", precision="int4"), spec=SpecSpec(drafter="eagle"))
-    missing = Recipe(draft=ModelSpec(source=str(tmp_path / "nope"), precision="fp32"), spec=SpecSpec(drafter="eagle"))
+        Recipe(draft=ModelSpec(source="x", precision="int4"), spec=SpeculationSpec(drafter="eagle"))
+    missing = Recipe(draft=ModelSpec(source=str(tmp_path / "nope"), precision="fp32"),
+                     spec=SpeculationSpec(drafter="eagle"))
     with pytest.raises(ConfigError, match=r"^draft\.source: EAGLE head directory .* does not exist"):
         build(missing, target=target, tokenizer=None)
     save_head(trained_head, tmp_path / "head")
     recipe = Recipe(draft=ModelSpec(source=str(tmp_path / "head"), precision="bf16"),
-                    spec=SpecSpec(drafter="eagle", num_draft_tokens=3))
+                    spec=SpeculationSpec(drafter="eagle", num_draft_tokens=3))
     generator = build(recipe, target=target, tokenizer=None)
     drafter = generator._drafter(recipe.generation)
     assert isinstance(drafter, EagleDrafter) and drafter.dtype == torch.bfloat16

@@ -81,7 +81,7 @@ def test_ppl_embedded_matches_independent_computation(embedded):
 
 # ------------------------------------------------------------------------------------------------ acceptance
 def _generate(draft, k=3, max_new=30, prompt_len=10):
-    from toolkit.generator import build
+    from toolkit.speculative_lm import build
 
     target = tiny_llama()
     recipe = Recipe.from_dict({"name": "t", "target": {"device": "cpu"}, "draft": {"device": "cpu"},

@@ -1,8 +1,8 @@
-"""The Python API: ``toolkit.build(recipe)`` -> Generator.generate / generate_stream.
+"""The Python API: ``toolkit.build(recipe)`` -> SpeculativeLM.generate / generate_stream.
 
 Fast tests wrap a tiny random Llama in a word-level tokenizer built on the spot (same vocabulary size, so the
-Generator works end to end); slow tests use the embedded SmolLM2 model and its real BPE tokenizer (stop strings that
-fall inside a token, chat templates).
+SpeculativeLM works end to end); slow tests use the embedded SmolLM2 model and its real BPE tokenizer (stop strings
+that fall inside a token, chat templates).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from test_decoder import hf_greedy
 
 import toolkit
 from toolkit.errors import ConfigError
-from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec
+from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpeculationSpec
 
 VOCAB = 128
 
@@ -41,8 +41,8 @@ def word_tokenizer(vocab: int = VOCAB):
 
 def recipe(drafter: str = "draft_model", k: int = 3, **generation) -> Recipe:
     generation.setdefault("max_new_tokens", 30)
-    return Recipe(name="test", draft=ModelSpec(precision="fp32"), spec=SpecSpec(drafter=drafter, num_draft_tokens=k),
-                  generation=GenerationSpec(**generation))
+    return Recipe(name="test", draft=ModelSpec(precision="fp32"),
+                  spec=SpeculationSpec(drafter=drafter, num_draft_tokens=k), generation=GenerationSpec(**generation))
 
 
 @pytest.fixture(scope="module")

@@ -312,11 +312,11 @@ def test_batched_sampling_draws_from_hf_processed_distribution(llama):
 
 # ------------------------------------------------------------------------------------------------ state per model
 def test_what_a_model_learned_is_kept_per_model_and_freed_with_it(monkeypatch):
-    import toolkit.generator
+    import toolkit.speculative_lm
 
     loads = []
-    original = toolkit.generator.load_or_measure
-    monkeypatch.setattr(toolkit.generator, "load_or_measure", lambda *a, **k: loads.append(1) or original(*a, **k))
+    original = toolkit.speculative_lm.load_or_measure
+    monkeypatch.setattr(toolkit.speculative_lm, "load_or_measure", lambda *a, **k: loads.append(1) or original(*a, **k))
     model, prompt = tiny_llama(), repetitive_prompt()
     with eos_disabled(model):
         for _ in range(2):  # two factories with the same settings: the second reuses the model's curve and memory

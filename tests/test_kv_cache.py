@@ -8,7 +8,7 @@ from conftest import tiny_llama, tiny_neox
 
 from toolkit.engine.decoder import SpeculativeDecoder
 from toolkit.engine.planner import ConstantK
-from toolkit.kv import make_policy, ops
+from toolkit.kv import contract, make_policy
 from toolkit.kv.rows import SingleRowCache
 from toolkit.kv.static import SPAN_STEP, StaticKV
 from toolkit.recipe import GenerationSpec, KVSpec
@@ -23,7 +23,7 @@ def policy(name, **params):
 
 def new_cache(name, model=None, **params):
     """A cache as the decoder makes it (explicit commit points, no auto-commit)."""
-    return ops.new_cache(policy(name, **params), model if model is not None else tiny_llama())
+    return contract.new_cache(policy(name, **params), model if model is not None else tiny_llama())
 
 
 def token_kv(position: int, layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -177,8 +177,8 @@ def test_same_cache_in_hf_generate(make, name, params, tmp_path, monkeypatch):
 
 
 def test_plain_dynamic_cache_protocol():
-    cache = ops.new_cache(None, tiny_llama())
-    assert ops.kv_bytes(cache) == 0 and ops.compressions(cache) == 0
+    cache = contract.new_cache(None, tiny_llama())
+    assert cache.kv_bytes() == 0 and cache.compressions == 0
 
 
 @pytest.mark.parametrize("name,params", [

@@ -1,5 +1,5 @@
 """Every registered KV policy and its cache keep the declared contract (toolkit/kv/contract.py), as do the plain
-cache and the EAGLE head's cache; the loop's helpers (toolkit/kv/ops.py) only call what the contract declares."""
+cache and the EAGLE head's cache; the decode loop only calls what the contract declares."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from conftest import tiny_llama
 
 from toolkit.eagle.head import HeadCache
 from toolkit.kv import COMPOSED, POLICIES, make_policy
-from toolkit.kv import ops as kv_ops
-from toolkit.kv.contract import CacheProtocol, KVPolicyProtocol, MemoryReport, PlainCache
+from toolkit.kv.contract import CacheProtocol, KVPolicyProtocol, MemoryReport, PlainCache, new_cache, policy_attached
 from toolkit.recipe import KVSpec
 
 PARAMS = {"streaming": {"sink_tokens": 4, "window": 24}, "l2norm": {"budget": 16, "protect_recent": 4},
@@ -31,42 +30,42 @@ def test_every_policy_and_its_cache_keep_the_contract(name, spec):
     model = tiny_llama(seed=0)
     policy = make_policy(spec)
     assert isinstance(policy, KVPolicyProtocol)
-    cache = kv_ops.new_cache(policy, model)
+    cache = new_cache(policy, model)
     assert isinstance(cache, CacheProtocol)
-    with kv_ops.attached(policy, model), torch.no_grad():
+    with policy_attached(policy, model), torch.no_grad():
         ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
-        model(input_ids=ids, past_key_values=cache, use_cache=True, **kv_ops.model_inputs(cache, torch.arange(40)[None]))
-        kv_ops.commit(cache)
+        model(input_ids=ids, past_key_values=cache, use_cache=True, **cache.forward_kwargs(torch.arange(40)[None]))
+        cache.commit()
         before = cache.get_seq_length()
         model(input_ids=ids[:, :3], past_key_values=cache, use_cache=True,
-              **kv_ops.model_inputs(cache, torch.arange(before, before + 3)[None]))
+              **cache.forward_kwargs(torch.arange(before, before + 3)[None]))
         cache.crop(-2)
-    assert cache.get_seq_length() == before + 1 and kv_ops.kv_bytes(cache) > 0 and kv_ops.compressions(cache) >= 0
+    assert cache.get_seq_length() == before + 1 and cache.kv_bytes() > 0 and cache.compressions >= 0
 
 
 def test_plain_cache_keeps_a_tree_path_and_counts_bytes():
     model = tiny_llama(seed=0)
-    cache = kv_ops.new_cache(None, model)
+    cache = new_cache(None, model)
     assert isinstance(cache, PlainCache) and isinstance(cache, CacheProtocol)
     with torch.no_grad():
         model(input_ids=torch.arange(10)[None], past_key_values=cache, use_cache=True)
-        kv_ops.commit(cache)
+        cache.commit()
         keys = cache.layers[0].keys.clone()
         model(input_ids=torch.arange(4)[None], past_key_values=cache, use_cache=True,
               position_ids=torch.arange(10, 14)[None])
         appended = cache.layers[0].keys[:, :, 10:].clone()
-    kv_ops.keep_tail(cache, [0, 2])
+    cache.keep_tail([0, 2])
     assert cache.get_seq_length() == 12
     assert torch.equal(cache.layers[0].keys[:, :, :10], keys)
     assert torch.equal(cache.layers[0].keys[:, :, 10:], appended[:, :, [0, 2]])
     layers = model.config.num_hidden_layers
-    assert kv_ops.kv_bytes(cache) == 2 * layers * 12 * 2 * 16 * 4  # keys+values x layers x tokens x heads x dim x fp32
+    assert cache.kv_bytes() == 2 * layers * 12 * 2 * 16 * 4  # keys+values x layers x tokens x heads x dim x fp32
     with pytest.raises(ValueError):
-        kv_ops.keep_tail(cache, [1, 0])
+        cache.keep_tail([1, 0])
 
 
 def test_eagle_head_cache_reports_memory():
     cache = HeadCache()
-    assert isinstance(cache, MemoryReport) and kv_ops.kv_bytes(cache) == 0
+    assert isinstance(cache, MemoryReport) and cache.kv_bytes() == 0
     cache.append(torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8))
-    assert kv_ops.kv_bytes(cache) == 2 * 2 * 5 * 8 * 4 and kv_ops.compressions(cache) == 0
+    assert cache.kv_bytes() == 2 * 2 * 5 * 8 * 4 and cache.compressions == 0

@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import tiny_llama, tiny_neox
 
-from toolkit.kv import calibration, make_policy, ops
+from toolkit.kv import calibration, make_policy
+from toolkit.kv.contract import new_cache, policy_attached
 from toolkit.recipe import GenerationSpec, KVSpec
 from toolkit.engine.planner import ConstantK
 from toolkit.engine.decoder import SpeculativeDecoder
@@ -68,12 +69,12 @@ def test_tiers_before_compression_equal_uncompressed():
     reference = model(input_ids=ids).logits
     policy = make_policy(KVSpec("head_aware", {"budget": 64, "protect_recent": 4, "skip_layers": [], "tiers": 2,
                                                "importance": [[1.0, 0.0], [0.2, 0.7]]}))
-    cache = ops.new_cache(policy, model)
-    with ops.attached(policy, model):  # per-tier attention, installed for this block only
-        first = model(input_ids=ids[:, :12], past_key_values=cache, **ops.model_inputs(cache, torch.arange(12)[None]))
-        ops.commit(cache)
+    cache = new_cache(policy, model)
+    with policy_attached(policy, model):  # per-tier attention, installed for this block only
+        first = model(input_ids=ids[:, :12], past_key_values=cache, **cache.forward_kwargs(torch.arange(12)[None]))
+        cache.commit()
         rest = model(input_ids=ids[:, 12:], past_key_values=cache,
-                     **ops.model_inputs(cache, torch.arange(12, 20)[None]))
+                     **cache.forward_kwargs(torch.arange(12, 20)[None]))
     assert model.config._attn_implementation == "sdpa"  # restored
     torch.testing.assert_close(torch.cat([first.logits, rest.logits], 1), reference, atol=1e-5, rtol=1e-5)
 

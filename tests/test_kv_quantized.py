@@ -8,7 +8,8 @@ import torch
 from conftest import perturbed_copy, tiny_llama, tiny_neox
 
 from toolkit.errors import ConfigError
-from toolkit.kv import make_policy, ops
+from toolkit.kv import make_policy
+from toolkit.kv.contract import new_cache
 from toolkit.kv.quant_pack import dequantize, quantize
 from toolkit.kv.quantized import QuantizedKVCache, QuantizedLayer
 from toolkit.recipe import GenerationSpec, KVSpec, Recipe
@@ -68,7 +69,7 @@ def test_pack_rejects_bad_bits_and_groups():
 
 # ---------------------------------------------------------------------------------------------------- layout
 def test_kivi_layout_keys_per_channel_values_per_token_and_exact_bytes():
-    cache = ops.new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=10, sink_tokens=0), tiny_llama())
+    cache = new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=10, sink_tokens=0), tiny_llama())
     append(cache, 0, 30)
     cache.commit()  # boundary(30) = 8 * min(3, ceil(20 / 8) = 3) = 24 -> 24 quantized, 6 residual
     layer: QuantizedLayer = cache.layers[0]
@@ -88,7 +89,7 @@ def test_kivi_layout_keys_per_channel_values_per_token_and_exact_bytes():
 
 
 def test_quantization_only_at_commit_points():
-    cache = ops.new_cache(policy(quant_bits=2, quant_group_size=8, residual_length=8), tiny_llama())  # 4 sinks
+    cache = new_cache(policy(quant_bits=2, quant_group_size=8, residual_length=8), tiny_llama())  # 4 sinks
     append(cache, 0, 40)
     assert cache.layers[0].q_len == 0 and cache.compressions == 0  # nothing before a commit
     cache.commit()  # boundary(40) = 4 + 8 * min(4, ceil(28 / 8) = 4) = 36
@@ -112,7 +113,7 @@ def test_quantization_only_at_commit_points():
 def test_rollback_is_exact(name, params):
     """Rounds of append K+1 / crop(-rejected) / commit equal a cache that only ever saw the accepted tokens."""
     model = tiny_llama()
-    seen, clean = ops.new_cache(policy(name, **params), model), ops.new_cache(policy(name, **params), model)
+    seen, clean = new_cache(policy(name, **params), model), new_cache(policy(name, **params), model)
     for cache in (seen, clean):
         append(cache, 0, 10)
         cache.commit()
@@ -134,7 +135,7 @@ def test_rollback_is_exact(name, params):
 
 
 def test_crop_past_commit_point_raises():
-    cache = ops.new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=8), tiny_llama())
+    cache = new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=8), tiny_llama())
     append(cache, 0, 20)
     cache.commit()
     append(cache, 20, 3)
@@ -147,8 +148,8 @@ def test_crop_past_commit_point_raises():
 def test_keep_tail_keeps_the_accepted_path_only():
     """layer.keep_tail(pending, keep) == a cache that saw only the kept pending entries (token-tree contract)."""
     model = tiny_llama()
-    tree = ops.new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=8), model)
-    path = ops.new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=8), model)
+    tree = new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=8), model)
+    path = new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=8), model)
     for cache in (tree, path):
         append(cache, 0, 21)
         cache.commit()
@@ -171,11 +172,11 @@ def test_keep_tail_keeps_the_accepted_path_only():
 
 def test_cache_keep_tail_takes_the_list_the_decoder_passes():
     """The decoder's tree commit goes through CompressedCache.keep_tail, which hands each layer the list of
-    ops.check_keep (QuantizedLayer.keep_tail used to call ``.to`` on it): the result equals a cache that saw only
+    check_keep (QuantizedLayer.keep_tail used to call ``.to`` on it): the result equals a cache that saw only
     the kept entries, also in what the next commit quantizes."""
     model = tiny_llama()
-    tree = ops.new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=8), model)
-    path = ops.new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=8), model)
+    tree = new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=8), model)
+    path = new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=8), model)
     for cache in (tree, path):
         append(cache, 0, 21)
         cache.commit()
@@ -183,7 +184,7 @@ def test_cache_keep_tail_takes_the_list_the_decoder_passes():
     for node in kv:
         for layer, (k, v) in enumerate(node):
             tree.update(k, v, layer)
-    ops.keep_tail(tree, [0, 3, 4])
+    tree.keep_tail([0, 3, 4])
     for i in (0, 3, 4):
         for layer, (k, v) in enumerate(kv[i]):
             path.update(k, v, layer)
@@ -332,9 +333,9 @@ def test_a_tree_reaching_a_quantization_group_is_refused():
     """Without the plan's check a tree whose nodes would fall into a quantization group raises instead of
     decoding wrongly (sinks 0, group 8, residual 5, six tokens committed: boundary(6 + 4) = 8 > 7)."""
     model = tiny_llama()
-    cache = ops.new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=5, sink_tokens=0), model)
+    cache = new_cache(policy(quant_bits=4, quant_group_size=8, residual_length=5, sink_tokens=0), model)
     with torch.no_grad():
-        model(input_ids=torch.arange(6)[None], past_key_values=cache, **ops.model_inputs(cache, torch.arange(6)[None]))
+        model(input_ids=torch.arange(6)[None], past_key_values=cache, **cache.forward_kwargs(torch.arange(6)[None]))
     cache.commit()
     parents = [-1, 0, 0, 1, 3, 4]  # root, two siblings at depth 1, then a chain down to depth 4
     depth = [0, 1, 1, 2, 3, 4]
@@ -343,7 +344,7 @@ def test_a_tree_reaching_a_quantization_group_is_refused():
         mask[i, i] = True
         mask[i] |= mask[p] if p >= 0 else mask[i]
     with pytest.raises(ValueError, match="quantization group"):
-        ops.model_inputs(cache, (6 + torch.tensor(depth))[None], tree_mask=mask)
+        cache.forward_kwargs((6 + torch.tensor(depth))[None], tree_mask=mask)
 
 
 def test_shadow_mask_gives_each_query_its_autoregressive_view():
@@ -351,17 +352,17 @@ def test_shadow_mask_gives_each_query_its_autoregressive_view():
     model = tiny_llama()
     pol = policy(quant_bits=2, quant_group_size=8, residual_length=8)
     ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(5))
-    cache = ops.new_cache(pol, model)
+    cache = new_cache(pol, model)
     logits_one = []
     for p in range(60):
         out = model(input_ids=ids[:, p:p + 1], past_key_values=cache,
-                    **ops.model_inputs(cache, torch.tensor([[p]])))
+                    **cache.forward_kwargs(torch.tensor([[p]])))
         logits_one.append(out.logits[0, -1])
         cache.commit()
-    cache = ops.new_cache(pol, model)
-    model(input_ids=ids[:, :20], past_key_values=cache, **ops.model_inputs(cache, torch.arange(20)[None]))
+    cache = new_cache(pol, model)
+    model(input_ids=ids[:, :20], past_key_values=cache, **cache.forward_kwargs(torch.arange(20)[None]))
     cache.commit()
-    out = model(input_ids=ids[:, 20:60], past_key_values=cache, **ops.model_inputs(cache, torch.arange(20, 60)[None]))
+    out = model(input_ids=ids[:, 20:60], past_key_values=cache, **cache.forward_kwargs(torch.arange(20, 60)[None]))
     torch.testing.assert_close(out.logits[0], torch.stack(logits_one[20:]), atol=1e-4, rtol=1e-4)
     assert isinstance(cache, QuantizedKVCache) and cache._shadow == (0, 0)
 

@@ -1,5 +1,5 @@
 """The lookup drafter: longest match (most recent on ties), periodic continuation, memory across requests, and a
-confidence that rises with the match length; greedy output through the Generator is AR's."""
+confidence that rises with the match length; greedy output through the SpeculativeLM is AR's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from conftest import tiny_llama
 from test_decoder import INIT, hf_greedy
 
 import toolkit
-from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec
+from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpeculationSpec
 from toolkit.speculative.drafters import LookupDrafter
 
 
@@ -74,7 +74,7 @@ def test_generator_with_lookup_is_greedy_exact(adaptive):
     vocab = {f"t{i}": i for i in range(128)}
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
     recipe = Recipe(name="lookup", target=ModelSpec(device="cpu"), draft=None,
-                    spec=SpecSpec(drafter="lookup", num_draft_tokens=6, adaptive=adaptive),
+                    spec=SpeculationSpec(drafter="lookup", num_draft_tokens=6, adaptive=adaptive),
                     generation=GenerationSpec(max_new_tokens=40, ignore_eos=True))
     generator = toolkit.build(recipe, target=target, tokenizer=tokenizer)
     prompt = " ".join(f"t{i}" for i in [5, 9, 13, 2, 5, 9, 13, 2, 5, 9])

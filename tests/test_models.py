@@ -10,7 +10,7 @@ from test_generator import word_tokenizer
 import toolkit
 from toolkit.errors import ConfigError, ModelLoadError, TokenizerMismatchError
 from toolkit.models import cache_dir, check_same_vocab, load_model, weight_bytes
-from toolkit.recipe import PRECISIONS, ModelSpec, Recipe, SpecSpec
+from toolkit.recipe import PRECISIONS, ModelSpec, Recipe, SpeculationSpec
 
 
 @pytest.fixture(scope="module")
@@ -134,20 +134,20 @@ def test_a_draft_with_another_tokenizer_is_drafted_across_tokenizers(tmp_path, l
     tiny_llama(seed=1, vocab=96).save_pretrained(other)
     word_tokenizer(96).save_pretrained(other)
     recipe = Recipe(target=ModelSpec(source=str(local_model_dir), device="cpu"),
-                    draft=ModelSpec(source=str(other), device="cpu"), spec=SpecSpec(drafter="draft_model"))
+                    draft=ModelSpec(source=str(other), device="cpu"), spec=SpeculationSpec(drafter="draft_model"))
     generator = toolkit.build(recipe)
     assert generator.draft_tokenizer is not None  # detected: the vocabularies differ
-    ar = toolkit.build(recipe.replace(draft=None, spec=SpecSpec(drafter="none")))
+    ar = toolkit.build(recipe.replace(draft=None, spec=SpeculationSpec(drafter="none")))
     out = generator.generate("the license", max_new_tokens=12, ignore_eos=True)
     assert out.token_ids == ar.generate("the license", max_new_tokens=12, ignore_eos=True).token_ids
     with pytest.raises(TokenizerMismatchError):  # the target's own weights cannot have another vocabulary
-        toolkit.build(recipe.replace(spec=SpecSpec(drafter="self")), draft_model=generator.draft_model)
+        toolkit.build(recipe.replace(spec=SpeculationSpec(drafter="self")), draft_model=generator.draft_model)
 
 
 def test_build_from_local_directories_end_to_end(local_model_dir):
     recipe = Recipe(target=ModelSpec(source=str(local_model_dir), device="cpu"),
                     draft=ModelSpec(source=str(local_model_dir), precision="bf16", device="cpu"),
-                    spec=SpecSpec(drafter="self", num_draft_tokens=3))
+                    spec=SpeculationSpec(drafter="self", num_draft_tokens=3))
     generator = toolkit.build(recipe)
     assert next(generator.draft_model.parameters()).dtype == torch.bfloat16
     assert abs(generator.weight_bytes["draft"] * 2 - generator.weight_bytes["target"]) < 1024

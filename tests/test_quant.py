@@ -133,15 +133,15 @@ def test_torchao_formats_load_quantize_every_linear_and_count_bytes_exactly(tiny
 @torchao_installed
 def test_torchao_greedy_decoding_still_runs_through_the_decoder(tiny_dir):
     import toolkit
-    from toolkit.recipe import SpecSpec
+    from toolkit.recipe import SpeculationSpec
 
     recipe = Recipe(target=ModelSpec(source=str(tiny_dir), device="cpu", precision="int8", backend="torchao"),
                     draft=ModelSpec(source=str(tiny_dir), device="cpu", precision="int4", backend="torchao"),
-                    spec=SpecSpec(drafter="self", num_draft_tokens=3))
+                    spec=SpeculationSpec(drafter="self", num_draft_tokens=3))
     generator = toolkit.build(recipe)
     result = generator.generate("the license", max_new_tokens=10, ignore_eos=True)
     assert len(result.token_ids) == 10 and result.stats.drafted > 0
-    plain = toolkit.build(recipe.replace(spec=SpecSpec(drafter="none")))
+    plain = toolkit.build(recipe.replace(spec=SpeculationSpec(drafter="none")))
     assert plain.generate("the license", max_new_tokens=10, ignore_eos=True).token_ids == result.token_ids
 
 
@@ -205,7 +205,7 @@ _QUIET = textwrap.dedent("""
 
 def test_importing_the_library_changes_no_logging_level():
     """A library sets no logging levels at import (the ``toolkit`` command does, :func:`configure_logging`)."""
-    code = ("import logging, toolkit, toolkit.quant, toolkit.models, toolkit.kv, toolkit.generator; "
+    code = ("import logging, toolkit, toolkit.quant, toolkit.models, toolkit.kv, toolkit.speculative_lm; "
             "print(logging.root.level, *sorted(n for n, l in logging.root.manager.loggerDict.items() "
             "if n.split('.')[0] == 'toolkit' and getattr(l, 'level', logging.NOTSET) != logging.NOTSET))")
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1")
@@ -239,7 +239,7 @@ def test_eagle_head_loads_on_a_torchao_int4_target(tiny_dir):
     import toolkit
     from toolkit.distill.eagle_train import build_head
     from toolkit.eagle.checkpoint import load_head, save_head
-    from toolkit.recipe import SpecSpec
+    from toolkit.recipe import SpeculationSpec
 
     model, tokenizer = load_model(ModelSpec(source=str(tiny_dir), device="cpu", precision="int4", backend="torchao"),
                                   "target")
@@ -256,9 +256,10 @@ def test_eagle_head_loads_on_a_torchao_int4_target(tiny_dir):
     assert torch.allclose(got, want, rtol=0.02, atol=0.02)
     recipe = Recipe(target=ModelSpec(source=str(tiny_dir), device="cpu", precision="int4", backend="torchao"),
                     draft=ModelSpec(source=str(head_dir), device="cpu", precision="fp32"),
-                    spec=SpecSpec(drafter="eagle", num_draft_tokens=3))
+                    spec=SpeculationSpec(drafter="eagle", num_draft_tokens=3))
     generator = toolkit.build(recipe, target=model, tokenizer=tokenizer)
-    ar = toolkit.build(Recipe(target=recipe.target, spec=SpecSpec(drafter="none")), target=model, tokenizer=tokenizer)
+    ar = toolkit.build(Recipe(target=recipe.target, spec=SpeculationSpec(drafter="none")), target=model,
+                       tokenizer=tokenizer)
     prompt = "the cat sat on the mat"
     assert generator.generate(prompt, max_new_tokens=16).token_ids == ar.generate(prompt, max_new_tokens=16).token_ids
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from toolkit.errors import ConfigError
-from toolkit.recipe import DRAFTERS, PRECISIONS, GenerationSpec, KVSpec, ModelSpec, Recipe, SpecSpec
+from toolkit.recipe import DRAFTERS, PRECISIONS, GenerationSpec, KVSpec, ModelSpec, Recipe, SpeculationSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ def full_recipe() -> Recipe:
         draft=ModelSpec(source="embedded", precision="int8", device="cpu"),
         kv=KVSpec(),
         draft_kv=KVSpec(),
-        spec=SpecSpec(drafter="self", num_draft_tokens=6, adaptive="ema", k_min=2, k_max=10, ema_decay=0.5,
+        spec=SpeculationSpec(drafter="self", num_draft_tokens=6, adaptive="ema", k_min=2, k_max=10, ema_decay=0.5,
                       confidence_threshold=0.3),
         generation=GenerationSpec(max_new_tokens=77, do_sample=True, temperature=0.7, top_k=40, top_p=0.9,
                                   ignore_eos=True, eos_token_id=[2, 7], stop_strings=["\n\n", "END"], seed=5),
@@ -61,7 +61,7 @@ def test_save_and_load_round_trip(tmp_path):
 
 def test_defaults_round_trip_and_draft_none():
     assert Recipe.from_yaml(Recipe().to_yaml()) == Recipe()
-    ar = Recipe(draft=None, spec=SpecSpec(drafter="none"))
+    ar = Recipe(draft=None, spec=SpeculationSpec(drafter="none"))
     assert Recipe.from_yaml(ar.to_yaml()) == ar
     assert Recipe.from_yaml("") == Recipe()
 
@@ -79,7 +79,7 @@ def test_shipped_recipes_load_and_round_trip(path):
 def test_config_hash_ignores_name_but_not_settings():
     a = full_recipe()
     assert a.replace(name="other", description="x").config_hash() == a.config_hash()
-    assert a.replace(spec=SpecSpec(num_draft_tokens=3)).config_hash() != a.config_hash()
+    assert a.replace(spec=SpeculationSpec(num_draft_tokens=3)).config_hash() != a.config_hash()
 
 
 def test_eos_token_id_int_is_normalized_to_a_list():
@@ -104,14 +104,14 @@ def test_unknown_device_names_field_and_allowed_values():
 
 def test_unknown_drafter_names_field_and_allowed_values():
     with pytest.raises(ConfigError) as excinfo:
-        Recipe(spec=SpecSpec(drafter="medusa"))
+        Recipe(spec=SpeculationSpec(drafter="medusa"))
     assert_config_error(excinfo, "spec.drafter", DRAFTERS)
 
 
 @pytest.mark.parametrize("value", [0, -1, 65, "4", 2.5, True, None])
 def test_invalid_num_draft_tokens(value):
     with pytest.raises(ConfigError) as excinfo:
-        Recipe(spec=SpecSpec(num_draft_tokens=value))
+        Recipe(spec=SpeculationSpec(num_draft_tokens=value))
     assert_config_error(excinfo, "spec.num_draft_tokens")
 
 
@@ -149,16 +149,16 @@ def test_bad_choice_from_yaml_lists_allowed_values(text, field):
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    ({"spec": SpecSpec(k_min=4, k_max=2)}, "spec.k_max"),
-    ({"spec": SpecSpec(confidence_threshold=1.5)}, "spec.confidence_threshold"),
-    ({"spec": SpecSpec(drafter="ngram", min_ngram=3, max_ngram=2)}, "spec.max_ngram"),
+    ({"spec": SpeculationSpec(k_min=4, k_max=2)}, "spec.k_max"),
+    ({"spec": SpeculationSpec(confidence_threshold=1.5)}, "spec.confidence_threshold"),
+    ({"spec": SpeculationSpec(drafter="ngram", min_ngram=3, max_ngram=2)}, "spec.max_ngram"),
     ({"generation": GenerationSpec(max_new_tokens=0)}, "generation.max_new_tokens"),
     ({"generation": GenerationSpec(temperature=0)}, "generation.temperature"),
     ({"generation": GenerationSpec(top_p=0.0)}, "generation.top_p"),
     ({"generation": GenerationSpec(stop_strings=[""])}, "generation.stop_strings"),
     ({"generation": GenerationSpec(eos_token_id=[-1])}, "generation.eos_token_id[0]"),
     ({"target": ModelSpec(source="")}, "target.source"),
-    ({"draft": None, "spec": SpecSpec(drafter="self")}, "draft"),
+    ({"draft": None, "spec": SpeculationSpec(drafter="self")}, "draft"),
     ({"name": ""}, "name"),
 ])
 def test_other_invalid_fields(kwargs, field):

@@ -9,9 +9,9 @@ from typer.testing import CliRunner
 
 from eval.run import markdown_table, run_recipe, write_results
 from tests.conftest import perturbed_copy, tiny_llama
-from toolkit.generator import Generator, build
 from toolkit.measure.prompts import load_suite
-from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpecSpec
+from toolkit.recipe import GenerationSpec, ModelSpec, Recipe, SpeculationSpec
+from toolkit.speculative_lm import SpeculativeLM, build
 from toolkit_cli import app
 
 
@@ -26,11 +26,11 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
-def _generator(tokenizer, drafter: str) -> Generator:
+def _generator(tokenizer, drafter: str) -> SpeculativeLM:
     target = tiny_llama(vocab=len(tokenizer), layers=2)
     draft = perturbed_copy(target, scale=0.05) if drafter == "draft_model" else None
     recipe = Recipe(name=f"tiny-{drafter}", target=ModelSpec(device="cpu"), draft=ModelSpec(device="cpu"),
-                    spec=SpecSpec(drafter=drafter, num_draft_tokens=3),
+                    spec=SpeculationSpec(drafter=drafter, num_draft_tokens=3),
                     generation=GenerationSpec(max_new_tokens=12, ignore_eos=True))
     return build(recipe, target=target, tokenizer=tokenizer, draft_model=draft)
 

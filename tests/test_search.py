@@ -83,7 +83,7 @@ def test_tiny_search_end_to_end_infeasible_never_chosen_and_recipe_runs(tmp_path
     assert "# Held-out confirmation" in text and result["best"]["heldout"]["summary"]["throughput"] > 0
     assert "/tmp" not in text and str(tmp_path) not in text  # no machine paths in a found recipe
     # the written recipe loads and runs
-    from toolkit.generator import build
+    from toolkit.speculative_lm import build
 
     recipe = Recipe.load(tmp_path / "found" / "short.yaml")
     assert recipe.spec.drafter == "ngram" and recipe.generation.max_new_tokens == 32

@@ -10,10 +10,10 @@ import torch
 from conftest import perturbed_copy, tiny_llama
 
 from toolkit.errors import ConfigError
-from toolkit.generator import build
 from toolkit.measure.baselines import hf_generate
 from toolkit.recipe import GenerationSpec, ModelSpec, Recipe
 from toolkit.session import ModelPool, plan
+from toolkit.speculative_lm import build
 
 
 def _recipe(**sections) -> Recipe:

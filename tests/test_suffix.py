@@ -1,5 +1,5 @@
 """The suffix-tree drafter (toolkit/speculative/drafters/suffix*.py): trie counts, bounded memory, proposals, the
-recipe fields, and one drafter per Generator (memory across ``generate`` calls)."""
+recipe fields, and one drafter per SpeculativeLM (memory across ``generate`` calls)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from test_generator import word_tokenizer
 
 import toolkit
 from toolkit.errors import ConfigError
-from toolkit.recipe import GenerationSpec, Recipe, SpecSpec
+from toolkit.recipe import GenerationSpec, Recipe, SpeculationSpec
 from toolkit.speculative.drafters.suffix import SuffixDrafter
 from toolkit.speculative.drafters.suffix_trie import PROMPT_CONTEXT, SuffixTrie
 
@@ -126,7 +126,7 @@ def test_memory_across_requests_is_bounded_and_oldest_first():
 
 # ------------------------------------------------------------------------------------------------ recipe + generator
 def test_recipe_fields_are_validated_with_named_errors():
-    Recipe(name="t", draft=None, spec=SpecSpec(drafter="suffix", tree=True)).validate()
+    Recipe(name="t", draft=None, spec=SpeculationSpec(drafter="suffix", tree=True)).validate()
     cases = [({"drafter": "ngram", "tree": True}, "spec.tree"), ({"drafter": "suffix", "tree_budget": 0},
              "spec.tree_budget"), ({"drafter": "suffix", "tree_depth": 65}, "spec.tree_depth"),
              ({"drafter": "suffix", "tree_topk": "4"}, "spec.tree_topk"),
@@ -136,12 +136,12 @@ def test_recipe_fields_are_validated_with_named_errors():
              ({"drafter": "suffix", "tree": "yes"}, "spec.tree")]
     for fields, name in cases:
         with pytest.raises(ConfigError, match=name.replace(".", r"\.")):
-            Recipe(name="t", draft=None, spec=SpecSpec(**fields)).validate()
+            Recipe(name="t", draft=None, spec=SpeculationSpec(**fields)).validate()
 
 
 def test_generator_keeps_one_suffix_drafter_and_stays_greedy_exact():
     target, tokenizer = tiny_llama(seed=0, initializer_range=0.2), word_tokenizer()
-    spec = SpecSpec(drafter="suffix", tree=True, tree_budget=8, tree_depth=6, max_spec_factor=2.0,
+    spec = SpeculationSpec(drafter="suffix", tree=True, tree_budget=8, tree_depth=6, max_spec_factor=2.0,
                     min_token_prob=0.05)
     recipe = Recipe(name="t", draft=None, spec=spec, generation=GenerationSpec(max_new_tokens=30, ignore_eos=True))
     gen = toolkit.build(recipe, target=target, tokenizer=tokenizer)

@@ -1,4 +1,4 @@
-"""Token trees (toolkit/speculative/tree*.py) and the tree commit of every cache class (toolkit/kv/ops.keep_tail).
+"""Token trees (toolkit/speculative/tree*.py) and the tree commit of every cache class (``cache.keep_tail``).
 
 * mask and positions of hand-built trees, greedy tree verification on hand-built logits;
 * exact cache length and contents after a tree commit, for every cache class (dynamic, StreamingLLM absolute and
@@ -16,7 +16,9 @@ import pytest
 import torch
 from conftest import perturbed_copy, tiny_llama, tiny_neox
 
-from toolkit.kv import make_policy, ops
+from toolkit.kv import make_policy
+from toolkit.kv.contract import new_cache, policy_attached
+from toolkit.kv.tail import tree_additive_mask
 from toolkit.recipe import GenerationSpec, KVSpec
 from toolkit.engine.planner import ConstantK
 from toolkit.engine.decoder import SpeculativeDecoder
@@ -73,7 +75,7 @@ def test_chain_is_a_tree_and_bad_trees_raise():
 
 def test_tree_additive_mask_layout():
     tree_mask = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)
-    mask = ops.tree_additive_mask(tree_mask, held=3, dtype=torch.float32)
+    mask = tree_additive_mask(tree_mask, held=3, dtype=torch.float32)
     assert mask.shape == (1, 1, 2, 5)
     visible = mask[0, 0] == 0
     assert visible.tolist() == [[True] * 3 + [True, False], [True] * 5]
@@ -145,9 +147,9 @@ def layer_tensors(cache) -> list[torch.Tensor]:
 
 
 def forward(model, cache, tokens, positions, tree_mask=None):
-    with ops.attached(getattr(cache, "policy", None), model):  # per-layer / per-tier attention for this forward
+    with policy_attached(getattr(cache, "policy", None), model):  # per-layer / per-tier attention for this forward
         out = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=tokens.shape[1],
-                    **ops.model_inputs(cache, positions, tree_mask=tree_mask))
+                    **cache.forward_kwargs(positions, tree_mask=tree_mask))
     return out.logits[0]
 
 
@@ -158,10 +160,10 @@ def test_tree_commit_equals_a_forward_over_the_accepted_path(name):
 
     def fresh():
         policy = make_policy(CACHES[name]) if CACHES[name] is not None else None
-        cache = ops.new_cache(policy, model)
+        cache = new_cache(policy, model)
         with torch.no_grad():
             forward(model, cache, prompt, torch.arange(30).unsqueeze(0))
-        ops.commit(cache)  # compresses (every policy's budget is below 30)
+        cache.commit()  # compresses (every policy's budget is below 30)
         return cache
 
     tree = hand_tree()
@@ -176,7 +178,7 @@ def test_tree_commit_equals_a_forward_over_the_accepted_path(name):
         tokens = torch.cat([root, tree.tokens.view(1, -1)], 1)
         tree_logits = forward(model, cache, tokens, tree.positions(length), tree.mask())
         path = tree.path_to(4)  # root -> a -> c -> e
-        ops.keep_tail(cache, [0] + [i + 1 for i in path])
+        cache.keep_tail([0] + [i + 1 for i in path])
         assert cache.get_seq_length() == length + 1 + len(path)
 
         ref = fresh()
@@ -188,26 +190,26 @@ def test_tree_commit_equals_a_forward_over_the_accepted_path(name):
     assert [t.shape for t in got] == [t.shape for t in want]
     for a, b in zip(got, want):
         assert torch.allclose(a, b, atol=1e-5)
-    assert ops.kv_bytes(cache) == ops.kv_bytes(ref)
+    assert cache.kv_bytes() == ref.kv_bytes()
     # the kept entries are still pending: the next commit compresses exactly like the reference
-    ops.commit(cache), ops.commit(ref)
+    cache.commit(), ref.commit()
     for a, b in zip(layer_tensors(cache), layer_tensors(ref)):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
 
 
 def test_keep_tail_rejects_bad_offsets():
     model = tiny_llama(seed=0)
-    cache = ops.new_cache(None, model)
+    cache = new_cache(None, model)
     with torch.no_grad():
         forward(model, cache, torch.tensor([[1, 2, 3]]), torch.arange(3).unsqueeze(0))
-    ops.commit(cache)
+    cache.commit()
     with torch.no_grad():
         forward(model, cache, torch.tensor([[4, 5]]), torch.arange(3, 5).unsqueeze(0))
     with pytest.raises(ValueError, match="ascending"):
-        ops.keep_tail(cache, [1, 0])
+        cache.keep_tail([1, 0])
     with pytest.raises(ValueError, match=r"\[0, 2\)"):
-        ops.keep_tail(cache, [2])
-    ops.keep_tail(cache, [1])
+        cache.keep_tail([2])
+    cache.keep_tail([1])
     assert cache.get_seq_length() == 4
 
 
@@ -300,7 +302,7 @@ def test_draft_cache_holds_the_committed_prefix_after_every_tree_round():
         if cache is None or drafter.cached == 0:
             continue
         assert cache.get_seq_length() == drafter.cached <= len(sequence) - 1
-        ref = ops.new_cache(None, draft_lm)
+        ref = new_cache(None, draft_lm)
         with torch.no_grad():
             forward(draft_lm, ref, torch.tensor([sequence[: drafter.cached]]),
                     torch.arange(drafter.cached).unsqueeze(0))

@@ -1,5 +1,5 @@
 """What a request must be before any forward: prompts as token ids (:func:`encode`) and checked against the models'
-context and vocabulary (:func:`check_request`). Used by :class:`toolkit.generator.Generator`."""
+context and vocabulary (:func:`check_request`). Used by :class:`toolkit.speculative_lm.SpeculativeLM`."""
 
 from __future__ import annotations
 

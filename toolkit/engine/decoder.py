@@ -38,7 +38,7 @@ from toolkit.engine.accept import accept, choose
 from toolkit.engine.forward import TargetForward
 from toolkit.engine.planner import ConstantK, CostAwareK, batch_weights, most_per_ms
 from toolkit.engine.rows import Row, finish
-from toolkit.kv import ops as kv_ops
+from toolkit.kv.contract import policy_attached
 from toolkit.kv.rows import SingleRowCache
 from toolkit.kv.static import StaticKV, capacity_for
 from toolkit.speculative.drafters.base import TreeDrafterProtocol
@@ -160,7 +160,7 @@ class SpeculativeDecoder:
         self.cache = self._new_cache(prompts, gen)
         drafting = self._drafting(gen)
         attention = self.forward.attached() if isinstance(self.cache, StaticKV) else \
-            kv_ops.attached(self.target_policy, self.target)
+            policy_attached(self.target_policy, self.target)
         rows: list[Row] = []
         try:
             with attention, drafting.attached():
@@ -305,7 +305,7 @@ class SpeculativeDecoder:
             stats.peak_kv_bytes_target = max(stats.peak_kv_bytes_target, stats.kv_bytes_target)
         cache = getattr(row.drafter, "cache", None)
         if cache is not None:
-            stats.kv_bytes_draft = kv_ops.kv_bytes(cache)
+            stats.kv_bytes_draft = cache.kv_bytes()
             stats.peak_kv_bytes_draft = max(stats.peak_kv_bytes_draft, stats.kv_bytes_draft)
 
     def _close(self, row: Row, drafting, peak_batch: int) -> None:
@@ -313,8 +313,9 @@ class SpeculativeDecoder:
         stats.new_tokens = len(row.new_ids)
         stats.compressions_target = self.cache.compressions
         stats.peak_kv_bytes_batch = peak_batch
-        if row.drafter is not None:
-            stats.compressions_draft = kv_ops.compressions(getattr(row.drafter, "cache", None))
+        draft_cache = getattr(row.drafter, "cache", None)
+        if draft_cache is not None:
+            stats.compressions_draft = draft_cache.compressions
         drafting.close(row)
         _sync(self.device)
         stats.total_ms = (time.perf_counter() - row.started) * 1000

@@ -136,10 +136,10 @@ class _VerifyAll:
 class ConstantK(_VerifyAll):
     """K draft tokens asked every round, all of them verified."""
 
-    k: int
+    num_draft_tokens: int
 
     def next_k(self) -> int:
-        return self.k
+        return self.num_draft_tokens
 
 
 @dataclass
@@ -148,7 +148,7 @@ class EmaK(_VerifyAll):
     the EMA of its acceptance ratio moves; K shrinks by one below ``shrink_below`` and grows by one above
     ``grow_above``, within ``[k_min, k_max]``."""
 
-    k: int
+    num_draft_tokens: int
     k_min: int = 1
     k_max: int = 8
     decay: float = 0.7
@@ -157,10 +157,10 @@ class EmaK(_VerifyAll):
     ema: float | None = None
 
     def __post_init__(self) -> None:
-        self.k = min(max(self.k, self.k_min), self.k_max)
+        self.num_draft_tokens = min(max(self.num_draft_tokens, self.k_min), self.k_max)
 
     def next_k(self) -> int:
-        return self.k
+        return self.num_draft_tokens
 
     def update(self, rows: list, verified: int, accepted: list[int]) -> None:
         for row, a in zip(rows, accepted):
@@ -170,9 +170,9 @@ class EmaK(_VerifyAll):
             ratio = a / drafted
             self.ema = ratio if self.ema is None else self.decay * self.ema + (1 - self.decay) * ratio
             if self.ema < self.shrink_below:
-                self.k = max(self.k_min, self.k - 1)
+                self.num_draft_tokens = max(self.k_min, self.num_draft_tokens - 1)
             elif self.ema > self.grow_above:
-                self.k = min(self.k_max, self.k + 1)
+                self.num_draft_tokens = min(self.k_max, self.num_draft_tokens + 1)
 
 
 @dataclass
@@ -182,14 +182,14 @@ class CostAwareK:
 
     Args:
         cost: the target's forward cost (:class:`ForwardCost`, or its single-row :class:`VerifyCost` curve).
-        calibrator: acceptance calibration, shared by every call of one Generator.
-        k: most draft tokens asked of the drafter per round.
+        calibrator: acceptance calibration, shared by every call of one SpeculativeLM.
+        num_draft_tokens: most draft tokens asked of the drafter per round.
         widest: most tokens one forward may hold per row (padding stays within it).
     """
 
     cost: ForwardCost | VerifyCost
     calibrator: Calibrator
-    k: int
+    num_draft_tokens: int
     widest: int
     overhead_ms: float = 0.0
     uses_confidence = True
@@ -200,7 +200,7 @@ class CostAwareK:
         self.calibrator.begin_request()  # one controller per generation call
 
     def next_k(self) -> int:
-        return self.k
+        return self.num_draft_tokens
 
     def plan(self, rows: list, weights: list[float]) -> tuple[int, int]:
         """``(n, m)``: verify the first ``n`` draft tokens of every row in a forward of ``m >= n + 1`` tokens."""

@@ -5,7 +5,7 @@ callable for the decoding loop (no ``trust_remote_code``; HF docs, "Generation s
 preparation steps by passing a callable"; ``GenerationMixin.generate`` in ``transformers/generation/utils.py``).
 :func:`speculative` returns such a callable. It builds a :class:`~toolkit.recipe.Recipe` from its arguments (the
 drafter registry's names and fields, the adaptive verify length, the KV policies), runs the recipe on the caller's
-own model through :func:`toolkit.build` (the :class:`~toolkit.generator.Generator`: its decoder, drafters, cost
+own model through :func:`toolkit.build` (the :class:`~toolkit.speculative_lm.SpeculativeLM`: its decoder, drafters, cost
 model, checks and batched decoding) and returns what HF's own ``generate`` returns.
 
 What a model learns across calls (the verify cost curve, the acceptance calibration, a persistent drafter's memory of
@@ -24,11 +24,11 @@ import torch
 
 from toolkit.errors import ConfigError
 from toolkit.hf.request import Request, read_request, refuse
-from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec, Recipe, SpecSpec
+from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec, Recipe, SpeculationSpec
 from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_UNUSED
 from toolkit.speculative.stats import GenerationStats
 
-#: the Generator attributes that hold what was learned or measured across calls (restored on every call)
+#: the SpeculativeLM attributes that hold what was learned or measured across calls (restored on every call)
 _LEARNED = ("calibrator", "_verify_cost", "_forward_cost", "_persistent_drafter")
 #: model -> {recipe key: {attribute: value}}; none of the values refers to the model, so the entry dies with it
 _STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -52,8 +52,8 @@ class SpeculativeGenerate:
     ``torch.manual_seed`` makes a call reproducible), ``return_dict_in_generate`` (``sequences`` only),
     ``num_return_sequences`` (sampling), a ``streamer`` (batch 1: ``put`` once per round with that round's tokens,
     then ``end``). A batch ``(batch, prompt_len)`` with a left-padded ``attention_mask`` runs as batched speculative
-    decoding (:meth:`toolkit.generator.Generator.generate_batch`) where the recipe batches, else row by row; each row
-    equals its prompt decoded alone, and the output is laid out as HF's (finished rows padded with ``pad_token_id``).
+    decoding (:meth:`toolkit.speculative_lm.SpeculativeLM.generate_batch`) where the recipe batches, else row by row;
+    each row equals its prompt decoded alone, and the output is laid out as HF's (finished rows padded with ``pad_token_id``).
     ``synced_gpus`` is ignored (one process decodes).
 
     Refused with one :class:`~toolkit.errors.ConfigError` naming the field (:func:`toolkit.hf.request.read_request`),
@@ -120,7 +120,7 @@ class SpeculativeGenerate:
 
     def _generator(self, model):
         """The recipe built on ``model`` (cheap: nothing loads), with what earlier calls learned restored."""
-        from toolkit.generator import build
+        from toolkit.speculative_lm import build
 
         generator = build(self.recipe, target=model, draft_model=self.draft_model)
         for name, value in _STATE.get(model, {}).get(self._key, {}).items():
@@ -144,7 +144,7 @@ class SpeculativeGenerate:
 
 def _decode_one(generator, input_ids: torch.Tensor, spec: GenerationSpec, streamer,
                 field: str = "input_ids") -> tuple[list[int], GenerationStats]:
-    """One prompt ``(1, prompt_len)`` through :meth:`Generator.decoder`; every round's tokens go to ``streamer``."""
+    """One prompt ``(1, prompt_len)`` through :meth:`SpeculativeLM.decoder`; every round's tokens go to ``streamer``."""
     generator.check_request(input_ids, spec, field)
     stats = GenerationStats()
     new_ids: list[int] = []
@@ -224,7 +224,7 @@ def speculative(drafter: str = "lookup", *, num_draft_tokens: int = 16, adaptive
         ConfigError: an unknown drafter or option, an invalid KV policy or combination (the recipe's checks), a
             ``draft_model`` missing for a drafter that needs one or given to one that does not.
     """
-    spec = SpecSpec(drafter=drafter, num_draft_tokens=num_draft_tokens, adaptive=adaptive or "cost", **options)
+    spec = SpeculationSpec(drafter=drafter, num_draft_tokens=num_draft_tokens, adaptive=adaptive or "cost", **options)
     spec.validate("spec")
     if adaptive is None and not spec.config.speculates:
         spec.adaptive = "constant"  # autoregressive: no verify length to choose, no cost curve to measure

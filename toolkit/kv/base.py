@@ -18,7 +18,7 @@ up with a physically shorter cache.
 
 With ``model.generate(past_key_values=cache)`` nobody calls ``commit()``; the cache then commits automatically at
 the start of each forward (``auto_commit``: everything from earlier forwards is final in plain generation). The
-toolkit decoder's :func:`toolkit.kv.ops.new_cache` turns that off, and so does the first explicit ``commit()``.
+toolkit decoder's :func:`toolkit.kv.contract.new_cache` turns that off, and so does the first explicit ``commit()``.
 """
 
 from __future__ import annotations
@@ -260,7 +260,7 @@ class CompressedCache(DynamicCache):
     def forward_kwargs(self, position_ids: torch.Tensor, tree_mask: torch.Tensor | None = None) -> dict:
         """Forward kwargs for queries at absolute ``position_ids`` ``(1, q)``: no extra mask by default.
 
-        With a ``tree_mask`` ``(q, t)`` (see :func:`toolkit.kv.ops.model_inputs`): the additive mask over
+        With a ``tree_mask`` ``(q, t)`` (see :mod:`toolkit.kv.contract`): the additive mask over
         ``[held entries, new tokens]``, or, when layers/heads hold different lengths (the policy installs
         :mod:`toolkit.kv.attention`), only its last ``t`` columns ``(1, 1, q, t)``, which that attention right-aligns
         per layer and tier.

@@ -2,8 +2,28 @@
 
 A KV *policy* (:class:`KVPolicyProtocol`) is inert configuration that builds caches; a *cache*
 (:class:`CacheProtocol`) is what a generation appends to, rolls back and compresses. The decode loop, the drafters and
-the reports rely on exactly these methods (through :mod:`toolkit.kv.ops`), never on which policy runs;
-``tests/test_kv_contract.py`` checks every registered policy and its cache against them.
+the reports rely on exactly these methods, never on which policy runs; ``tests/test_kv_contract.py`` checks every
+registered policy and its cache against them.
+
+The decoder never asks which policy it runs. It calls, for the target and for the draft:
+
+* :func:`new_cache` once per generation (and :func:`policy_attached` around the forwards on it);
+* ``cache.forward_kwargs(position_ids, tree_mask=None)`` before every forward, to get ``position_ids`` (absolute, or
+  slot positions in the StreamingLLM ``reindex`` mode) and an ``attention_mask`` (``None`` = the model's own causal
+  mask, or a 4D additive mask for exact window semantics). ``tree_mask`` (token trees): boolean ``(q, t)`` with
+  ``t >= q``, the visibility of the *last* ``t`` keys of ``[cache entries, new tokens]`` for each query (True =
+  attend); every earlier key stays visible. The mask is additive ``(1, 1, q, held + q)``, or ``(1, 1, q, t)``
+  right-aligned for caches whose layers hold different lengths (see :mod:`toolkit.kv.attention`);
+* ``cache.crop(-n)`` to roll back the ``n`` rejected tokens of a round (only tokens appended since the last commit);
+* ``cache.keep_tail(keep)`` after a token-tree round: of the ``n`` entries appended since the last commit point keep
+  only those at offsets ``keep`` (1-D, ascending, values in ``[0, n)``; the accepted path), a gather over the tail;
+  the logical length becomes ``committed + len(keep)`` (``ValueError`` for offsets out of range, unsorted or
+  repeated; :func:`toolkit.kv.tail.check_keep`);
+* ``cache.commit()`` at every commit point (after verification): the only place a policy may compress;
+* ``cache.kv_bytes()`` / ``cache.compressions`` for memory reports.
+
+Caches made by :func:`new_cache` compress only at explicit commit points (their ``auto_commit``, used when a cache
+is handed to ``model.generate``, is switched off).
 
 :class:`PlainCache` is the uncompressed cache of ``kv: {policy: none}``: a ``transformers.DynamicCache`` that
 records its commit point, so token-tree rounds can keep one path of the entries appended since (``keep_tail``).
@@ -11,6 +31,7 @@ records its commit point, so token-tree rounds can keep one path of the entries 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -108,3 +129,21 @@ class PlainCache(DynamicCache):
 
     def kv_bytes(self) -> int:
         return sum(t.nbytes for layer in self.layers if layer.is_initialized for t in (layer.keys, layer.values))
+
+
+def new_cache(policy, model) -> CacheProtocol:
+    """A fresh cache for ``model``: a :class:`PlainCache` when ``policy`` is None, else ``policy.make_cache(model)``
+    (with ``auto_commit`` off: the decode loop commits after verification itself)."""
+    if policy is None:
+        return PlainCache(model)
+    cache = policy.make_cache(model)
+    cache.auto_commit = False
+    return cache
+
+
+def policy_attached(policy, model):
+    """Context manager scoping whatever ``policy`` installs on ``model`` (nothing for ``None``) to a ``with`` block:
+    ``policy.attached(model)``, which for policies with an attention hook is :func:`toolkit.kv.attention.attached`."""
+    if policy is None:
+        return contextlib.nullcontext()
+    return policy.attached(model)

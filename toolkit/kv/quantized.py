@@ -252,7 +252,7 @@ class QuantizedKVCache(CompressedCache):
             del self._pending_pos[len(self._pending_pos) + max_length:]
 
     def keep_tail(self, keep) -> None:
-        from toolkit.kv.ops import check_keep
+        from toolkit.kv.tail import check_keep
 
         keep = check_keep(keep, self._pending)
         super().keep_tail(keep)
@@ -278,7 +278,7 @@ class QuantizedKVCache(CompressedCache):
         """``position_ids`` ``(1, q)`` absolute (starting at the logical length; contiguous for a chain, committed
         length + depth for a token tree) -> the additive mask ``(1, 1, q, held + shadow + q)`` that gives every query
         exactly its autoregressive view (see the module docstring), or ``None`` when the model's causal mask already
-        does. ``tree_mask`` ``(q, t)`` (:func:`toolkit.kv.ops.model_inputs`) further restricts the last ``t`` keys to
+        does. ``tree_mask`` ``(q, t)`` (:mod:`toolkit.kv.contract`) further restricts the last ``t`` keys to
         each node's ancestors; a tree never reaches a quantization group (:func:`check_quant_tree`).
 
         Raises:

@@ -190,14 +190,14 @@ class BatchCache:
         (its mask and positions), or a ``DynamicCache`` without a policy."""
         from transformers import DynamicCache
 
-        from toolkit.kv import ops as kv_ops
+        from toolkit.kv.contract import new_cache
 
         if self.policy is None:
             cache = DynamicCache()
             return cache, {"past_key_values": cache}
-        cache = kv_ops.new_cache(self.policy, self.model)
+        cache = new_cache(self.policy, self.model)
         positions = torch.arange(length, device=self.committed.device).view(1, -1)
-        return cache, {**kv_ops.model_inputs(cache, positions), "past_key_values": cache}
+        return cache, {**cache.forward_kwargs(positions), "past_key_values": cache}
 
     def add_row(self, prefilled: Cache, length: int) -> None:
         """The prompt prefilled by :meth:`begin_row` becomes the last row (committed at once: a policy may compress

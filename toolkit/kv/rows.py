@@ -27,7 +27,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from toolkit.kv import ops as kv_ops
+from toolkit.kv.contract import new_cache
 from toolkit.kv.static import StaticKV, static_form
 
 
@@ -81,19 +81,19 @@ class SingleRowCache:
 
     @property
     def compressions(self) -> int:
-        return kv_ops.compressions(self.cache)
+        return 0 if self.cache is None else self.cache.compressions
 
     def begin_row(self, length: int) -> tuple[object, dict]:
         """The prompt is prefilled straight into the cache (a second row is a ``ValueError``)."""
         if self.in_use:
             raise ValueError("SingleRowCache: holds one sequence; batches need a policy with a per-row form")
-        self.cache, self.in_use = kv_ops.new_cache(self.policy, self.model), True
+        self.cache, self.in_use = new_cache(self.policy, self.model), True
         device = next(self.model.parameters()).device
-        kwargs = kv_ops.model_inputs(self.cache, torch.arange(length, device=device).view(1, -1))
+        kwargs = self.cache.forward_kwargs(torch.arange(length, device=device).view(1, -1))
         return self.cache, {**kwargs, "past_key_values": self.cache}
 
     def add_row(self, prefilled, length: int) -> None:
-        kv_ops.commit(self.cache)
+        self.cache.commit()
         self.length = length
 
     def prepare(self, width: int, rows: range | None = None, positions: torch.Tensor | None = None,
@@ -104,7 +104,7 @@ class SingleRowCache:
         if positions is None:
             device = next(self.model.parameters()).device
             positions = torch.arange(self.length, self.length + width, device=device).view(1, -1)
-        kwargs = kv_ops.model_inputs(self.cache, positions, tree_mask=tree_mask)
+        kwargs = self.cache.forward_kwargs(positions, tree_mask=tree_mask)
         return {**kwargs, "past_key_values": self.cache}
 
     def accept(self, kept: torch.Tensor, kept_host: list[int]) -> None:
@@ -116,12 +116,12 @@ class SingleRowCache:
 
     def keep_path(self, keep: list[int]) -> None:
         """After a token-tree forward: keep the forward's entries at offsets ``keep`` (the root and the accepted
-        path), a gather over the tail (:func:`toolkit.kv.ops.keep_tail`)."""
-        kv_ops.keep_tail(self.cache, keep)
+        path), a gather over the tail (``keep_tail`` of :class:`~toolkit.kv.contract.CacheProtocol`)."""
+        self.cache.keep_tail(keep)
         self.length += len(keep)
 
     def commit(self) -> None:
-        kv_ops.commit(self.cache)
+        self.cache.commit()
 
     def keep_rows(self, keep: list[int]) -> None:
         """``[]``: the sequence left (its cache stays readable, for reports, until the next ``begin_row``)."""
@@ -129,7 +129,7 @@ class SingleRowCache:
             self.in_use = False
 
     def kv_bytes(self) -> int:
-        return kv_ops.kv_bytes(self.cache)
+        return 0 if self.cache is None else self.cache.kv_bytes()
 
 
 def rows_cache(policy, model, rows: int, capacity: int, widest: int, static_span: bool = False) -> RowCache:

@@ -14,7 +14,8 @@ Position modes (``position_mode``):
   queries get slot positions, so generation can run far past ``max_position_embeddings``: the largest position ever
   fed is ``sink_tokens + window + compress_interval + K`` (checked against the context by :meth:`check_model`),
   or ``prompt_len - 1`` during the prefill, which sees the whole prompt at positions ``0 .. prompt_len - 1`` (so
-  the prompt itself must fit the context: :meth:`toolkit.generator.Generator.check_request`). Needs a RoPE model.
+  the prompt itself must fit the context: :meth:`toolkit.speculative_lm.SpeculativeLM.check_request`). Needs a RoPE
+  model.
   The toolkit decoder passes absolute positions and :meth:`StreamingCache.forward_kwargs` maps them to slots;
   ``model.generate`` computes its own absolute positions, so use ``absolute`` there.
 
@@ -137,7 +138,7 @@ class StreamingCache(CompressedCache):
     def forward_kwargs(self, position_ids: torch.Tensor, tree_mask: torch.Tensor | None = None) -> dict:
         """``position_ids`` ``(1, q)`` absolute -> slot positions (reindex) and the band mask (exact_window).
 
-        ``tree_mask`` ``(q, t)``: token-tree visibility of the last ``t`` keys (see :func:`toolkit.kv.ops.model_inputs`),
+        ``tree_mask`` ``(q, t)``: token-tree visibility of the last ``t`` keys (see :mod:`toolkit.kv.contract`),
         which replaces the band over those keys (a node sees the sinks and its window of committed entries, then
         exactly its ancestors; the policy's ``window >= depth + 1`` keeps every ancestor inside the window).
 

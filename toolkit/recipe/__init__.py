@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from toolkit.recipe.sections import (
     ModelSpec,
     check_name,
 )
-from toolkit.recipe.speculation import LOOP_FIELDS, SpecSpec
+from toolkit.recipe.speculation import LOOP_FIELDS, SpeculationSpec
 from toolkit.recipe.yaml_io import check_keys as _check_keys
 from toolkit.recipe.yaml_io import load_yaml_text, read_text
 from toolkit.recipe.yaml_io import section as _section
@@ -63,7 +64,7 @@ DEFAULT_BATCH_SIZE = 8
 #: ``on`` with frozen weights and a C++ wrapper on CPU (~20% faster steps, minutes longer first compile)
 COMPILE_MODES = ("off", "on", "auto", "max")
 
-__all__ = ["Recipe", "ModelSpec", "KVSpec", "SpecSpec", "GenerationSpec", "check_name", "read_text",
+__all__ = ["Recipe", "ModelSpec", "KVSpec", "SpeculationSpec", "GenerationSpec", "check_name", "read_text",
            "load_yaml_text", "LOOP_FIELDS", "ADAPTIVE", "ATTN_IMPLEMENTATIONS", "BACKENDS", "COMPUTE_DTYPES",
            "DEVICES", "DRAFTERS", "EAGLE_PRECISIONS", "NAME_PATTERN", "NAME_RULE", "PRECISIONS", "TEMPERATURE_MIN",
            "TOP_P_MIN", "TORCHAO_COMPUTE_DTYPES", "TORCHAO_GROUP_SIZES", "TORCHAO_INT8"]
@@ -77,8 +78,9 @@ class Recipe:
     precision: the source is the target's). ``draft_kv`` is the draft cache's own compression policy.
     ``prompts`` names a suite in ``recipes/prompts/`` (``short``, ``long``, ``memory``) or a path to a suite file
     (YAML, or JSONL of prompts / chat messages). ``batch_size`` is how many requests share a target forward when the
-    recipe runs a list of prompts (:meth:`toolkit.generator.Generator.generate_batch`, ``toolkit run --prompts``;
-    ``None``: :data:`DEFAULT_BATCH_SIZE`, 1: one request at a time); it is written to YAML only when set.
+    recipe runs a list of prompts (:meth:`toolkit.speculative_lm.SpeculativeLM.generate_batch`,
+    ``toolkit run --prompts``; ``None``: :data:`DEFAULT_BATCH_SIZE`, 1: one request at a time); it is written to YAML
+    only when set.
     ``compile`` (:data:`COMPILE_MODES`) runs single-sequence decoding on the compiled static engine
     (:mod:`toolkit.engine.forward`); written to YAML only when not ``off``.
     """
@@ -89,7 +91,7 @@ class Recipe:
     draft: ModelSpec | None = field(default_factory=lambda: ModelSpec(precision="int4"))
     kv: KVSpec = field(default_factory=KVSpec)
     draft_kv: KVSpec = field(default_factory=KVSpec)
-    spec: SpecSpec = field(default_factory=SpecSpec)
+    spec: SpeculationSpec = field(default_factory=SpeculationSpec)
     generation: GenerationSpec = field(default_factory=GenerationSpec)
     prompts: str = "short"
     batch_size: int | None = None
@@ -165,7 +167,7 @@ class Recipe:
         _check_keys(spec, "spec")
         if "config" in spec:
             raise ConfigError("spec.config", "unknown field: write the drafter's fields flat next to 'drafter'")
-        kwargs["spec"] = SpecSpec(**spec)
+        kwargs["spec"] = SpeculationSpec(**spec)
         kwargs["generation"] = _section(GenerationSpec, data.get("generation", {}), "generation")
         return cls(**kwargs)
 
@@ -205,3 +207,10 @@ class Recipe:
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
 
 
+def __getattr__(name: str):
+    """``SpecSpec``, the deprecated name of :class:`SpeculationSpec`, still resolves (with a ``DeprecationWarning``)."""
+    if name == "SpecSpec":
+        warnings.warn("toolkit.recipe.SpecSpec is deprecated; use toolkit.recipe.SpeculationSpec", DeprecationWarning,
+                      stacklevel=2)
+        return SpeculationSpec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -100,7 +100,7 @@ class GenerationSpec:
 
     def validate(self, prefix: str) -> None:
         """Check every field (ids against the vocabulary and lengths against the context are checked by
-        :meth:`toolkit.generator.Generator.check_request`, which knows the model)."""
+        :meth:`toolkit.speculative_lm.SpeculativeLM.check_request`, which knows the model)."""
         check_int(f"{prefix}.max_new_tokens", self.max_new_tokens, low=1, high=TOKENS_MAX)
         if not isinstance(self.do_sample, bool):
             raise ConfigError(f"{prefix}.do_sample", "must be true or false")

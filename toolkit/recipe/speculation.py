@@ -19,12 +19,12 @@ LOOP_FIELDS = ("drafter", "num_draft_tokens", "adaptive", "k_min", "k_max", "ema
 
 
 @dataclass(init=False)
-class SpecSpec:
+class SpeculationSpec:
     """How to speculate: the drafter (its own typed config) and the loop settings every drafter shares.
 
     In YAML the drafter's fields sit flat next to ``drafter``
     (``spec: {drafter: suffix, num_draft_tokens: 4, max_spec_factor: 2.0}``); in Python either the same keywords or a
-    config object: ``SpecSpec(NgramConfig(max_ngram=4), num_draft_tokens=3)``. The registered drafters and their
+    config object: ``SpeculationSpec(NgramConfig(max_ngram=4), num_draft_tokens=3)``. The registered drafters and their
     configs are in :mod:`toolkit.speculative.drafters` (``draft_model``, ``self``, ``ngram``, ``suffix``, ``eagle``,
     ``none``, ...).
 
@@ -110,10 +110,10 @@ class SpecSpec:
         raise AttributeError(f"{type(self).__name__} has no field {name!r}")
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, SpecSpec) and self.to_dict() == other.to_dict()
+        return isinstance(other, SpeculationSpec) and self.to_dict() == other.to_dict()
 
     def __repr__(self) -> str:
-        return f"SpecSpec({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
+        return f"SpeculationSpec({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
 
     def to_dict(self) -> dict:
         """The flat YAML form: loop fields, then the drafter's own fields."""

@@ -164,7 +164,7 @@ def check_acceptance(stats) -> list[str]:
 
 @dataclass
 class GenerationResult:
-    """What ``Generator.generate`` returns: the new text, its token ids (prompt excluded) and the statistics."""
+    """What ``SpeculativeLM.generate`` returns: the new text, its token ids (prompt excluded) and the statistics."""
 
     text: str
     token_ids: list[int]

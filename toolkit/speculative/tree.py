@@ -5,7 +5,7 @@ A token tree (SpecInfer, Miao et al. 2024; Medusa tree attention, Cai et al. 202
 (``n + 1`` queries) under a tree attention mask: a node sees the committed cache, the root, its ancestors and
 itself, never its siblings or cousins. Verification then accepts one root-to-node path
 (:mod:`toolkit.speculative.tree_verify`) and the caches keep exactly that path's entries
-(:func:`toolkit.kv.ops.keep_tail`).
+(``cache.keep_tail``, :mod:`toolkit.kv.contract`).
 
 Conventions (the contract for every drafter's ``propose_tree``):
 

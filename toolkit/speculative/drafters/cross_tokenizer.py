@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from toolkit.errors import ConfigError
-from toolkit.kv import ops as kv_ops
+from toolkit.kv.contract import new_cache
 from toolkit.speculative.drafters.base import Drafter
 
 #: draft tokens drafted per target token asked (tokenizers differ in granularity)
@@ -48,7 +48,7 @@ class CrossTokenizerDrafter(Drafter):
 
     def reset(self) -> None:
         super().reset()
-        self.cache = kv_ops.new_cache(None, self.model)
+        self.cache = new_cache(None, self.model)
         self.fed = []
 
     # ------------------------------------------------------------------------------------------------ text
@@ -72,7 +72,7 @@ class CrossTokenizerDrafter(Drafter):
     def _forward(self, ids: list[int]) -> torch.Tensor:
         positions = torch.arange(len(self.fed), len(self.fed) + len(ids), device=self.device).unsqueeze(0)
         out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache,
-                         use_cache=True, logits_to_keep=1, **kv_ops.model_inputs(self.cache, positions))
+                         use_cache=True, logits_to_keep=1, **self.cache.forward_kwargs(positions))
         self.fed += ids
         self.forwards += 1
         return out.logits[0, -1]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.checks import check_float
-from toolkit.kv import ops as kv_ops
+from toolkit.kv.contract import new_cache, policy_attached
 from toolkit.speculative.drafters.base import Drafter
 from toolkit.speculative.drafters.registry import DRAFT_MODEL, DRAFT_TARGET, DrafterConfig, register_drafter
 from toolkit.speculative.tree import TokenTree, TreeShape, expansion_mask
@@ -69,7 +69,7 @@ class DraftModel(Drafter):
 
     Tree proposals (:meth:`propose_tree`): an EAGLE-2 dynamic tree (:mod:`toolkit.speculative.tree_dynamic`), one
     draft forward per level over the expanded nodes under a tree attention mask; :meth:`commit_tree` keeps the
-    accepted path's draft entries with :func:`toolkit.kv.ops.keep_tail`. Tree children are the top-k of q (chosen,
+    accepted path's draft entries with ``cache.keep_tail``. Tree children are the top-k of q (chosen,
     not sampled), so sampling verification treats them as one-hot drafts (lossless).
 
     Cache bookkeeping: ``cached`` is the number of sequence tokens represented in the draft cache. ``propose`` feeds
@@ -109,8 +109,8 @@ class DraftModel(Drafter):
         super().reset()
         self.close()
         self._scope = contextlib.ExitStack()
-        self._scope.enter_context(kv_ops.attached(self.policy, self.model))
-        self.cache = kv_ops.new_cache(self.policy, self.model)
+        self._scope.enter_context(policy_attached(self.policy, self.model))
+        self.cache = new_cache(self.policy, self.model)
         self.cached = 0
         self._proposed_until = 0
 
@@ -118,7 +118,7 @@ class DraftModel(Drafter):
         """Run the draft over ``tokens`` ``(1, m)`` at the next positions; returns last-position logits ``(vocab,)``."""
         positions = torch.arange(self.cached, self.cached + tokens.shape[1], device=self.device).unsqueeze(0)
         out = self.model(input_ids=tokens, past_key_values=self.cache, use_cache=True, logits_to_keep=1,
-                         **kv_ops.model_inputs(self.cache, positions))
+                         **self.cache.forward_kwargs(positions))
         self.cached += tokens.shape[1]
         self.forwards += 1
         return out.logits[0, -1]
@@ -163,7 +163,7 @@ class DraftModel(Drafter):
         if keep < self.cached:
             self.cache.crop(keep - self.cached)
             self.cached = keep
-        kv_ops.commit(self.cache)
+        self.cache.commit()
 
     # ------------------------------------------------------------------------------------------------ trees
     @torch.no_grad()
@@ -187,7 +187,7 @@ class DraftModel(Drafter):
             m = len(nodes)
             visible = expansion_mask(parents, offset_of, parent_of, len(fed))  # over the entries fed this round
             positions = (committed - 1 + torch.tensor(depths, device=self.device)).unsqueeze(0)
-            inputs = kv_ops.model_inputs(self.cache, positions, tree_mask=visible.to(self.device))
+            inputs = self.cache.forward_kwargs(positions, tree_mask=visible.to(self.device))
             out = self.model(input_ids=torch.tensor([tokens], device=self.device), past_key_values=self.cache,
                              use_cache=True, logits_to_keep=m, **inputs)
             self.forwards += 1
@@ -205,6 +205,6 @@ class DraftModel(Drafter):
         """Keep the committed tokens fed this round and the accepted path's expanded nodes; drop the rest."""
         path_fed = [self._tree_fed[node] for node in accepted_nodes if node in self._tree_fed]
         keep = list(range(self._fresh)) + [self._fresh + off for off in path_fed]
-        kv_ops.keep_tail(self.cache, keep)
+        self.cache.keep_tail(keep)
         self.cached = self._committed_before + len(path_fed)
-        kv_ops.commit(self.cache)
+        self.cache.commit()

@@ -77,10 +77,11 @@ class BatchDraftModel(ModelBatchDrafter):
 
     # ------------------------------------------------------------------------------------------------ a round
     @torch.inference_mode()
-    def propose(self, rows: list, rooms: list[int]) -> None:
-        """Draft ``max(rooms)`` steps for every row (row ``i`` keeps at most ``rooms[i]`` tokens)."""
-        rooms = list(rooms)
-        steps = max(rooms, default=0)
+    def propose(self, rows: list, num_draft_tokens: list[int]) -> None:
+        """Draft ``max(num_draft_tokens)`` steps for every row (row ``i`` keeps at most ``num_draft_tokens[i]``
+        tokens)."""
+        num_draft_tokens = list(num_draft_tokens)
+        steps = max(num_draft_tokens, default=0)  # most draft steps (forwards) of the batch
         self._steps = 0
         for row in rows:
             row.proposal, row.confidence, row.q = [], None, None
@@ -89,7 +90,7 @@ class BatchDraftModel(ModelBatchDrafter):
         self._prefill(rows)  # once per row: not a per-step cost
         started = time.perf_counter()
         logits = self._catch_up(rows)
-        live = [room > 0 for room in rooms]
+        live = [n > 0 for n in num_draft_tokens]
         drafted, confidences, probs = [], [], []
         for step in range(steps):
             p = process_logits(logits, self.temperature, self.top_k, self.top_p)  # (B, vocab)
@@ -101,8 +102,8 @@ class BatchDraftModel(ModelBatchDrafter):
                 for i, c in enumerate(confidences[-1].tolist()):
                     if c < self.confidence_threshold and live[i]:
                         live[i] = False  # this row's proposal ends with this token
-                        rooms[i] = min(rooms[i], step + 1)
-            if step + 1 == steps or not any(live[i] and rooms[i] > step + 1 for i in range(len(rows))):
+                        num_draft_tokens[i] = min(num_draft_tokens[i], step + 1)
+            if step + 1 == steps or not any(live[i] and num_draft_tokens[i] > step + 1 for i in range(len(rows))):
                 break
             logits = self._forward(token.view(-1, 1), torch.ones(len(rows), dtype=torch.long, device=self.device))
         self._steps = len(drafted)
@@ -110,7 +111,7 @@ class BatchDraftModel(ModelBatchDrafter):
         tokens, conf = torch.stack(drafted, 1).tolist(), torch.stack(confidences, 1).tolist()
         q = torch.stack(probs, 1) if self.do_sample else None  # (B, steps, vocab)
         for i, row in enumerate(rows):
-            n = min(rooms[i], len(drafted))
+            n = min(num_draft_tokens[i], len(drafted))
             row.proposal, row.confidence = tokens[i][:n], conf[i][:n]
             row.q = None if q is None else q[i, :n]
             row.stats.draft_forwards += len(drafted)

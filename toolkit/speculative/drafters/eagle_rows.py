@@ -99,9 +99,10 @@ class BatchEagle(ModelBatchDrafter):
 
     # ------------------------------------------------------------------------------------------------ a round
     @torch.inference_mode()
-    def propose(self, rows: list, rooms: list[int]) -> None:
-        """Draft ``max(rooms)`` steps for every row (row ``i`` keeps at most ``rooms[i]`` tokens)."""
-        steps = max(rooms, default=0)
+    def propose(self, rows: list, num_draft_tokens: list[int]) -> None:
+        """Draft ``max(num_draft_tokens)`` steps for every row (row ``i`` keeps at most ``num_draft_tokens[i]``
+        tokens)."""
+        steps = max(num_draft_tokens, default=0)  # draft steps (head forwards) of the batch
         self._fed = None
         for row in rows:
             row.proposal, row.confidence, row.q = [], None, None
@@ -125,7 +126,7 @@ class BatchEagle(ModelBatchDrafter):
         self._observe_time(len(rows), (time.perf_counter() - started) * 1000 / steps)  # catch-up + steps - 1
         tokens, conf = torch.stack(drafted, 1).tolist(), torch.stack(confidences, 1).tolist()
         for i, row in enumerate(rows):
-            n = min(rooms[i], steps)
+            n = min(num_draft_tokens[i], steps)
             row.proposal, row.confidence = tokens[i][:n], conf[i][:n]
             row.q = torch.stack([q[i] for q in probs[:n]]) if self.do_sample else None
             row.stats.draft_forwards += steps

@@ -95,7 +95,7 @@ class LookupConfig(DrafterConfig):
 
 @register_drafter(LookupConfig)
 class LookupDrafter(RemembersRequests, Drafter):
-    """See the module docstring. One instance serves every ``generate`` call of a Generator: ``reset()`` moves the
+    """See the module docstring. One instance serves every ``generate`` call of a SpeculativeLM: ``reset()`` moves the
     previous request into the memory trie.
 
     Args: the fields of :class:`LookupConfig`.
@@ -151,7 +151,7 @@ class LookupDrafter(RemembersRequests, Drafter):
         z = self.prior_bias + self.prior_slope * math.log(match) + self.prior_share * share
         return 1.0 / (1.0 + math.exp(-z))
 
-    def _request_candidate(self, k: int) -> tuple[list[int], list[float]]:
+    def _request_candidate(self, num_draft_tokens: int) -> tuple[list[int], list[float]]:
         """The continuation of the longest (most recent on ties) earlier match of the sequence's suffix, with each
         token's estimate from the match length and the share of the equally long matches that agree with it."""
         seq = self._tokens
@@ -171,7 +171,7 @@ class LookupDrafter(RemembersRequests, Drafter):
             return [], []
         tokens: list[int] = []
         features: list[tuple[int, float]] = []
-        for i in range(k):  # read on through the draft itself where the occurrence runs into the present
+        for i in range(num_draft_tokens):  # read on through the draft itself where the occurrence runs into the present
             def next_of(at: int) -> int:
                 j = at + 1 + i
                 return seq[j] if j <= last else tokens[j - last - 1]
@@ -183,12 +183,13 @@ class LookupDrafter(RemembersRequests, Drafter):
             ties = agree
         return tokens, features
 
-    def _memory_candidate(self, k: int) -> tuple[list[int], list[tuple[int, float]]]:
+    def _memory_candidate(self, num_draft_tokens: int) -> tuple[list[int], list[tuple[int, float]]]:
         """The most frequent continuation of the longest match in the memory of earlier requests."""
         node, match = self._memory_cursor.longest_match(self.memory.depth // 2)
         tokens: list[int] = []
         features: list[tuple[int, float]] = []
-        while node is not None and node.children and len(tokens) < k and match + len(tokens) < self.memory.depth:
+        while node is not None and node.children and len(tokens) < num_draft_tokens \
+                and match + len(tokens) < self.memory.depth:
             total = sum(child.count for child in node.children.values())
             token, node = max(node.children.items(), key=lambda item: item[1].count)
             features.append((match + len(tokens), node.count / total))

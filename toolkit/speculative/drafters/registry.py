@@ -38,7 +38,7 @@ class DrafterConfig:
         speculates: the drafter proposes tokens (``False`` only for ``none``: plain autoregressive decoding).
         draft: what the recipe's ``draft`` section is to this drafter (``DRAFT_*`` above).
         tree: the drafter proposes token trees (``spec.tree: true`` is allowed).
-        persistent: one drafter instance serves every ``generate`` call of a Generator (memory across requests); its
+        persistent: one drafter instance serves every ``generate`` call of a SpeculativeLM (memory across requests); its
             class then has ``fork()``: a drafter for a concurrent request sharing that memory (batches).
         batch: the drafter runs in batched decoding (:mod:`toolkit.engine.decoder`): model-free drafters per
             row, draft models over the whole batch (:mod:`toolkit.speculative.drafters.draft_model_rows`).

@@ -6,9 +6,9 @@ A row drafter serves every row in flight, in the decoder's row order:
   the prompt's forward sets them up here;
 * ``join(row)`` — the request joined at the end of the batch (its prompt and first token in ``row.ids``);
 * ``remove(keep)`` — only the rows ``keep`` (indices, in the new order) stay;
-* ``propose(rows, rooms)`` — set each row's ``proposal`` (at most ``rooms[i]`` tokens), ``confidence`` (the
-  drafter's confidence per token or ``None``) and ``q`` (``(len(proposal), vocab)`` draft probabilities when draft
-  tokens are sampled, else ``None``: a one-hot q);
+* ``propose(rows, num_draft_tokens)`` — set each row's ``proposal`` (at most ``num_draft_tokens[i]`` tokens),
+  ``confidence`` (the drafter's confidence per token or ``None``) and ``q`` (``(len(proposal), vocab)`` draft
+  probabilities when draft tokens are sampled, else ``None``: a one-hot q);
 * ``commit(rows, accepted)`` — after verification: row ``i`` kept the first ``accepted[i]`` of its proposal;
 * ``close(row)`` — the row is done (counts its draft forwards into its stats);
 * ``step_ms(rows)`` — milliseconds one draft step costs the batch (``None`` when drafting is free next to a target
@@ -69,12 +69,12 @@ class RowDrafters:
     def attached(self):
         return contextlib.nullcontext()
 
-    def propose(self, rows: list, rooms: list[int]) -> None:
+    def propose(self, rows: list, num_draft_tokens: list[int]) -> None:
         gen = self.gen
-        for row, room in zip(rows, rooms):
+        for row, n in zip(rows, num_draft_tokens):
             row.proposal, row.confidence, row.q = [], None, None
-            if row.drafter is not None and room > 0:
-                tokens, logits = row.drafter.propose(torch.tensor([row.ids]), room)
+            if row.drafter is not None and n > 0:
+                tokens, logits = row.drafter.propose(torch.tensor([row.ids]), n)
                 row.proposal = tokens[0].tolist()
                 row.confidence = row.drafter.confidence() if row.proposal else None
                 if gen is not None and gen.do_sample and logits is not None and row.proposal:

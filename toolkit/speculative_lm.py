@@ -1,0 +1,348 @@
+"""The Python API: ``toolkit.build(recipe)`` -> :class:`SpeculativeLM`, whose ``generate`` returns text, ids and stats.
+
+    >>> import toolkit
+    >>> gen = toolkit.build(toolkit.Recipe.load("recipes/short.yaml"))
+    >>> out = gen.generate([{"role": "user", "content": "Name three prime numbers."}], max_new_tokens=32)
+    >>> out.text, out.stats.acceptance_rate, out.stats.tokens_per_round
+
+Chat templates are applied when a list of messages is given; a plain string is tokenized as is. Every request is
+checked before any forward (:meth:`SpeculativeLM.check_request`): an empty prompt, a prompt longer than the model's
+context, a generation that would run past it under absolute positions, and EOS ids outside the vocabulary are
+:class:`~toolkit.errors.ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+
+import torch
+
+from toolkit import requests
+from toolkit.engine.cost import load_or_measure
+from toolkit.engine.decoder import SpeculativeDecoder
+from toolkit.engine.forward import TargetForward, forward_for
+from toolkit.engine.planner import ForwardCost, make_controller
+from toolkit.errors import ConfigError
+from toolkit.models import model_vocab_size, weight_bytes
+from toolkit.models.capabilities import check_tree_support
+from toolkit.recipe import GenerationSpec, Recipe
+from toolkit.session import ModelPool, Plan, load_models, plan
+from toolkit.speculative.cost_model import VerifyCost
+from toolkit.speculative.drafters import DrafterContext, build_drafter
+from toolkit.speculative.stats import GenerationResult, GenerationStats
+from toolkit.speculative.tree import TreeShape
+from toolkit.speculative.verify_length import Calibrator
+
+log = logging.getLogger(__name__)
+
+
+class SpeculativeLM:
+    """A built recipe: its :class:`~toolkit.session.Plan` (policies built once) and the loaded models.
+
+    Attributes:
+        recipe, plan: the recipe and its plan.
+        target, tokenizer: the target model and its tokenizer.
+        draft_model: the draft LM (``None`` for the n-gram drafter and autoregressive decoding).
+        draft_tokenizer: the draft's tokenizer when it is not the target's (cross-tokenizer drafting), else ``None``.
+        target_policy / draft_policy: the plan's KV policies (``None`` = uncompressed).
+        weight_bytes: ``{"target": bytes, "draft": bytes}``.
+    """
+
+    def __init__(self, plan: Plan, target, tokenizer, draft_model=None, draft_tokenizer=None):
+        self.plan, self.recipe = plan, plan.recipe
+        self.target, self.tokenizer, self.draft_model = target, tokenizer, draft_model
+        self.draft_tokenizer = draft_tokenizer  # set only when the draft's vocabulary is not the target's
+        self.target_policy, self.draft_policy = plan.target_policy, plan.draft_policy
+        self.weight_bytes = {"target": weight_bytes(target),
+                             "draft": weight_bytes(draft_model) if draft_model is not None else 0}
+        if plan.recipe.spec.tree:  # fail at build time, not at the first tree round
+            check_tree_support(target, "target")
+            if plan.recipe.spec.config.uses_draft_model:
+                check_tree_support(draft_model, "draft")
+        self._persistent_drafter = None  # a drafter whose config is `persistent` (memory across requests): ONE
+        self._verify_cost = None  # the target's verify cost curve (adaptive: cost), measured or read once
+        self._engine = None  # the target's forward (recipe.compile: compiled static engine or eager), at first use
+        self.engine_note = ""  # which path decoding takes, and why (reports, the run log)
+        self._forward_cost = None  # what forwards cost, one row or a batch (ForwardCost), learned online
+        self.calibrator = Calibrator()  # acceptance calibration (adaptive: cost), learned across calls
+
+    # -------------------------------------------------------------------------------------------- preparation
+    def encode(self, prompt: str | list[dict] | torch.Tensor, field: str = "prompt") -> torch.Tensor:
+        """Token ids ``(1, prompt_len)`` of a prompt (:func:`toolkit.requests.encode`)."""
+        return requests.encode(self.tokenizer, self.recipe.target.source, prompt, field)
+
+    def check_request(self, input_ids: torch.Tensor, gen: GenerationSpec, field: str = "prompt") -> None:
+        """Check one request against the models before any forward (:func:`toolkit.requests.check_request`).
+
+        Raises:
+            ConfigError: naming ``field`` (the prompt), ``generation.max_new_tokens`` or
+                ``generation.eos_token_id[i]``.
+        """
+        models = [("target", self.target, self.target_policy)]
+        if self.draft_model is not None and self.recipe.spec.config.uses_draft_model:
+            models.append(("draft", self.draft_model, self.draft_policy))
+        requests.check_request(models, model_vocab_size(self.target), input_ids, gen, field)
+
+    def eos_token_ids(self, gen: GenerationSpec) -> list[int]:
+        """EOS ids: the generation spec's, else the model's generation config's, else the tokenizer's."""
+        if gen.eos_token_id is not None:
+            return list(gen.eos_token_id)
+        eos = getattr(self.target.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return []
+        return [eos] if isinstance(eos, int) else list(eos)
+
+    def _generation_spec(self, overrides: dict) -> GenerationSpec:
+        known = {f.name for f in dataclasses.fields(GenerationSpec)}
+        for key in overrides:
+            if key not in known:
+                raise ConfigError(f"generation.{key}", "unknown generation argument", sorted(known))
+        gen = dataclasses.replace(self.recipe.generation, **overrides)
+        gen.validate("generation")
+        return gen
+
+    def _drafter(self, gen: GenerationSpec):
+        """The recipe's drafter for one call (``None`` = autoregressive), built through the drafter registry."""
+        config = self.recipe.spec.config
+        if config.persistent and self._persistent_drafter is not None:
+            return self._persistent_drafter
+        context = DrafterContext(self.target, self.draft_model, self.draft_policy, do_sample=gen.do_sample,
+                                 temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,
+                                 tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
+        drafter = build_drafter(config, context)
+        if config.persistent:
+            self._persistent_drafter = drafter
+        return drafter
+
+    def forget(self) -> None:
+        """Drop what earlier calls taught this SpeculativeLM: the drafter's memory of earlier requests and the
+        acceptance calibration (benchmarks call it between repetitions, so no repetition sees another's prompts)."""
+        if self._persistent_drafter is not None:
+            self._persistent_drafter.close()
+        self._persistent_drafter = None
+        self.calibrator = Calibrator()
+
+    @property
+    def verify_cost(self) -> VerifyCost:
+        """The target's verify cost curve on this machine through its forward (:mod:`toolkit.speculative.cost_model`):
+        read from the user cache, or measured once (a few seconds) and cached."""
+        return self.verify_cost_for(max(16, self.plan.max_query_tokens))
+
+    def verify_cost_for(self, max_tokens: int) -> VerifyCost:
+        """The verify cost curve covering forwards of up to ``max_tokens`` tokens (batches: rows x width)."""
+        if self._verify_cost is None or self._verify_cost.max_tokens < max_tokens:
+            self._verify_cost = load_or_measure(self.target, max_tokens, forward=self.engine)
+        return self._verify_cost
+
+    def forward_cost(self, max_tokens: int) -> ForwardCost:
+        """What forwards of one row or a batch cost (:class:`~toolkit.engine.planner.ForwardCost`: the curve, and
+        batched forwards learned online, kept across calls)."""
+        curve = self.verify_cost_for(max_tokens)
+        if self._forward_cost is None or self._forward_cost.curve is not curve:
+            self._forward_cost = ForwardCost(curve)
+        return self._forward_cost
+
+    @property
+    def engine(self) -> TargetForward:
+        """The target's forward (:mod:`toolkit.engine.forward`): compiled on the static cache, or eager, as the
+        recipe's ``compile`` and the plan allow; :attr:`engine_note` says which and why. ``engine.warm_up`` compiles
+        its graphs ahead of the first request."""
+        if self._engine is None:
+            self._engine, self.engine_note = forward_for(self.recipe, self.target, self.plan)
+            log.info("decoding path: %s", self.engine_note)
+        return self._engine
+
+    def warm_up(self, tokens: int, batch_size: int = 1) -> float:
+        """Compile the engine's graphs for requests of up to ``tokens`` positions (prompt + new tokens) and batches
+        of ``batch_size`` rows before the first request (nothing on the eager path); returns the seconds it took
+        (seconds from inductor's on-disk cache, minutes cold) and reads or measures the verify cost curve."""
+        from toolkit.kv.static import capacity_for
+
+        engine = self.engine
+        if not engine.compiled:
+            return 0.0
+        widest = engine.width_for(self.plan.max_query_tokens)
+        capacity = capacity_for(tokens + widest)
+        widths = tuple(w for w in engine.widths if w <= widest) if engine.buckets else (1, 2)
+        rows = (1,) if batch_size == 1 else (1, batch_size)
+        seconds = engine.warm_up(lambda r: engine.cache_for(self.target_policy, r, capacity, widest), widths, rows)
+        if self.recipe.spec.adaptive == "cost":
+            self.verify_cost_for(max(16, self.plan.max_query_tokens))
+        return seconds
+
+    def decoder(self, gen: GenerationSpec, batch_size: int = 1) -> SpeculativeDecoder:
+        """A fresh decode loop for one call of ``batch_size`` rows per forward (the drafter is per call unless its
+        config is persistent; the cost curve and the acceptance calibration are per SpeculativeLM)."""
+        spec = self.recipe.spec
+        tree = TreeShape(spec.tree_budget, spec.tree_depth, spec.tree_topk) if spec.tree else None
+        k = spec.num_draft_tokens if spec.config.speculates else 0
+        cost = self.forward_cost(max(16, self.plan.max_query_tokens, batch_size * (k + 1))) \
+            if spec.adaptive == "cost" else None
+        controller = make_controller(spec, cost, self.calibrator, self.plan.max_query_tokens)
+        drafter = self._drafter(gen) if batch_size == 1 else self._batch_drafter(gen)
+        return SpeculativeDecoder(self.target, drafter, controller, self.target_policy, tree, self.engine,
+                                  batch_size)
+
+    # -------------------------------------------------------------------------------------------- generation
+    def _stop_check(self, gen: GenerationSpec):
+        if not gen.stop_strings:
+            return None
+        tokenizer, stops = self.tokenizer, gen.stop_strings
+
+        def should_stop(new_ids: list[int]) -> int | None:
+            text = tokenizer.decode(new_ids, skip_special_tokens=True)
+            if not any(s in text for s in stops):
+                return None
+            for cut in range(1, len(new_ids) + 1):  # shortest prefix whose text holds a stop string
+                if any(s in tokenizer.decode(new_ids[:cut], skip_special_tokens=True) for s in stops):
+                    return cut
+            return None
+
+        return should_stop
+
+    def _run(self, prompt, overrides, stats: GenerationStats | None = None,
+             ) -> tuple[Iterator[list[int]], GenerationStats, list[int], GenerationSpec]:
+        gen = self._generation_spec(overrides)
+        input_ids = self.encode(prompt)
+        self.check_request(input_ids, gen)
+        stats = stats if stats is not None else GenerationStats()
+        chunks = self.decoder(gen).decode(input_ids, gen, stats, self.eos_token_ids(gen), self._stop_check(gen))
+        return chunks, stats, input_ids[0].tolist(), gen
+
+    def _text(self, ids: list[int], gen: GenerationSpec) -> str:
+        if self.tokenizer is None:  # built without a tokenizer (token-id prompts): ids only
+            return ""
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        for stop in gen.stop_strings:  # end right after the first stop string
+            at = text.find(stop)
+            if at >= 0:
+                text = text[: at + len(stop)]
+        return text
+
+    def generate(self, prompt: str | list[dict], **overrides) -> GenerationResult:
+        """Generate a completion of ``prompt`` (a string or chat messages); a list of prompts is
+        :meth:`generate_batch` (returns a list of results in input order).
+
+        ``overrides`` replace fields of the recipe's generation section for this call (``max_new_tokens``,
+        ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``ignore_eos``, ``eos_token_id``, ``stop_strings``,
+        ``seed``). Raises :class:`ConfigError` for an unknown or invalid argument.
+        """
+        if _is_prompt_list(prompt):
+            return self.generate_batch(prompt, **overrides)
+        chunks, stats, prompt_ids, gen = self._run(prompt, overrides)
+        new_ids = [tok for chunk in chunks for tok in chunk]
+        return GenerationResult(self._text(new_ids, gen), new_ids, prompt_ids, stats)
+
+    def generate_stream(self, prompt: str | list[dict], stats: GenerationStats | None = None,
+                        **overrides) -> Iterator[str]:
+        """Yield the completion's text incrementally, as tokens commit (same arguments as :meth:`generate`); pass a
+        :class:`~toolkit.speculative.stats.GenerationStats` as ``stats`` to read the round statistics afterwards."""
+        chunks, _, _, gen = self._run(prompt, overrides, stats)
+        ids: list[int] = []
+        emitted = ""
+        for chunk in chunks:
+            ids.extend(chunk)
+            text = self._text(ids, gen)
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next tokens
+                continue
+            if len(text) > len(emitted):
+                yield text[len(emitted):]
+                emitted = text
+        text = self._text(ids, gen)
+        if len(text) > len(emitted):
+            yield text[len(emitted):]
+
+    # -------------------------------------------------------------------------------------------- batches
+    @property
+    def batchable(self) -> bool:
+        """The recipe runs as batched speculative decoding: a drafter whose config allows batches (model-free, an
+        EAGLE head, or a draft model with the target's vocabulary and an uncompressed draft cache) or AR; an
+        uncompressed target cache or one whose policy runs per row (StreamingLLM with absolute positions and the
+        exact window, KIVI-quantized, L2-norm, head-aware); chains (no token trees)."""
+        from toolkit.kv.rows import batches
+
+        spec = self.recipe.spec
+        policy_ok = batches(self.target_policy, self.target) is None
+        draft_ok = not spec.config.uses_draft_model or (self.draft_tokenizer is None and self.draft_policy is None)
+        return spec.config.batch and policy_ok and draft_ok and not spec.tree
+
+    def generate_batch(self, prompts: list, batch_size: int | None = None, **overrides) -> list[GenerationResult]:
+        """Generate a completion of every prompt, ``batch_size`` of them per target forward (continuous batching:
+        a finished row's place goes to the next prompt); results in input order. ``batch_size`` ``None``: the
+        recipe's (:attr:`toolkit.recipe.Recipe.rows_per_forward`).
+
+        Batched decoding (the one decoder, :mod:`toolkit.engine.decoder`, over ``batch_size`` rows) needs :attr:`batchable`; any other recipe runs the
+        prompts one at a time (logged). Raises ConfigError for a bad ``batch_size`` or generation argument.
+        """
+        from toolkit.checks import check_int
+        from toolkit.recipe import BATCH_SIZE_MAX
+
+        batch_size = self.recipe.rows_per_forward if batch_size is None else batch_size
+        check_int("batch_size", batch_size, low=1, high=BATCH_SIZE_MAX)
+        if not self.batchable or batch_size == 1:
+            if batch_size > 1:
+                log.info("recipe %s runs its prompts one at a time (batched decoding does not cover token trees, "
+                         "cross-tokenizer drafts, compressed draft caches, StreamingLLM with reindexed positions or "
+                         "composed with quantization)", self.recipe.name)
+            return [self.generate(p, **overrides) for p in prompts]
+        gen = self._generation_spec(overrides)
+        inputs = [self.encode(p) for p in prompts]
+        for i, input_ids in enumerate(inputs):
+            self.check_request(input_ids, gen, f"prompts[{i}]")
+        rows = self.decoder(gen, batch_size).decode_batch(inputs, gen, self.eos_token_ids(gen), self._stop_check(gen))
+        return [GenerationResult(self._text(ids, gen), ids, x[0].tolist(), stats)
+                for (ids, stats), x in zip(rows, inputs)]
+
+    def _batch_drafter(self, gen: GenerationSpec):
+        """What drafts for a batch (:mod:`toolkit.speculative.drafters.rows`): the draft model or EAGLE head over
+        all rows at once, or a model-free drafter per row (persistent ones forked from the SpeculativeLM's, sharing its
+        memory)."""
+        from toolkit.speculative.drafters.draft_model_rows import BatchDraftModel
+        from toolkit.speculative.drafters.eagle_rows import BatchEagle
+        from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD
+
+        config = self.recipe.spec.config
+        if not config.speculates:
+            return lambda: None
+        if config.draft == DRAFT_EAGLE_HEAD:
+            return BatchEagle(self.target, self.draft_model, do_sample=gen.do_sample, temperature=gen.temperature,
+                              top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed)
+        if config.uses_draft_model:
+            return BatchDraftModel(self.draft_model, do_sample=gen.do_sample, temperature=gen.temperature,
+                                   top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,
+                                   confidence_threshold=config.confidence_threshold)
+        root = self._drafter(gen)
+        return (lambda: root.fork()) if config.persistent else (lambda: self._drafter(gen))
+
+
+def _is_prompt_list(prompt) -> bool:
+    """A list of prompts (strings or message lists), as opposed to one chat (a list of message dicts)."""
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) or torch.is_tensor(p)
+                                                             for p in prompt)
+
+
+def build(recipe: Recipe, target=None, tokenizer=None, draft_model=None, pool: ModelPool | None = None,
+          draft_tokenizer=None) -> SpeculativeLM:
+    """Plan ``recipe`` (:func:`toolkit.session.plan`), load its models and return a :class:`SpeculativeLM`.
+
+    Models come from ``pool`` (a :class:`~toolkit.session.ModelPool`, so several recipes share them) or a fresh
+    one; already-loaded ``target``/``tokenizer``/``draft_model`` (and the draft's ``draft_tokenizer`` when it is
+    not the target's) may be passed instead. A ``draft_model`` drafter whose tokenizer is not the target's drafts
+    across tokenizers (:mod:`toolkit.speculative.drafters.cross_tokenizer`).
+
+    Raises:
+        ConfigError: invalid recipe field or combination (named).
+        ModelLoadError: a model source cannot be read.
+        TokenizerMismatchError: target and draft vocabularies differ where the drafter cannot translate.
+    """
+    p = plan(recipe)
+    target, tokenizer, draft_model, draft_tokenizer = load_models(p, pool, target, tokenizer, draft_model,
+                                                                  draft_tokenizer)
+    return SpeculativeLM(p, target, tokenizer, draft_model, draft_tokenizer)
+
+
+__all__ = ["SpeculativeLM", "build"]
