@@ -7,7 +7,7 @@ RECIPE ?= recipes/short.yaml
 SCENARIO ?= short
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-gpu bench-cpu-engines bench-llamacpp test test-fast upgrade-check distill clean
+.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-gpu bench-cpu-engines bench-llamacpp bench-model-drafters test test-fast upgrade-check distill clean
 
 setup: $(STAMP)
 
@@ -83,6 +83,11 @@ bench-cpu-engines: $(STAMP)
 	$(BIN)/python bench/cpu_engines.py
 
 bench-llamacpp: bench-cpu-engines
+
+## Drafters that run a network (the EAGLE head, a draft model) vs our own AR path on the main recipe's int4 weights,
+## unseen prompts -> bench/reports/model-drafters/.
+bench-model-drafters: $(STAMP)
+	$(BIN)/python bench/model_drafters.py
 
 ## Peak memory of converting a 0.5B GGUF (Qwen2.5-0.5B's shape, written locally) at each cache dtype.
 bench-gguf: $(STAMP)
