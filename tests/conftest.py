@@ -76,6 +76,36 @@ def embedded_int4():
     return load_model(ModelSpec(source="embedded", precision="int4", device="cpu"))
 
 
+@pytest.fixture(scope="session")
+def embedded_greedy(embedded):
+    """``reference(name, new_tokens)`` -> ``(prompt ids, HF greedy continuation)`` on the embedded model for the real
+    prompts of ``test_decoder._real_prompts`` (chat, summarize, code), shared by the modules that check against them
+    (test_decoder, test_tree): each prompt is decoded once per worker, to the longest length asked for (EOS
+    disabled, so a shorter reference is a prefix of a longer one)."""
+    from test_decoder import _real_prompts, hf_greedy
+
+    model, tokenizer = embedded
+    prompts = _real_prompts(tokenizer)
+    decoded: dict[str, list[int]] = {}
+
+    def reference(name: str, new_tokens: int) -> tuple[torch.Tensor, list[int]]:
+        if len(decoded.get(name, ())) < new_tokens:
+            decoded[name] = hf_greedy(model, prompts[name], new_tokens)
+        return prompts[name], decoded[name][:new_tokens]
+
+    return reference
+
+
+@pytest.fixture(scope="session")
+def eagle_pair():
+    """``(target, head)``: test_eagle's tiny target and the EAGLE-1 head trained on it (``test_eagle.train_head``),
+    built once per worker for the modules that read them (test_eagle, test_eagle_tree)."""
+    from test_eagle import INIT, train_head
+
+    target = tiny_llama(seed=0, **INIT)
+    return target, train_head(target)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Run a module's tests on one torch thread (many tiny forwards: threading overhead dominates), then restore."""

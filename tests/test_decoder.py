@@ -356,11 +356,13 @@ def _real_prompts(tokenizer) -> dict[str, torch.Tensor]:
     return {"chat": chat, "summarize": summarize.input_ids, "code": code.input_ids}
 
 
+EMBEDDED_NEW_TOKENS = 32  # test_tree's embedded trees check the same references (conftest's embedded_greedy)
+
+
 @pytest.fixture(scope="module")
-def embedded_cases(embedded):
-    """{name: (prompt ids, HF greedy reference of 48 tokens)} for the three real prompts, computed once."""
-    model, tokenizer = embedded
-    return {name: (prompt, hf_greedy(model, prompt, 48)) for name, prompt in _real_prompts(tokenizer).items()}
+def embedded_cases(embedded_greedy):
+    """{name: (prompt ids, HF greedy reference of 32 tokens)} for the three real prompts (decoded once per worker)."""
+    return {name: embedded_greedy(name, EMBEDDED_NEW_TOKENS) for name in ("chat", "summarize", "code")}
 
 
 @pytest.mark.slow
@@ -370,7 +372,7 @@ def test_embedded_greedy_matches_ar_on_real_prompts(embedded, embedded_int4, emb
     accepted = 0
     for name, (prompt, reference) in embedded_cases.items():
         drafter = DraftModel(embedded_int4[0]) if drafter_kind == "self_int4" else NGramDrafter()
-        ids, stats, _ = speculate(model, drafter, prompt, ConstantK(4), max_new_tokens=48)
+        ids, stats, _ = speculate(model, drafter, prompt, ConstantK(4), max_new_tokens=EMBEDDED_NEW_TOKENS)
         assert ids == reference, name
         assert stats.rounds >= 2
         if drafter_kind == "self_int4":

@@ -48,14 +48,19 @@ def features_of(target, rows) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_llama(seed=0, **INIT)
+def target(eagle_pair):
+    return eagle_pair[0]
 
 
 @pytest.fixture(scope="module")
-def trained_head(target):
+def trained_head(eagle_pair):
+    return eagle_pair[1]
+
+
+def train_head(target):
     """An EAGLE-1 head (draft vocabulary: 96 of 128 tokens) trained for a few hundred steps on the target's own
-    greedy continuations, so that it agrees with the target often but not always."""
+    greedy continuations, so that it agrees with the target often but not always (conftest's ``eagle_pair``: trained
+    once per worker, for this module and test_eagle_tree)."""
     feats, tokens = features_of(target, greedy_rows(target, 16, 48))
     counts = torch.bincount(tokens.flatten(), minlength=128).double()
     head = build_head(target, 96, counts, seed=0)
@@ -383,8 +388,8 @@ def test_shipped_head_greedy_matches_ar_on_embedded_model(embedded):
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Explain why exercise is good for health."}],
                                         add_generation_prompt=True, return_tensors="pt")
     ids = ids if torch.is_tensor(ids) else ids["input_ids"]
-    reference = hf_greedy(model, ids, 48)
-    out, stats, _ = speculate(model, EagleDrafter(model, head), ids, ConstantK(4), max_new_tokens=48)
+    reference = hf_greedy(model, ids, 32)
+    out, stats, _ = speculate(model, EagleDrafter(model, head), ids, ConstantK(4), max_new_tokens=32)
     assert out == reference
     assert stats.accepted > 0 and stats.accepted < stats.drafted
     assert not model.model.layers[-1]._forward_hooks

@@ -70,11 +70,11 @@ def test_ppl_embedded_matches_independent_computation(embedded):
     from eval.data import heldout_ids
 
     model, tokenizer = embedded
-    ids = heldout_ids(tokenizer, "prose", 256)
+    ids = heldout_ids(tokenizer, "prose", 128)
     ref = _hf_loss_ppl(model, ids)
     assert 5 < ref < 100  # a real text, a real model
     cached = M.perplexity_through_cache(model, ids, None, chunk=5)
-    window = M.perplexity_sliding_window(model, ids, window=256, stride=128)
+    window = M.perplexity_sliding_window(model, ids, window=128, stride=64)
     assert cached["value"] == pytest.approx(ref, rel=1e-3)
     assert window["value"] == pytest.approx(ref, rel=1e-3)
 

@@ -153,7 +153,7 @@ def test_unknown_or_invalid_generation_argument_is_a_config_error(tiny_generator
 @pytest.fixture(scope="module")
 def embedded_generator(embedded):
     model, tokenizer = embedded
-    return toolkit.build(recipe("ngram", k=4, max_new_tokens=48), target=model, tokenizer=tokenizer)
+    return toolkit.build(recipe("ngram", k=4, max_new_tokens=32), target=model, tokenizer=tokenizer)
 
 
 @pytest.mark.slow

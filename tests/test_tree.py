@@ -332,16 +332,14 @@ def test_tree_sampling_in_the_decoder_is_reproducible_and_exact_in_length():
 
 # ------------------------------------------------------------------------------------------ embedded model (slow)
 @pytest.mark.slow
-def test_embedded_greedy_tree_matches_ar(embedded, embedded_int4):
+def test_embedded_greedy_tree_matches_ar(embedded, embedded_int4, embedded_greedy):
     """fp32 embedded model, real prompts: EAGLE-2 trees from the NF4 self-draft (chat and code prompts) and suffix
-    trees (every prompt) == HF greedy."""
-    from test_decoder import _real_prompts, hf_greedy
-
+    trees (every prompt) == HF greedy (the references test_decoder's embedded test checks too)."""
     model, tokenizer = embedded
     suffix = SuffixDrafter(max_spec_factor=2.0, min_token_prob=0.05)
     taus = []
-    for name, prompt in _real_prompts(tokenizer).items():
-        reference = hf_greedy(model, prompt, 32)
+    for name in ("chat", "summarize", "code"):
+        prompt, reference = embedded_greedy(name, 32)
         drafters = [(suffix, TreeShape(12, 16, 4))]
         if name != "summarize":
             drafters.insert(0, (DraftModel(embedded_int4[0]), TreeShape(12, 4, 3)))

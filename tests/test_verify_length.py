@@ -229,12 +229,16 @@ def test_the_sampling_test_catches_a_verify_length_that_peeks_at_the_drafted_tok
     draft = copy.deepcopy(target)  # q = p: every verified token is accepted, so the peek's bias is plain to see
     prompt = make_prompt(2, vocab=12, length=6)
     seen: dict = {}
+    favourite: dict = {}  # prefix -> the target's argmax after it (the draws share their prefixes)
     original = DraftModel.propose
 
     def spy(self, input_ids, k):  # remember the drafted token and the target's favourite for the planted peek
         tokens, logits = original(self, input_ids, k)
-        with torch.no_grad():
-            seen["best"] = int(target(input_ids).logits[0, -1].argmax())
+        prefix = tuple(input_ids[0].tolist())
+        if prefix not in favourite:
+            with torch.no_grad():
+                favourite[prefix] = int(target(input_ids).logits[0, -1].argmax())
+        seen["best"] = favourite[prefix]
         seen["first"] = int(tokens[0, 0])
         return tokens, logits
 
