@@ -30,6 +30,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from gpu_kit.carry import MANIFEST, split_file  # noqa: E402
 
+WHEELS = ("torchao", "gguf", "platformdirs", "bitsandbytes")
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64", "any"]
 
@@ -75,11 +76,14 @@ def main(argv=None) -> int:
     parser.add_argument("--cuda", default="130", help="the device's CUDA as bitsandbytes names it (13.0 -> 130)")
     parser.add_argument("--parts", type=int, default=3,
                         help="parts of the embedded GGUF, one per call (3 keep each call under 64 MiB with the tree)")
+    parser.add_argument("--wheels", nargs="+", default=list(WHEELS), choices=WHEELS,
+                        help="packages to carry as wheels (default: all; gguf + platformdirs serve the embedded "
+                             "model, torchao + bitsandbytes only the quantized recipes, which no kit stage times)")
     args = parser.parse_args(argv)
     wheels = args.out / "wheels"
     shutil.rmtree(wheels, ignore_errors=True)
     wheels.mkdir(parents=True)
-    for dist in ("torchao", "gguf", "platformdirs", "bitsandbytes"):
+    for dist in args.wheels:
         wheel = download(dist, importlib.metadata.version(dist), wheels)
         if dist == "bitsandbytes":
             trim_bitsandbytes(wheel, args.cuda)

@@ -89,7 +89,13 @@ def test_the_streaming_ring_decodes_exactly_like_the_single_sequence_policy(draf
 @pytest.mark.parametrize("buckets", [False, True], ids=["cpu-dynamic", "cuda-buckets"])
 def test_compiled_forwards_give_hf_greedy_for_one_row_and_a_batch(buckets):
     target = tiny_llama(seed=0, **INIT)
-    forward = TargetForward(target, compile=True, backend="eager", buckets=buckets)
+    graphs = []  # what dynamo hands the backend: one entry per compile
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    forward = TargetForward(target, compile=True, backend=counting_backend, buckets=buckets)
     prompts = [repetitive(seed) for seed in range(3)]
     alone = [hf_greedy(target, p, GREEDY.max_new_tokens) for p in prompts]
     ids, stats, decoder = decode(target, prompts[0], NGramDrafter(), k=3, forward=forward)
@@ -101,8 +107,12 @@ def test_compiled_forwards_give_hf_greedy_for_one_row_and_a_batch(buckets):
     assert [r for r, _ in rows] == alone
     if buckets:  # every forward padded to a (batch, width) bucket; padding never committed
         assert all(r in forward.batch_sizes and w in forward.widths for r, w in forward.compile_s)
+        assert len(forward.compile_s) > 6  # several buckets ran ...
     else:  # dynamic sizes: one graph per (rows == 1, width == 1) class, whatever the widths and lengths
         assert set(forward.compile_s) <= {(1, 1), (1, 2), (2, 1), (2, 2)}
+    # ... from the same compiled graphs on both paths: rows and width are dynamic past 1 (four shape classes), and
+    # the batch's cache (other rows and capacity) recompiles two of them. Buckets are CUDA-graph captures, not compiles
+    assert len(graphs) <= 6
 
 
 def test_a_static_cache_is_reused_across_requests_and_grows_only():
@@ -126,3 +136,4 @@ def test_rows_leave_and_join_without_touching_the_others():
     rows = decoder.decode_batch(prompts, gen)
     assert [r for r, _ in rows] == alone
     assert isinstance(decoder.cache, StaticKV) and decoder.cache.allocated == 2 and decoder.cache.rows == 0
+

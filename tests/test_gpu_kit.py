@@ -33,7 +33,8 @@ def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
     assert "GPU kit summary" in done.stdout.splitlines()[-12:][0] or "GPU kit summary" in done.stdout
     stages = json.loads((out / "gpu_bench.json").read_text())["stages"]
     assert {name: s["status"] for name, s in stages.items()} == dict.fromkeys(
-        ["environment", "greedy", "sampling", "kv", "verify_cost", "speed", "projection"], "ok")
+        ["environment", "greedy", "verify_cost", "speed", "speed_real", "sampling", "kv", "projection",
+         "verify_cost_more"], "ok")
     assert stages["greedy"]["result"]["all_identical"]
     batch = [r["path"] for r in stages["greedy"]["result"]["rows"] if r["path"].startswith("batch of 8")]
     assert len([p for p in batch if p.startswith("batch of 8, lookup: row")]) == 8  # eager
@@ -52,6 +53,11 @@ def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
     curve = stages["verify_cost"]["result"]["tiny"]["batches"]
     assert set(curve) == {"1", "2"} and all(ms > 0 for ms in curve["1"]["ms"].values())
     assert stages["projection"]["result"]["tiny"], "no projection from the committed CPU reports"
+    real = stages["speed_real"]["result"]  # the embedded model on the repeated-request suite
+    assert real["requests"] == 2 and set(real["rows"]) == {"HF prompt lookup (K=10)", "ours AR",
+                                                            "ours lookup (cost-aware K)"}  # eager in the dry run
+    assert all(r["tok_s"] > 0 and "error" not in r for r in real["rows"].values()), real["rows"]
+    assert real["rows"]["ours lookup (cost-aware K)"]["tau"] > 1.0  # real weights: the lookup drafter is accepted
     assert "| ours AR |" in (out / "gpu_bench.md").read_text()
 
 

@@ -14,13 +14,15 @@ from gpu_kit import carry, shapes
 
 #: the full run on a GPU (<= 8 minutes on an H100), a real shape on a CPU (``--device cpu``: the 0.5B shape, shorter
 #: curves; <= 8 minutes on 2 cores) and the dry run (the CPU, tiny models, seconds)
-FULL = {"speed_shapes": ["llama-3.2-1b", "qwen2.5-0.5b", "llama-3.1-8b"], "draft_shape": "draft-68m",
-        "batch_sizes": [1, 8, 32], "widths": [1, 2, 4, 8, 16, 32, 64], "context": 512, "new_tokens": 64,
+#: ``speed_shapes`` / ``batch_sizes``: the verify curves and speeds measured first (the issue's targets: a >= 1B
+#: shape at B = 1 and 8); ``more_verify``: curves measured last, in the time left (``verify_cost_more``)
+FULL = {"speed_shapes": ["llama-3.2-1b"], "draft_shape": "draft-68m", "batch_sizes": [1, 8],
+        "more_verify": {"llama-3.2-1b": [32], "qwen2.5-0.5b": [1, 8, 32], "llama-3.1-8b": [1, 8]}, "widths": [1, 2, 4, 8, 16, 32, 64], "context": 512, "new_tokens": 64,
         "prompt_tokens": 128, "num_prompts": 3, "repeats": 1, "timing_repeats": 5, "sampling_draws": 1500}
-CPU = {"speed_shapes": ["qwen2.5-0.5b"], "draft_shape": "draft-68m", "batch_sizes": [1, 4],
+CPU = {"speed_shapes": ["qwen2.5-0.5b"], "draft_shape": "draft-68m", "batch_sizes": [1, 4], "more_verify": {},
        "widths": [1, 2, 4, 8, 16], "context": 128, "new_tokens": 32, "prompt_tokens": 64, "num_prompts": 2,
        "repeats": 1, "timing_repeats": 3, "sampling_draws": 500}
-DRY = {"speed_shapes": ["tiny"], "draft_shape": "tiny-draft", "batch_sizes": [1, 2], "widths": [1, 2, 4],
+DRY = {"speed_shapes": ["tiny"], "draft_shape": "tiny-draft", "batch_sizes": [1, 2], "more_verify": {"tiny": [3]}, "widths": [1, 2, 4],
        "context": 16, "new_tokens": 10, "prompt_tokens": 20, "num_prompts": 1, "repeats": 1, "timing_repeats": 2,
        "sampling_draws": 200}
 
@@ -37,9 +39,12 @@ class Kit:
     compile_backend: str
     compile_mode: str | None
     log: object = print
+    out_dir: Path | None = None
+    args: dict = field(default_factory=dict)
     results: dict = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     _models: dict = field(default_factory=dict)
+    _forwards: dict = field(default_factory=dict)
 
     def __post_init__(self):
         profile = DRY if self.dry_run else FULL if self.device.type == "cuda" else CPU
@@ -58,15 +63,33 @@ class Kit:
         self.log(f"skip {what}: the {self.budget_s:.0f} s budget is spent")
         return True
 
+    def partial(self, stage: str, result) -> None:
+        """Record ``stage``'s results so far (status ``running``) and save: a run killed mid-stage keeps them."""
+        self.results[stage] = {"status": "running", "seconds": None, "result": result}
+        self.save()
+
+    def save(self) -> None:
+        """Write ``gpu_bench.json`` and ``gpu_bench.md`` of the results so far into ``out_dir`` (atomically)."""
+        if self.out_dir is None:
+            return
+        from gpu_kit.report import markdown
+        from toolkit.io import atomic_write_json, atomic_write_text
+
+        atomic_write_json(self.out_dir / "gpu_bench.json", {"args": self.args, "seconds": self.elapsed(),
+                                                            "stages": self.results})
+        atomic_write_text(self.out_dir / "gpu_bench.md", markdown(self.results))
+
     # ------------------------------------------------------------------------------------------------ models
     def model(self, name: str, dtype: torch.dtype, seed: int = 0):
         """The random-weight model of shape ``name`` on the device (built once per name, dtype and seed; other
         speed shapes are dropped first so one large model at a time holds device memory)."""
         key = (name, dtype, seed)
         if key not in self._models:
-            if name in self.speed_shapes:
-                for other in [k for k in self._models if k[0] in self.speed_shapes]:
+            large = {*self.speed_shapes, *self.more_verify}
+            if name in large:
+                for other in [k for k in self._models if k[0] in large]:
                     del self._models[other]
+                    self._forwards.pop(other, None)
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
             began = time.perf_counter()
@@ -74,6 +97,17 @@ class Kit:
             self.log(f"built {name} ({shapes.SHAPES[name].params() / 1e6:.0f}M parameters, {dtype}) on "
                      f"{self.device} in {time.perf_counter() - began:.1f} s")
         return self._models[key]
+
+    def compiled(self, model):
+        """The compiled static engine of ``model`` the way the device runs it (CUDA graphs on a GPU; the dry run
+        traces with the kit's backend), one per model: every stage reuses its graphs and its static cache."""
+        from toolkit.engine.forward import TargetForward
+
+        key = next((k for k, m in self._models.items() if m is model), id(model))
+        if key not in self._forwards or self._forwards[key].model is not model:
+            self._forwards[key] = TargetForward(model, compile=True, backend=self.compile_backend,
+                                                mode=self.compile_mode)
+        return self._forwards[key]
 
     @functools.cached_property
     def embedded(self):

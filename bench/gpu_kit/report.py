@@ -29,8 +29,8 @@ def markdown(results: dict) -> str:
                   "Packages: " + "; ".join(f"{k} {v}" for k, v in env["packages"].items()), ""]
     lines += ["## Stages", ""] + _table(["stage", "status", "seconds", "error"], [
         [name, r["status"], r["seconds"], r.get("error", "")] for name, r in results.items()]) + [""]
-    for name, render in (("greedy", _greedy), ("sampling", _sampling), ("kv", _kv), ("verify_cost", _verify),
-                         ("speed", _speed), ("projection", _projection)):
+    for name, render in (("greedy", _greedy), ("sampling", _sampling), ("kv", _kv), ("verify_cost", _verify), ("verify_cost_more", _verify),
+                         ("speed", _speed), ("speed_real", _speed_real), ("projection", _projection)):
         result = results.get(name, {}).get("result")
         if result is not None:
             lines += render(result) + [""]
@@ -85,6 +85,23 @@ def _speed(result: dict) -> list[str]:
     return lines
 
 
+def _speed_real(result: dict) -> list[str]:
+    rows = result["rows"]
+    base = rows.get("HF static cache + compiled AR", {}).get("tok_s")
+    same = result.get("lookup_equals_ar")
+    lines = [f"## Real weights: {result['model']} ({result['dtype']}) on the `{result['suite']}` suite", "",
+             f"{result['requests']} requests in order, {result['max_new_tokens']} new tokens each, EOS off; ours on the "
+             f"{result['path']} engine; lookup with memory across requests, cost-aware K.", ""] + _table(
+        ["method", "tok/s (pass)", "× HF static compiled", "median tok/s per request", "α", "τ", "error"],
+        [[m, r.get("tok_s"), r["tok_s"] / base if base and r.get("tok_s") else None,
+          r.get("tok_s_per_request_median"), r.get("alpha"), r.get("tau"), r.get("error", "")]
+         for m, r in rows.items()])
+    if same is not None:
+        lines += ["", f"Our lookup's tokens equal our AR's on {sum(c['ok'] for c in same)} of {len(same)} requests "
+                  f"(first divergences: {[c['first_divergence'] for c in same if not c['ok']]})."]
+    return lines
+
+
 def _projection(result: dict) -> list[str]:
     lines = ["## Projected speedups over our AR (CPU-measured acceptance × this device's verify curve)", ""]
     for shape, rows in result.items():
@@ -99,7 +116,7 @@ def summary(results: dict) -> str:
     """A few lines: each stage's status, identity / sampling / KV verdicts, and tok/s of ours vs HF per shape."""
     lines = ["", "GPU kit summary", "---------------"]
     for name, r in results.items():
-        lines.append(f"{name:<12} {r['status']:<8} {r['seconds']:6.1f} s  {r.get('error', '')[:80]}")
+        lines.append(f"{name:<16} {r['status']:<8} {r['seconds'] or 0:6.1f} s  {r.get('error', '')[:80]}")
     greedy = results.get("greedy", {}).get("result")
     if greedy:
         bad = [r["path"] for r in greedy["rows"] if r["ok"] is False]

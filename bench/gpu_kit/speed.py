@@ -29,16 +29,26 @@ from toolkit.speculative.drafters.eagle import EagleDrafter
 from toolkit.speculative.verify_length import Calibrator
 
 
-def verify_cost(kit) -> dict:
-    """ms of one target forward over ``n`` new tokens per row after ``kit.context`` cached tokens, for every speed
-    shape, batch size and ``n``, through the decoder's own forward on its static cache (compiled: CUDA graphs on a
-    GPU; eager where the kit does not compile); nothing is accepted, so every forward sees the same context."""
+def verify_cost_more(kit) -> dict:
+    """The verify curves of ``kit.more_verify`` (more shapes and batch sizes), measured last in the time left."""
+    return verify_cost(kit, kit.more_verify, stage="verify_cost_more")
+
+
+def verify_cost(kit, plan: dict | None = None, stage: str = "verify_cost") -> dict:
+    """ms of one target forward over ``n`` new tokens per row after ``kit.context`` cached tokens, for each shape and
+    batch size of ``plan`` (``{shape: [B, ...]}``; default: every speed shape at ``kit.batch_sizes``) and every
+    ``n``, through the decoder's own forward on its static cache (compiled: CUDA graphs on a GPU; eager where the kit
+    does not compile); nothing is accepted, so every forward sees the same context. What is measured so far is saved
+    under ``stage`` after each batch size (a run stopped from outside keeps it)."""
     out = {}
-    for name in kit.speed_shapes:
+    plan = plan if plan is not None else {name: kit.batch_sizes for name in kit.speed_shapes}
+    for name, batches in plan.items():
+        if kit.out_of_time(f"verify cost of {name}"):
+            break
         model = kit.model(name, kit.dtype)
         forward = compiled_forward(kit, model) if kit.compile_backend != "none" else TargetForward(model)
         per_batch = {}
-        for batch in kit.batch_sizes:
+        for batch in batches:
             if kit.out_of_time(f"verify cost of {name} at B = {batch}"):
                 break
             widest = forward.width_for(max(kit.widths))
@@ -57,11 +67,14 @@ def verify_cost(kit) -> dict:
                     summary, _ = time_ms(lambda tokens=tokens: forward(cache, tokens), kit.device,
                                          repeats=kit.timing_repeats)
                     row[n] = summary.median
+            if not row:
+                continue
             per_batch[batch] = {"ms": row, "relative": {n: ms / row[kit.widths[0]] for n, ms in row.items()}}
             cache = None  # freed before the next batch size / shape
-        out[name] = {"params": shapes.SHAPES[name].params(), "context": kit.context, "batches": per_batch,
-                     "path": "CUDA graphs" if forward.compiled and kit.device.type == "cuda" else
-                     "compiled" if forward.compiled else "eager"}
+            out[name] = {"params": shapes.SHAPES[name].params(), "context": kit.context, "batches": per_batch,
+                         "path": "CUDA graphs" if forward.compiled and kit.device.type == "cuda" else
+                         "compiled" if forward.compiled else "eager"}
+            kit.partial(stage, out)
         model = forward = None
     return out
 
@@ -162,6 +175,8 @@ def speed(kit) -> dict:
                 row["peak"] = meter.result
             except Exception as exc:  # noqa: BLE001 - one method failing must not stop the others
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            out[name] = {"rows": {m: _summarize(r) for m, r in rows.items()}}
+            kit.partial("speed", out)
         if index == 0:
             rows.update(_batch_rows(kit, target, prompts, gen, cost_curve))
         out[name] = {"rows": {m: _summarize(r) for m, r in rows.items()}}
