@@ -11,8 +11,9 @@ engine"); what a graph is specialised to depends on the device:
   machine, seconds from inductor's on-disk cache), and no forward is padded.
 * **CUDA** (``mode="reduce-overhead"``: CUDA graphs): every shape is static — ``W`` is padded to the next of
   :attr:`TargetForward.widths` and ``B`` to the next of :attr:`TargetForward.batch_sizes` (padding rows are unused rows
-  of the static cache), and the span is the whole cache. One graph per (batch bucket, width bucket), captured at its
-  first call; the cost model's curve then has the buckets' steps, which the verify planner reads.
+  of the static cache), and the span is the whole cache. Inductor compiles the same four graphs as on CPU (rows and
+  width dynamic past 1), and the CUDA graph trees record one CUDA graph per (batch bucket, width bucket) from them at
+  its first call; the cost model's curve then has the buckets' steps, which the verify planner reads.
 
 Eager forwards (no compile, or a cache that is not static: KV policies that re-pack or gather at commit points) call
 the model as it is. A padded forward's extra positions are never kept: the caller's :meth:`accept` counts only real
@@ -29,6 +30,7 @@ import inspect
 import logging
 import os
 import time
+import weakref
 
 import torch
 
@@ -125,6 +127,7 @@ class TargetForward:
         self.compile_s: dict[tuple, float] = {}
         self._compiled = None
         self._cache = None  # the last static cache built, reused by requests it can hold (addresses stay fixed)
+        self._checked = weakref.WeakKeyDictionary()  # cache -> graph keys that ran on it once with every guard
         self.skip_guards = os.environ.get("TOOLKIT_FULL_GUARDS", "") in ("", "0")
         self._modules = None  # the model's modules, read for forward hooks (see _hooked)
         self._said_hooked = False
@@ -200,17 +203,17 @@ class TargetForward:
             padded[:rows, width:] = input_ids[:, -1:]
             input_ids = padded
         kwargs = cache.prepare(run_width, range(run_rows))
-        if not self.buckets:
-            self._mark_dynamic(input_ids, kwargs, cache)
+        self._mark_dynamic(input_ids, kwargs, cache, span=not self.buckets)
         key = (run_rows if self.buckets else min(run_rows, 2), run_width if self.buckets else min(run_width, 2))
-        first = key not in self.compile_s
+        first = key not in self._checked.get(cache, ())  # this graph on this cache: guards not yet run in full
         began = time.perf_counter()
         if self.device.type == "cuda" and self.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # the previous round's outputs were consumed
         args = (self.model, input_ids, kwargs["position_ids"], kwargs["attention_mask"],
                 model_kwargs(self.model, {"past_key_values": kwargs["past_key_values"]}))
         logits = self._run(args, first)
-        if first:
+        self._checked.setdefault(cache, set()).add(key)
+        if key not in self.compile_s:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.compile_s[key] = time.perf_counter() - began
@@ -234,12 +237,14 @@ class TargetForward:
         return hooked
 
     def _run(self, args: tuple, first: bool) -> torch.Tensor:
-        """Call the compiled forward. Once its graph exists, only the guards that tell the compiled graphs apart are
-        evaluated (``skip_guard_eval_unsafe``): dynamo's full guard check walks every weight of the model and cost
-        2-4 ms a forward on this CPU (10-20% of a decode step). Every input here is made by the engine itself, so
-        the skipped guards (weights, dtypes, the model's attributes) cannot have changed; a call that would need a
-        new graph raises instead of running a wrong one, and is retried with every guard
-        (``TOOLKIT_FULL_GUARDS=1`` turns the shortcut off)."""
+        """Call the compiled forward. Once a graph ran on this cache with every guard, only the guards that tell the
+        compiled graphs apart are evaluated (``skip_guard_eval_unsafe``): dynamo's full guard check walks every
+        weight of the model and cost 2-4 ms a forward on this CPU (10-20% of a decode step). Every input here is
+        made by the engine itself, so the skipped guards (weights, dtypes, the model's attributes) cannot have
+        changed; a call that would need a new graph raises instead of running a wrong one, and is retried with every
+        guard (``TOOLKIT_FULL_GUARDS=1`` turns the shortcut off). The first call on a new cache runs every guard:
+        the compiled code is shared by every forward of the process, and the graphs of another model (another
+        dtype) differ from this one's only in guards the shortcut skips."""
         if first or not self.skip_guards:
             return self._compiled(*args)
         try:
@@ -251,10 +256,14 @@ class TargetForward:
             return self._compiled(*args)
 
     @staticmethod
-    def _mark_dynamic(input_ids, kwargs: dict, cache) -> None:
-        """CPU graphs: the span, and the rows and width where they exceed 1 (sizes of 1 get graphs of their own)."""
+    def _mark_dynamic(input_ids, kwargs: dict, cache, span: bool) -> None:
+        """The rows and width where they exceed 1 (sizes of 1 get graphs of their own), and on CPU the span: inductor
+        then compiles at most four graphs. With CUDA graphs the span is the whole cache, and each bucket is a
+        shape of its own that the CUDA graph trees record once from the same compiled code (a capture, not a
+        compile: seconds in all instead of a compile per bucket)."""
         mask, positions = kwargs["attention_mask"], kwargs["position_ids"]
-        torch._dynamo.mark_dynamic(mask, 3)
+        if span:
+            torch._dynamo.mark_dynamic(mask, 3)
         rows, width = input_ids.shape
         for tensor in (input_ids, positions, cache.write_index):
             if width > 1:
