@@ -112,6 +112,7 @@ def environment(kit, wheels: dict) -> dict:
 def run_stage(kit, name: str, fn) -> None:
     """Run one stage; store ``{"status", "seconds", "result" | "error"}`` in ``kit.results[name]``."""
     kit.log(f"== stage {name}")
+    kit.results.pop(name, None)
     began = time.perf_counter()
     if kit.out_of_time(f"stage {name}"):
         kit.results[name] = {"status": "skipped", "seconds": 0.0, "error": "time budget spent"}
@@ -123,6 +124,9 @@ def run_stage(kit, name: str, fn) -> None:
         kit.log(traceback.format_exc())
         kit.results[name] = {"status": "failed", "seconds": time.perf_counter() - began,
                              "error": f"{type(exc).__name__}: {exc}"[:1000]}
+        partial = kit_partial_result(kit, name)
+        if partial is not None:  # what the stage measured before it failed
+            kit.results[name]["result"] = partial
     finally:
         if kit.device.type == "cuda":
             try:
@@ -130,6 +134,12 @@ def run_stage(kit, name: str, fn) -> None:
             except Exception as exc:  # noqa: BLE001 - a broken context must not lose the results so far
                 kit.log(f"CUDA synchronize after {name} failed: {type(exc).__name__}: {exc}")
     kit.log(f"   {name}: {kit.results[name]['status']} in {kit.results[name]['seconds']:.1f} s")
+
+
+def kit_partial_result(kit, name: str):
+    """The results a stage saved with :meth:`Kit.partial` before it failed (``None`` if none)."""
+    saved = kit.results.get(name, {})
+    return saved.get("result") if saved.get("status") == "running" else None
 
 
 def main(argv=None) -> int:

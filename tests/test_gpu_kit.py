@@ -57,7 +57,8 @@ def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
     assert real["requests"] == 2 and set(real["rows"]) == {"HF prompt lookup (K=10)", "ours AR",
                                                             "ours lookup (cost-aware K)"}  # eager in the dry run
     assert all(r["tok_s"] > 0 and "error" not in r for r in real["rows"].values()), real["rows"]
-    assert real["rows"]["ours lookup (cost-aware K)"]["tau"] > 1.0  # real weights: the lookup drafter is accepted
+    lookup = real["rows"]["ours lookup (cost-aware K)"]  # real weights: the lookup drafter is accepted
+    assert lookup["alpha"] > 0 and lookup["tau"] > 1.0 and real["rows"]["ours AR"]["tau"] == 1.0
     assert "| ours AR |" in (out / "gpu_bench.md").read_text()
 
 

@@ -109,6 +109,11 @@ class Kit:
                                                 mode=self.compile_mode)
         return self._forwards[key]
 
+    def forget(self, model) -> None:
+        """Drop the compiled forward (and its static cache) of ``model``."""
+        for key in [k for k, f in self._forwards.items() if f.model is model]:
+            del self._forwards[key]
+
     @functools.cached_property
     def embedded(self):
         """``(model, tokenizer)`` of the real embedded SmolLM2 at fp32 on the device, from the relayed GGUF parts

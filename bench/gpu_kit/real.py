@@ -17,7 +17,7 @@ import time
 import torch
 
 from gpu_kit.checks import compare, ours
-from gpu_kit.speed import measured_curve
+from gpu_kit.speed import curve_ms, measured_curve
 from toolkit.engine.planner import CostAwareK
 from toolkit.measure.baselines import hf_generate
 from toolkit.measure.prompts import load_suite
@@ -28,7 +28,7 @@ from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.drafters import LookupDrafter
 from toolkit.speculative.verify_length import Calibrator
 
-#: new tokens per request (the ``short`` recipe's 128 on the GPU; the dry run uses the kit's ``new_tokens``)
+#: new tokens per request on a GPU (the ``short`` recipe's 128; on a CPU the kit's ``new_tokens``)
 NEW_TOKENS = 128
 
 
@@ -45,12 +45,14 @@ def speed_real(kit) -> dict:
     tok = real[1]
     suite = load_suite("repeat")[: 2 if kit.dry_run else None]
     prompts = [encode(tok, "embedded", p.prompt).to(kit.device) for p in suite]
-    gen = GenerationSpec(max_new_tokens=kit.new_tokens if kit.dry_run else NEW_TOKENS, ignore_eos=True)
+    gen = GenerationSpec(max_new_tokens=NEW_TOKENS if kit.device.type == "cuda" else kit.new_tokens, ignore_eos=True)
     compiled = kit.compile_backend != "none" and not kit.dry_run  # the dry run's speed stage traces the engine
     forward = kit.compiled(model) if compiled else None
+    curve, curve_points = _curve(kit, forward)
     methods = {"HF prompt lookup (K=10)": lambda: _hf(model, gen, "prompt_lookup"),
                "ours AR": lambda: _ours(model, gen, None, None, forward),
-               "ours lookup (cost-aware K)": lambda: _ours(model, gen, LookupDrafter(), _cost(kit), forward)}
+               "ours lookup (cost-aware K)": lambda: _ours(model, gen, LookupDrafter(),
+                                                           CostAwareK(curve, Calibrator(), 16, 17), forward)}
     if compiled:  # one cache size for every request: one compiled decoding step
         longest = max(p.shape[1] for p in prompts) + gen.max_new_tokens
         methods["HF static cache + compiled AR"] = lambda: _hf(model, gen, "ar_static", kit, longest)
@@ -58,7 +60,7 @@ def speed_real(kit) -> dict:
     out = {"model": "embedded SmolLM2-135M-Instruct", "dtype": str(dtype), "suite": "repeat",
            "requests": len(prompts), "max_new_tokens": gen.max_new_tokens,
            "path": "CUDA graphs" if compiled and kit.device.type == "cuda" else "compiled" if compiled else "eager",
-           "rows": rows, "lookup_equals_ar": None}
+           "verify_ms_b1": curve_points, "rows": rows, "lookup_equals_ar": None}
     for method, make in methods.items():
         if kit.out_of_time(f"{method} on the embedded model"):
             continue
@@ -70,15 +72,17 @@ def speed_real(kit) -> dict:
         kit.partial("speed_real", out)
     if "ours AR" in tokens and "ours lookup (cost-aware K)" in tokens:
         out["lookup_equals_ar"] = [compare(a, b) for a, b in zip(tokens["ours lookup (cost-aware K)"], tokens["ours AR"])]
+    kit.forget(model)  # its compiled forward and static cache
     return out
 
 
-def _cost(kit) -> CostAwareK:
-    """Cost-aware K on the verify curve the kit measured at B = 1 (its first shape; flat where none was)."""
-    curves = kit.results.get("verify_cost", {}).get("result", {})
-    first = next(iter(curves.values()), {}).get("batches", {}).get(1)
-    curve = measured_curve(first["ms"], 17) if first else VerifyCost([1.0] * 17, learn=False)
-    return CostAwareK(curve, Calibrator(), 16, 17)
+def _curve(kit, forward) -> tuple[VerifyCost, dict]:
+    """The embedded model's own verify curve at B = 1 (measured here through ``forward``: 1..16 tokens after 256 of
+    context), which its cost-aware K reads; flat where the kit does not compile. Returns it and its ``{n: ms}``."""
+    if forward is None:
+        return VerifyCost([1.0] * 17, learn=False), {}
+    ms = curve_ms(kit, forward, 1, 256, [w for w in (1, 2, 4, 8, 16) if w <= max(kit.widths)])
+    return measured_curve(ms, 17), ms
 
 
 def _pass(kit_device, run):
@@ -100,7 +104,7 @@ def _pass(kit_device, run):
         if stats_all:
             drafted = sum(s.drafted for s in stats_all)
             row["alpha"] = sum(s.accepted for s in stats_all) / drafted if drafted else 0.0
-            row["tau"] = sum(len(t) for t in out) / max(1, sum(s.rounds for s in stats_all))
+            row["tau"] = sum(s.committed for s in stats_all) / max(1, sum(s.rounds for s in stats_all))
         return row, out
     return timed
 

@@ -29,6 +29,29 @@ from toolkit.speculative.drafters.eagle import EagleDrafter
 from toolkit.speculative.verify_length import Calibrator
 
 
+def curve_ms(kit, forward, batch: int, context: int, widths: list[int], what: str = "") -> dict:
+    """``{n: ms}``: the median ms of one forward over ``n`` new tokens per row of ``batch`` rows after ``context``
+    random cached tokens, for each ``n`` of ``widths``, on ``forward``'s static cache (nothing is accepted, so every
+    forward sees the same context); widths past the time budget are left out (the first always runs)."""
+    widest = forward.width_for(max(widths))
+    cache = forward.cache_for(None, batch, capacity_for(context + widest), widest)
+    vocab = forward.model.config.vocab_size
+    prompt = torch.randint(1, vocab, (1, context), device=kit.device)
+    row = {}
+    with torch.no_grad(), forward.attached():
+        for _ in range(batch):
+            prefilled, kwargs = cache.begin_row(context)
+            forward.prefill(prompt, kwargs)
+            cache.add_row(prefilled, context)
+        for n in widths:
+            if row and kit.out_of_time(f"verify cost of {what}, n = {n}"):
+                break
+            tokens = torch.randint(1, vocab, (batch, n), device=kit.device)
+            summary, _ = time_ms(lambda tokens=tokens: forward(cache, tokens), kit.device, repeats=kit.timing_repeats)
+            row[n] = summary.median
+    return row
+
+
 def verify_cost_more(kit) -> dict:
     """The verify curves of ``kit.more_verify`` (more shapes and batch sizes), measured last in the time left."""
     return verify_cost(kit, kit.more_verify, stage="verify_cost_more")
@@ -51,26 +74,10 @@ def verify_cost(kit, plan: dict | None = None, stage: str = "verify_cost") -> di
         for batch in batches:
             if kit.out_of_time(f"verify cost of {name} at B = {batch}"):
                 break
-            widest = forward.width_for(max(kit.widths))
-            cache = forward.cache_for(None, batch, capacity_for(kit.context + widest), widest)
-            context = torch.randint(1, shapes.VOCAB, (1, kit.context), device=kit.device)
-            row = {}
-            with torch.no_grad(), forward.attached():
-                for _ in range(batch):
-                    prefilled, kwargs = cache.begin_row(kit.context)
-                    forward.prefill(context, kwargs)
-                    cache.add_row(prefilled, kit.context)
-                for n in kit.widths:
-                    if row and kit.out_of_time(f"verify cost of {name} at B = {batch}, n = {n}"):
-                        break
-                    tokens = torch.randint(1, shapes.VOCAB, (batch, n), device=kit.device)
-                    summary, _ = time_ms(lambda tokens=tokens: forward(cache, tokens), kit.device,
-                                         repeats=kit.timing_repeats)
-                    row[n] = summary.median
+            row = curve_ms(kit, forward, batch, kit.context, kit.widths, f"{name} at B = {batch}")
             if not row:
                 continue
             per_batch[batch] = {"ms": row, "relative": {n: ms / row[kit.widths[0]] for n, ms in row.items()}}
-            cache = None  # freed before the next batch size / shape
             out[name] = {"params": shapes.SHAPES[name].params(), "context": kit.context, "batches": per_batch,
                          "path": "CUDA graphs" if forward.compiled and kit.device.type == "cuda" else
                          "compiled" if forward.compiled else "eager"}
