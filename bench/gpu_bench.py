@@ -46,7 +46,8 @@ import torch  # noqa: E402
 from gpu_kit import carry  # noqa: E402
 
 #: in priority order: what the GPU issue's targets need first, the rest in the time left
-STAGES = ("environment", "greedy", "verify_cost", "speed", "speed_real", "sampling", "kv", "projection", "verify_cost_more")
+STAGES = ("environment", "greedy", "verify_cost", "speed", "speed_real", "sampling", "kv", "projection",
+          "verify_cost_more")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

@@ -17,12 +17,14 @@ from gpu_kit import carry, shapes
 #: ``speed_shapes`` / ``batch_sizes``: the verify curves and speeds measured first (the issue's targets: a >= 1B
 #: shape at B = 1 and 8); ``more_verify``: curves measured last, in the time left (``verify_cost_more``)
 FULL = {"speed_shapes": ["llama-3.2-1b"], "draft_shape": "draft-68m", "batch_sizes": [1, 8],
-        "more_verify": {"llama-3.2-1b": [32], "qwen2.5-0.5b": [1, 8, 32], "llama-3.1-8b": [1, 8]}, "widths": [1, 2, 4, 8, 16, 32, 64], "context": 512, "new_tokens": 64,
+        "more_verify": {"llama-3.2-1b": [32], "qwen2.5-0.5b": [1, 8, 32], "llama-3.1-8b": [1, 8]},
+        "widths": [1, 2, 4, 8, 16, 32, 64], "context": 512, "new_tokens": 64,
         "prompt_tokens": 128, "num_prompts": 3, "repeats": 1, "timing_repeats": 5, "sampling_draws": 1500}
 CPU = {"speed_shapes": ["qwen2.5-0.5b"], "draft_shape": "draft-68m", "batch_sizes": [1, 4], "more_verify": {},
        "widths": [1, 2, 4, 8, 16], "context": 128, "new_tokens": 32, "prompt_tokens": 64, "num_prompts": 2,
        "repeats": 1, "timing_repeats": 3, "sampling_draws": 500}
-DRY = {"speed_shapes": ["tiny"], "draft_shape": "tiny-draft", "batch_sizes": [1, 2], "more_verify": {"tiny": [3]}, "widths": [1, 2, 4],
+DRY = {"speed_shapes": ["tiny"], "draft_shape": "tiny-draft", "batch_sizes": [1, 2], "more_verify": {"tiny": [3]},
+       "widths": [1, 2, 4],
        "context": 16, "new_tokens": 10, "prompt_tokens": 20, "num_prompts": 1, "repeats": 1, "timing_repeats": 2,
        "sampling_draws": 200}
 

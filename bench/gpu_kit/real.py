@@ -4,8 +4,9 @@ again with an edit, in order), where the lookup drafter's acceptance is real, no
 
 Per method, one untimed pass over the suite (compiles, CUDA graph captures), then one timed pass with a fresh drafter
 whose memory persists across the suite's requests (the recipe's lookup: ``max_cached_requests`` 16, cost-aware K up to
-16 on the verify curve the kit measured). tok/s = new tokens of the pass / its seconds (prefill included); per-request
-tok/s are kept too. Greedy, EOS off, the same ``max_new_tokens`` for every method, on the same weights.
+16 on the embedded model's own verify curve, measured first). tok/s = new tokens of the pass / its seconds (prefill
+included); per-request tok/s are kept too. Greedy, EOS off, the same ``max_new_tokens`` for every method, on the
+same weights.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def speed_real(kit) -> dict:
             rows[method] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         kit.partial("speed_real", out)
     if "ours AR" in tokens and "ours lookup (cost-aware K)" in tokens:
-        out["lookup_equals_ar"] = [compare(a, b) for a, b in zip(tokens["ours lookup (cost-aware K)"], tokens["ours AR"])]
+        pairs = zip(tokens["ours lookup (cost-aware K)"], tokens["ours AR"])
+        out["lookup_equals_ar"] = [compare(a, b) for a, b in pairs]
     kit.forget(model)  # its compiled forward and static cache
     return out
 

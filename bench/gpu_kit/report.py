@@ -29,7 +29,8 @@ def markdown(results: dict) -> str:
                   "Packages: " + "; ".join(f"{k} {v}" for k, v in env["packages"].items()), ""]
     lines += ["## Stages", ""] + _table(["stage", "status", "seconds", "error"], [
         [name, r["status"], r["seconds"], r.get("error", "")] for name, r in results.items()]) + [""]
-    for name, render in (("greedy", _greedy), ("sampling", _sampling), ("kv", _kv), ("verify_cost", _verify), ("verify_cost_more", _verify),
+    for name, render in (("greedy", _greedy), ("sampling", _sampling), ("kv", _kv), ("verify_cost", _verify),
+                         ("verify_cost_more", _verify),
                          ("speed", _speed), ("speed_real", _speed_real), ("projection", _projection)):
         result = results.get(name, {}).get("result")
         if result is not None:
@@ -90,8 +91,8 @@ def _speed_real(result: dict) -> list[str]:
     base = rows.get("HF static cache + compiled AR", {}).get("tok_s")
     same = result.get("lookup_equals_ar")
     lines = [f"## Real weights: {result['model']} ({result['dtype']}) on the `{result['suite']}` suite", "",
-             f"{result['requests']} requests in order, {result['max_new_tokens']} new tokens each, EOS off; ours on the "
-             f"{result['path']} engine; lookup with memory across requests, cost-aware K.", ""] + _table(
+             f"{result['requests']} requests in order, {result['max_new_tokens']} new tokens each, EOS off; ours on "
+             f"the {result['path']} engine; lookup with memory across requests, cost-aware K.", ""] + _table(
         ["method", "tok/s (pass)", "× HF static compiled", "median tok/s per request", "α", "τ", "error"],
         [[m, r.get("tok_s"), r["tok_s"] / base if base and r.get("tok_s") else None,
           r.get("tok_s_per_request_median"), r.get("alpha"), r.get("tau"), r.get("error", "")]

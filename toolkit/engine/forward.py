@@ -12,8 +12,9 @@ engine"); what a graph is specialised to depends on the device:
 * **CUDA** (``mode="reduce-overhead"``: CUDA graphs): every shape is static — ``W`` is padded to the next of
   :attr:`TargetForward.widths` and ``B`` to the next of :attr:`TargetForward.batch_sizes` (padding rows are unused rows
   of the static cache), and the span is the whole cache. Inductor compiles the same graphs as on CPU (rows and width
-  dynamic past 1: four per cache shape, the cache's buffers being static), and the CUDA graph trees record one CUDA graph per (batch bucket, width bucket) from them at
-  its first call; the cost model's curve then has the buckets' steps, which the verify planner reads.
+  dynamic past 1: four per cache shape, the cache's buffers being static), and the CUDA graph trees record one CUDA
+  graph per (batch bucket, width bucket) from them at its first call; the cost model's curve then has the buckets'
+  steps, which the verify planner reads.
 
 Eager forwards (no compile, or a cache that is not static: KV policies that re-pack or gather at commit points) call
 the model as it is. A padded forward's extra positions are never kept: the caller's :meth:`accept` counts only real
