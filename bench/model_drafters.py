@@ -36,6 +36,7 @@ from toolkit.measure.prompts import load_suite  # noqa: E402
 from toolkit.recipe import ModelSpec, Recipe, SpeculationSpec  # noqa: E402
 from toolkit.resources import resolve  # noqa: E402
 from toolkit.session import SHARED_POOL  # noqa: E402
+from toolkit.speculative.stats import round_summary  # noqa: E402
 from toolkit.speculative_lm import build  # noqa: E402
 
 SUITES = {"short": "short", "short-heldout": "short-heldout", "unseen": str(ROOT / "bench/prompts/unseen.yaml")}
@@ -96,10 +97,7 @@ def main() -> None:
     result = measure(runners, prompts, recipe.generation, repeats=args.repeats, rotate=True, desc="model drafters")
     methods = {}
     for name, lm in lms.items():
-        calls = [c for rep in result.calls[name] for c in rep]
-        rounds = sum(c.stats.rounds for c in calls)
-        round_ms = {key: sum(getattr(c.stats, f"{key}_ms") for c in calls) / max(rounds, 1)
-                    for key in ("draft", "target", "overhead")}
+        round_ms = round_summary([c.stats for rep in result.calls[name] for c in rep])
         methods[name] = {"throughput": result.speed(name)["throughput"], "tau": result.tau(name),
                          "vs_ours_ar": result.paired_ratio(name, "ours AR") or 1.0, "round_ms": round_ms,
                          "path": lm.engine_note}

@@ -28,7 +28,7 @@ from toolkit.measure.prompts import load_suite
 from toolkit.measure.timing import Summary
 from toolkit.recipe import Recipe
 from toolkit.session import SHARED_POOL
-from toolkit.speculative.stats import acceptance_summary
+from toolkit.speculative.stats import acceptance_summary, round_summary
 from toolkit.speculative_lm import SpeculativeLM, build
 
 
@@ -181,7 +181,7 @@ def _result(recipe: Recipe, generator: SpeculativeLM, measured: Measurement, com
                 last.compressions_target + last.compressions_draft, last.finish_reason, same,
                 generator.tokenizer.decode(ids, skip_special_tokens=True),
                 last.accepted_at if ours else None, last.drafted_at if ours else None,
-                _round_ms([c.stats for c in calls]) if ours else None, last.plain_steps, divergence))
+                round_summary([c.stats for c in calls]) if ours else None, last.plain_steps, divergence))
     summary = {}
     for method in measured.methods:
         mine = [r for r in rows if r.method == method]
@@ -198,7 +198,7 @@ def _result(recipe: Recipe, generator: SpeculativeLM, measured: Measurement, com
     acc = acceptance_summary([c.stats for c in measured.last(OURS)])
     summary[OURS]["acceptance_rate"] = acc["acceptance_rate"]
     summary[OURS]["tokens_per_round"] = acc["tokens_per_round"]
-    summary[OURS]["round_ms"] = _round_ms([c.stats for rep in measured.calls[OURS] for c in rep])
+    summary[OURS]["round_ms"] = round_summary([c.stats for rep in measured.calls[OURS] for c in rep])
     if compare and not recipe.generation.do_sample:
         mine = [r for r in rows if r.method == OURS]
         summary[OURS]["identical_to_ar"] = all(r.identical_to_ar for r in mine)
@@ -206,15 +206,6 @@ def _result(recipe: Recipe, generator: SpeculativeLM, measured: Measurement, com
                                                  for r in mine])
     return RunResult(recipe, compare, generator.weight_bytes, rows, summary,
                      repeats_done=len(measured.calls[measured.methods[0]]))
-
-
-def _round_ms(stats: list) -> dict:
-    """Where a round's time went, over ``stats`` (ms per round, and the overhead's share of the round)."""
-    rounds = sum(s.rounds for s in stats) or 1
-    draft, target, overhead = (sum(getattr(s, f) for s in stats) for f in ("draft_ms", "target_ms", "overhead_ms"))
-    total = draft + target + overhead
-    return {"draft": draft / rounds, "target": target / rounds, "overhead": overhead / rounds,
-            "overhead_pct": 100.0 * overhead / total if total else 0.0}
 
 
 def markdown_table(results: RunResult | dict) -> str:

@@ -90,8 +90,7 @@ class Kit:
             large = {*self.speed_shapes, *self.more_verify}
             if name in large:
                 for other in [k for k in self._models if k[0] in large]:
-                    del self._models[other]
-                    self._forwards.pop(other, None)
+                    self.forget(self._models.pop(other))
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
             began = time.perf_counter()
@@ -105,16 +104,15 @@ class Kit:
         traces with the kit's backend), one per model: every stage reuses its graphs and its static cache."""
         from toolkit.engine.forward import TargetForward
 
-        key = next((k for k, m in self._models.items() if m is model), id(model))
-        if key not in self._forwards or self._forwards[key].model is not model:
-            self._forwards[key] = TargetForward(model, compile=True, backend=self.compile_backend,
-                                                mode=self.compile_mode)
-        return self._forwards[key]
+        if id(model) not in self._forwards:
+            self._forwards[id(model)] = TargetForward(model, compile=True, backend=self.compile_backend,
+                                                      mode=self.compile_mode)
+        return self._forwards[id(model)]
 
     def forget(self, model) -> None:
-        """Drop the compiled forward (and its static cache) of ``model``."""
-        for key in [k for k, f in self._forwards.items() if f.model is model]:
-            del self._forwards[key]
+        """Drop the compiled forward (and its static cache) of ``model``; done before ``model`` is dropped, so an
+        ``id`` is never reused while its forward is kept."""
+        self._forwards.pop(id(model), None)
 
     @functools.cached_property
     def embedded(self):

@@ -2,11 +2,11 @@
 dtype on the device) on the repeated-request suite (``recipes/prompts/repeat.yaml``: each request asked, then asked
 again with an edit, in order), where the lookup drafter's acceptance is real, not that of random weights.
 
-Per method, one untimed pass over the suite (compiles, CUDA graph captures), then one timed pass with a fresh drafter
-whose memory persists across the suite's requests (the recipe's lookup: ``max_cached_requests`` 16, cost-aware K up to
-16 on the embedded model's own verify curve, measured first). tok/s = new tokens of the pass / its seconds (prefill
-included); per-request tok/s are kept too. Greedy, EOS off, the same ``max_new_tokens`` for every method, on the
-same weights.
+Per method, one untimed pass over the suite (compiles, CUDA graph captures; none on an eager CPU run), then one timed
+pass with a fresh drafter whose memory persists across the suite's requests (the recipe's lookup:
+``max_cached_requests`` 16, cost-aware K up to 16 on the embedded model's own verify curve, measured first). tok/s =
+new tokens of the pass / its seconds (prefill included); per-request tok/s are kept too. Greedy, EOS off, the same
+``max_new_tokens`` for every method, on the same weights.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from toolkit.recipe import GenerationSpec
 from toolkit.requests import encode
 from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.drafters import LookupDrafter
+from toolkit.speculative.stats import acceptance_summary
 from toolkit.speculative.verify_length import Calibrator
 
 #: new tokens per request on a GPU (the ``short`` recipe's 128; on a CPU the kit's ``new_tokens``)
@@ -66,7 +67,8 @@ def speed_real(kit) -> dict:
         if kit.out_of_time(f"{method} on the embedded model"):
             continue
         try:
-            make()(prompts)  # untimed: compiles and captures
+            if compiled or kit.device.type == "cuda":
+                make()(prompts)  # untimed: compiles, captures, CUDA's first-call costs (an eager CPU run has none)
             rows[method], tokens[method] = make()(prompts)
         except Exception as exc:  # noqa: BLE001 - one method failing must not stop the others
             rows[method] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
@@ -104,9 +106,8 @@ def _pass(kit_device, run):
                 stats_all.append(stats)
         row = {"tok_s": sum(len(t) for t in out) / total_s, "tok_s_per_request_median": statistics.median(per)}
         if stats_all:
-            drafted = sum(s.drafted for s in stats_all)
-            row["alpha"] = sum(s.accepted for s in stats_all) / drafted if drafted else 0.0
-            row["tau"] = sum(s.committed for s in stats_all) / max(1, sum(s.rounds for s in stats_all))
+            summary = acceptance_summary(stats_all)
+            row["alpha"], row["tau"] = summary["acceptance_rate"], summary["tokens_per_round"]
         return row, out
     return timed
 

@@ -73,10 +73,7 @@ class GenerationStats:
     @property
     def round_ms(self) -> dict:
         """Mean milliseconds per round: ``draft``, ``target``, ``overhead``, and ``overhead_pct`` of the round."""
-        n = max(self.rounds, 1)
-        total = self.draft_ms + self.target_ms + self.overhead_ms
-        return {"draft": self.draft_ms / n, "target": self.target_ms / n, "overhead": self.overhead_ms / n,
-                "overhead_pct": 100.0 * self.overhead_ms / total if total > 0 else 0.0}
+        return round_summary([self])
 
     def record_time(self, draft_ms: float, target_ms: float, round_ms: float, width: int) -> None:
         """Add one round's times (ms) and verify width (tokens)."""
@@ -107,6 +104,16 @@ class GenerationStats:
         data.update(acceptance_rate=self.acceptance_rate, tokens_per_round=self.tokens_per_round,
                     tpot_ms=self.tpot_ms, throughput=self.throughput, round_ms=self.round_ms)
         return data
+
+
+def round_summary(stats_list) -> dict:
+    """Where a round's time went over several calls' :class:`GenerationStats`: mean ms per round of ``draft``,
+    ``target`` (the verify forward) and ``overhead`` (the rest of the round), and ``overhead_pct`` of the round."""
+    rounds = sum(s.rounds for s in stats_list) or 1
+    draft, target, overhead = (sum(getattr(s, f) for s in stats_list) for f in ("draft_ms", "target_ms", "overhead_ms"))
+    total = draft + target + overhead
+    return {"draft": draft / rounds, "target": target / rounds, "overhead": overhead / rounds,
+            "overhead_pct": 100.0 * overhead / total if total > 0 else 0.0}
 
 
 def acceptance_summary(stats_list) -> dict:
