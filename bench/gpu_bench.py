@@ -60,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="auto: cuda when available (the dry run always uses the CPU)")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the speed stages")
     parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES, metavar="STAGE",
-                        help=f"stages to run (default: all of {', '.join(STAGES)})")
+                        help=f"stages to run, in the order given (default: all of {', '.join(STAGES)}; speed and "
+                             "projection read the curve of a verify_cost that ran before them)")
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="seconds after which remaining work is skipped and said so (default 450)")
     parser.add_argument("--carry", type=Path, default=ROOT / ".gpu-carry",
@@ -157,10 +158,9 @@ def main(argv=None) -> int:
               "verify_cost": lambda: speed.verify_cost(kit), "speed": lambda: speed.speed(kit),
               "projection": lambda: speed.projection(kit, ROOT),
               "speed_real": lambda: real.speed_real(kit), "verify_cost_more": lambda: speed.verify_cost_more(kit)}
-    for name in STAGES:
-        if name in args.stages:
-            run_stage(kit, name, stages[name])
-            kit.save()  # after every stage: a run stopped from outside keeps what it measured
+    for name in dict.fromkeys(args.stages):  # the order given (a budget spent skips the later ones), each once
+        run_stage(kit, name, stages[name])
+        kit.save()  # after every stage: a run stopped from outside keeps what it measured
     print(summary(kit.results), flush=True)
     return 0 if all(r["status"] != "failed" for r in kit.results.values()) else 1
 

@@ -62,15 +62,16 @@ def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
     assert "| ours AR |" in (out / "gpu_bench.md").read_text()
 
 
-def test_a_failing_stage_is_recorded_and_the_next_runs(tmp_path, monkeypatch):
+def test_a_failing_stage_is_recorded_and_the_next_runs_in_the_order_given(tmp_path, monkeypatch):
     import gpu_bench
     from gpu_kit import checks
 
     monkeypatch.setattr(checks, "sampling", lambda kit: 1 / 0)
     code = gpu_bench.main(["--dry-run", "--out", str(tmp_path), "--carry", str(tmp_path / "none"),
-                           "--stages", "environment", "sampling", "projection"])
+                           "--stages", "projection", "environment", "sampling", "projection"])
     stages = json.loads((tmp_path / "gpu_bench.json").read_text())["stages"]
     assert code == 1
+    assert list(stages) == ["projection", "environment", "sampling"]  # as given (not STAGES' order), each once
     assert stages["sampling"]["status"] == "failed" and "ZeroDivisionError" in stages["sampling"]["error"]
     assert stages["projection"]["status"] == "ok" and "greedy" not in stages
 
