@@ -7,7 +7,7 @@ RECIPE ?= recipes/short.yaml
 SCENARIO ?= short
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-gpu bench-cpu-engines bench-llamacpp bench-model-drafters test test-fast upgrade-check distill clean
+.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-gpu bench-cpu-engines bench-llamacpp bench-model-drafters test test-system test-all test-fast upgrade-check distill clean
 
 setup: $(STAMP)
 
@@ -109,12 +109,19 @@ bench-gpu:
 distill: $(STAMP)
 	$(BIN)/toolkit draft distill --target embedded --layers 2 --out results/distill/smollm2-2l --max-minutes 20
 
-## Tests: all layers, the embedded-model ones included (marked slow); one worker process per core (pytest-xdist).
+## Tests, one worker process per core (pytest-xdist). test: every in-process layer, the embedded-model ones included
+## (marked slow); test-system: the tests that start other Python processes (marked system: a wheel build and
+## install, two runs or loads at once, kill -9 and resume, a PostgreSQL study, the GPU kit's dry run); CI runs both.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not system" --durations=15
+
+test-system: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m system --durations=10
+
+test-all: test test-system
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow and not system"
 
 ## The newest releases pyproject.toml admits, resolved into a scratch venv (.venv-upgrade), then the fast tests there:
 ## prints what moved and what breaks. PIN=1 rewrites constraints.txt when they pass (one command, one commit).

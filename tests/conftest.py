@@ -12,8 +12,11 @@ thread_environment()  # idle OpenMP threads sleep: a busy machine does not stall
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# verify cost curves measured by tests (tiny random models) go to a throwaway directory, not the user's cache
-os.environ.setdefault("TOOLKIT_VERIFY_COST_DIR", tempfile.mkdtemp(prefix="toolkit-verify-cost-"))
+# verify cost curves measured by tests go to a throwaway directory, not the user's cache: one per test run, shared by
+# its xdist workers (written atomically), so the embedded model's curve is measured once per run, not per worker
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+os.environ.setdefault("TOOLKIT_VERIFY_COST_DIR", os.path.join(tempfile.gettempdir(), f"toolkit-verify-cost-{_RUN}")
+                      if _RUN else tempfile.mkdtemp(prefix="toolkit-verify-cost-"))
 # the CPU engines a developer installed (.venv-engines) stay out of the suite's --compare runs
 os.environ.setdefault("TOOLKIT_ENGINES_PYTHON", "off")
 

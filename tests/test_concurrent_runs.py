@@ -39,6 +39,7 @@ def _tiny_model_dir(path: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_two_processes_run_the_same_recipe_into_the_same_out(tmp_path):
     model = _tiny_model_dir(tmp_path / "model")
     spec = {"source": str(model), "precision": "fp32", "device": "cpu"}

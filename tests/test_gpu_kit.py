@@ -22,6 +22,7 @@ from gpu_kit.checks import chi_square_p  # noqa: E402
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -234,6 +235,7 @@ def test_torchao_int4_config_on_cuda(monkeypatch, capability):
             assert choose_backend(ModelSpec(source="embedded", precision="int4"), cuda, "target") == "bitsandbytes"
 
 
+@pytest.mark.system
 def test_install_torch_never_reaches_the_network_when_torch_imports(tmp_path):
     venv_bin = tmp_path / "bin"
     venv_bin.mkdir()

@@ -205,6 +205,7 @@ def _check(stdout: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_two_processes_load_at_once_into_one_fresh_cache_with_the_network_refused(tmp_path):
     """Two processes load every module at once, with every connection and name lookup refused (and recorded):
     nothing goes to the network, even without HF's offline flags, and a cut-short copy left by a killed process is

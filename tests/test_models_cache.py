@@ -94,6 +94,7 @@ def _env(cache: Path) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_two_processes_converting_at_once_share_one_conversion(tmp_path, tiny_gguf):
     cache, go = tmp_path / "cache", tmp_path / "go"
     workers = [subprocess.Popen([sys.executable, "-c", _WORKER, str(tiny_gguf), str(go)], env=_env(cache),

@@ -36,6 +36,7 @@ def _run(site: Path, cwd: Path, *args: str, timeout: int = 600) -> subprocess.Co
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_wheel_ships_recipes_prompts_spaces_and_metric_modules(installed, tmp_path, monkeypatch):
     from toolkit.metrics import NAMES
 
@@ -60,6 +61,7 @@ def test_wheel_ships_recipes_prompts_spaces_and_metric_modules(installed, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_installed_cli_runs_a_shipped_recipe_into_the_working_directory(installed, tmp_path):
     before = sorted(str(p) for p in installed.rglob("*"))
     out = _run(installed, tmp_path, "-m", "toolkit_cli", "run", "short-ngram", "--max-new-tokens", "8",

@@ -203,6 +203,7 @@ _QUIET = textwrap.dedent("""
 """)
 
 
+@pytest.mark.system
 def test_importing_the_library_changes_no_logging_level():
     """A library sets no logging levels at import (the ``toolkit`` command does, :func:`configure_logging`)."""
     code = ("import logging, toolkit, toolkit.quant, toolkit.models, toolkit.kv, toolkit.speculative_lm; "
@@ -215,6 +216,7 @@ def test_importing_the_library_changes_no_logging_level():
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_quantized_loads_are_quiet_and_name_the_kernel_once(tiny_dir):
     backends = ["bitsandbytes"] + (["torchao"] if __import__("importlib").util.find_spec("torchao") else [])
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1")

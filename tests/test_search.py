@@ -163,6 +163,7 @@ test_search._run(Path(sys.argv[1]), {"target": target, "draft": perturbed_copy(t
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_resume_after_kill_9_reruns_only_what_was_lost(tmp_path, tiny):
     """A search killed with SIGKILL in the middle of its third trial (a subprocess): the SQLite study stays
     readable with two finished trials and the killed one RUNNING; the lock dies with the process; ``--resume``

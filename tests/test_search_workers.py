@@ -17,7 +17,7 @@ import yaml
 from conftest import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow  # starts three Python processes that import torch
+pytestmark = [pytest.mark.slow, pytest.mark.system]  # starts three Python processes that import torch
 
 
 def _tiny_model_dir(path: Path) -> Path:

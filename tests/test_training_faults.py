@@ -280,6 +280,7 @@ def _no_stale_files(out: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_distillation_killed_mid_checkpoint_resumes_without_loss(tmp_path, model_dir):
     from typer.testing import CliRunner
 
@@ -320,6 +321,7 @@ def test_distillation_killed_mid_checkpoint_resumes_without_loss(tmp_path, model
 
 
 @pytest.mark.slow
+@pytest.mark.system
 def test_eagle_training_killed_mid_checkpoint_resumes_without_loss(tmp_path, model_dir):
     from toolkit.distill.eagle_train import train_head
     from toolkit.eagle.checkpoint import load_head
