@@ -421,13 +421,16 @@ def _timed(run: _Run) -> tuple:
     reused = {m: _BASELINES[key(m)] for m in applicable if settings.reuse_baselines and key(m) in _BASELINES}
     timed = [m for m in methods if m not in reused]
     device = next(run.target.parameters()).device
+    # the batch stage's share of a time budget comes off the deadline; without a budget the cost curve is not read
+    # (not measured for a recipe that never asks for it); with one, fit_evaluation has measured it already
+    deadline = timing_deadline(run.deadline, run.budget, run.settings, forward_ms(generator.verify_cost)) \
+        if run.budget is not None else run.deadline
     measured = measure(runners_for(generator, timed, generator.eos_token_ids(gen), run.reference_model,
                                    trajectory=True), run.items, gen, repeats=settings.repeats, warmup=settings.warmup,
                        warm_gen=dataclasses.replace(gen, max_new_tokens=min(16, gen.max_new_tokens)),
                        meter=lambda: M.PeakMemory(str(device)), progress=run.progress, desc=f"eval {recipe.name}",
                        before_repetition=lambda rep: generator.forget(),  # no repetition sees another's prompts
-                       deadline=timing_deadline(run.deadline, run.budget, run.settings,
-                                                forward_ms(run.generator.verify_cost)))
+                       deadline=deadline)
     for m in timed:
         if m != OURS and settings.reuse_baselines and len(measured.calls[m]) == settings.repeats:  # full runs only
             _BASELINES[key(m)] = measured.calls[m]

@@ -56,6 +56,20 @@ def test_measured_curve_covers_every_length_and_is_cached(tmp_path):
     assert len(list(tmp_path.iterdir())) == 2
 
 
+def test_measuring_the_curve_leaves_later_requests_their_own_cache_size():
+    """The measurement's cache (256 tokens of context) is not kept by an eager engine: a short request, a batch's
+    rows too, would otherwise inherit its capacity and its KV bytes."""
+    from toolkit.engine.forward import TargetForward
+    from toolkit.kv.static import capacity_for
+
+    model = tiny_llama(seed=0)
+    engine = TargetForward(model)
+    measure_verify_cost(model, max_tokens=4, context=300, repeats=1, forward=engine)
+    small = engine.cache_for(None, 1, capacity_for(20), 4)
+    assert capacity_for(300 + 4) > capacity_for(20) and small.capacity == capacity_for(20)
+    assert engine.cache_for(None, 1, capacity_for(20), 4) is small  # a request's own cache is still kept and reused
+
+
 def test_curve_extrapolates_and_picks_cheaper_padding():
     cost = VerifyCost(list(DIP))
     assert cost.cheapest_at_least(2, cap=9) == 4 and cost.cheapest_at_least(5, cap=9) == 5

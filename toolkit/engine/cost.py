@@ -55,7 +55,9 @@ def measure_verify_cost(model, max_tokens: int = 16, context: int = 256, repeats
     if forward.compiled:  # every length (bucketed shapes: up to the widest bucket, the curve's slope past it)
         lengths = list(range(1, min(max_tokens, forward.widths[-1] if forward.buckets else max_tokens) + 1))
     widest = forward.width_for(lengths[-1])
-    cache = forward.cache_for(None, 1, capacity_for(context + widest), widest)
+    # an eager engine does not keep the measurement's cache: later requests (a batch's rows too) would inherit its
+    # 256-token context as capacity, and with it KV bytes; a compiled one keeps it, as its graphs were built for it
+    cache = forward.cache_for(None, 1, capacity_for(context + widest), widest, keep=forward.compiled)
     times: dict[int, list[float]] = {n: [] for n in lengths}
     with forward.attached() if cache.static else contextlib.nullcontext():
         prefilled, kwargs = cache.begin_row(context)

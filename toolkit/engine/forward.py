@@ -158,10 +158,11 @@ class TargetForward:
             return min(_bucket(rows, self.batch_sizes), allocated)
         return rows
 
-    def cache_for(self, policy, rows: int, capacity: int, widest: int):
+    def cache_for(self, policy, rows: int, capacity: int, widest: int, keep: bool = True):
         """The target's cache for ``rows`` rows of up to ``capacity`` positions and forwards of up to ``widest``
         tokens (:func:`toolkit.kv.rows.rows_cache`). A static cache is kept and reused by later calls it can hold
-        (capacities only grow, so compiled graphs and captured CUDA graphs keep their buffers)."""
+        (capacities only grow, so compiled graphs and captured CUDA graphs keep their buffers); with ``keep=False`` a
+        cache built for this call is not kept (a one-off use whose size later requests should not inherit)."""
         from toolkit.kv.rows import rows_cache
         from toolkit.kv.static import StaticKV
 
@@ -174,7 +175,7 @@ class TargetForward:
         if cached is not None and cached.window is policy and policy is None:
             capacity = max(capacity, cached.capacity)
         cache = rows_cache(policy, self.model, rows, capacity, widest, static_span=self.static_span)
-        if isinstance(cache, StaticKV):
+        if isinstance(cache, StaticKV) and keep:
             self._cache = cache
         return cache
 
