@@ -23,8 +23,9 @@ embedded model joins when its GGUF was relayed in parts (``bench/README.md``). S
 8. ``projection`` — speedups projected from CPU-measured acceptance (real weights) and this device's verify curve;
 9. ``verify_cost_more`` — more verify curves (B = 32, a 0.5B and an 8B shape) in the time left.
 
-Stages run in that order (the targets first); the JSON and Markdown are rewritten after every stage and inside the
-long ones, so a run stopped from outside keeps what it measured.
+By default stages run in that order (the targets first); ``--stages`` picks some and runs them in the order given.
+The JSON and Markdown are rewritten after every stage and inside the long ones, so a run stopped from outside keeps
+what it measured.
 
 Writes ``DIR/gpu_bench.json`` (everything), ``DIR/gpu_bench.md`` (the tables) and ``DIR/gpu_bench.log``.
 """

@@ -144,10 +144,12 @@ def fit_evaluation(recipe, settings, generator, prompts: list, batch_prompts: li
     return fitted
 
 
-def timing_deadline(deadline: float | None, fitted: Fitted | None, settings, ms) -> float | None:
+def timing_deadline(deadline: float | None, fitted: Fitted | None, settings, curve: Callable) -> float | None:
     """When the per-request timing loop must stop starting repetitions: the budget's end less the batch stage still
-    to come (its share of the estimate)."""
+    to come (its share of the estimate). ``curve()`` gives the target's cost curve, read only when a batch stage's
+    share is taken off (without a budget it is never measured)."""
     if deadline is None or fitted is None or not fitted.work.batch_methods:
         return deadline
+    ms = forward_ms(curve())
     without_batch = estimate_s(settings, dataclasses.replace(fitted.work, batch_methods=0), ms)
     return deadline - (estimate_s(settings, fitted.work, ms) - without_batch)

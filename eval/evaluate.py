@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from eval import metrics as M
-from eval.budget import fit_evaluation, forward_ms, timing_deadline
+from eval.budget import fit_evaluation, timing_deadline
 from eval.quality import quality_section
 from eval.results import EvalResult
 from eval.runners import (
@@ -421,10 +421,7 @@ def _timed(run: _Run) -> tuple:
     reused = {m: _BASELINES[key(m)] for m in applicable if settings.reuse_baselines and key(m) in _BASELINES}
     timed = [m for m in methods if m not in reused]
     device = next(run.target.parameters()).device
-    # the batch stage's share of a time budget comes off the deadline; without a budget the cost curve is not read
-    # (not measured for a recipe that never asks for it); with one, fit_evaluation has measured it already
-    deadline = timing_deadline(run.deadline, run.budget, run.settings, forward_ms(generator.verify_cost)) \
-        if run.budget is not None else run.deadline
+    deadline = timing_deadline(run.deadline, run.budget, run.settings, lambda: generator.verify_cost)
     measured = measure(runners_for(generator, timed, generator.eos_token_ids(gen), run.reference_model,
                                    trajectory=True), run.items, gen, repeats=settings.repeats, warmup=settings.warmup,
                        warm_gen=dataclasses.replace(gen, max_new_tokens=min(16, gen.max_new_tokens)),

@@ -136,4 +136,3 @@ def test_rows_leave_and_join_without_touching_the_others():
     rows = decoder.decode_batch(prompts, gen)
     assert [r for r, _ in rows] == alone
     assert isinstance(decoder.cache, StaticKV) and decoder.cache.allocated == 2 and decoder.cache.rows == 0
-
