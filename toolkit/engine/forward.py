@@ -297,13 +297,17 @@ class TargetForward:
 
 
 def compile_pays(target) -> bool:
-    """Where compiling was measured to pay (DESIGN.md, cost model): on CUDA, and on CPU for torchao weights (int4 /
-    int8 tensor subclasses: eager per-op overhead dominates); fp32 / bf16 / bitsandbytes weights on CPU are
-    bytes-bound or opaque kernels, where compiling gained nothing."""
+    """Where compiling was measured to pay (DESIGN.md, cost model): on CUDA, and on CPU for int4 / int8 weights
+    (torchao's tensor subclasses, a GGUF's native blocks on :class:`~toolkit.quant.int4_linear.PackedInt4Linear`:
+    eager per-op overhead dominates); fp32 / bf16 / bitsandbytes weights on CPU are bytes-bound or opaque kernels,
+    where compiling gained nothing."""
+    from toolkit.quant.int4_linear import PackedInt4Linear
+
     params = list(target.parameters())
     if params[0].device.type == "cuda":
         return True
-    return any(type(p.data).__module__.startswith("torchao") for p in params)
+    return any(type(p.data).__module__.startswith("torchao") for p in params) or any(
+        isinstance(m, PackedInt4Linear) for m in target.modules())
 
 
 def forward_for(recipe, target, plan) -> tuple[TargetForward, str]:

@@ -169,11 +169,11 @@ def _convert_into(gguf_path: Path, tmp: Path, dtype: torch.dtype) -> None:
         bar.update()
 
 
-def _report_conversion(gguf_path: Path, out_dir: Path, seconds: float, dtype: torch.dtype) -> None:
+def _report_conversion(gguf_path: Path, out_dir: Path, seconds: float, layout: str) -> None:
     """One line on stderr: what was converted, where the copy is cached, how big it is and how long it took."""
     mib = sum(f.stat().st_size for f in out_dir.iterdir() if f.is_file()) / 2**20
     print(f"converted {gguf_path.name} ({gguf_path.stat().st_size / 2**20:.0f} MiB GGUF) in {seconds:.0f} s: "
-          f"cached as {precision_name(dtype)} safetensors, {mib:.0f} MiB, in {out_dir}", file=sys.stderr, flush=True)
+          f"cached as {layout}, {mib:.0f} MiB, in {out_dir}", file=sys.stderr, flush=True)
 
 
 def check_gguf(path: Path, field: str = "source") -> None:
@@ -197,10 +197,13 @@ def check_gguf(path: Path, field: str = "source") -> None:
                              f"{exc.__class__.__name__}{': ' + detail if detail else ''})") from None
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, field: str = "source", dtype: torch.dtype = torch.float32) -> Path:
+def convert_gguf(gguf_path: Path, out_dir: Path, field: str = "source", dtype: torch.dtype = torch.float32,
+                 convert=None) -> Path:
     """Dequantize a GGUF file once into an HF safetensors directory of ``dtype`` weights at ``out_dir``; return
     ``out_dir``. transformers' GGUF loader dequantizes each tensor to fp32 and casts it to ``dtype`` as it loads, so
-    the peak is about one model at ``dtype`` plus one tensor.
+    the peak is about one model at ``dtype`` plus one tensor. ``convert(gguf_path, directory, dtype)`` writes another
+    layout instead (:func:`toolkit.models.gguf_native.convert_native`: the file's blocks as they are), under the same
+    lock, manifest and rename.
 
     Safe under concurrency and against damage: the work happens under the file lock ``out_dir.lock`` (a process
     that finds the lock held waits, up to :data:`LOCK_TIMEOUT_S`, then reuses the finished copy); the copy is
@@ -237,9 +240,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, field: str = "source", dtype: t
             tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
             started = time.perf_counter()
             try:
-                _convert_into(gguf_path, tmp, dtype)
+                (convert or _convert_into)(gguf_path, tmp, dtype)
                 os.replace(tmp, out_dir)
-                _report_conversion(gguf_path, out_dir, time.perf_counter() - started, dtype)
+                _report_conversion(gguf_path, out_dir, time.perf_counter() - started, f"{precision_name(dtype)} "
+                                   "safetensors" if convert is None else "its own blocks (native)")
             except BaseException as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
                 Path(lock.lock_file).unlink(missing_ok=True)
@@ -291,6 +295,43 @@ def _cached_copy(gguf_path: Path, name: str, field: str, dtype: torch.dtype | No
     return str(convert_gguf(gguf_path, base.with_name(f"{base.name}-{precision_name(dtype)}"), field, dtype))
 
 
+def gguf_source(source: str, field: str = "source") -> tuple[Path, str] | None:
+    """``(GGUF path, cache name)`` of a GGUF source (``embedded`` or a ``.gguf`` file), ``None`` for any other source.
+    The cache name changes with the file's path, size and mtime.
+
+    Raises:
+        ModelLoadError: naming ``field``: a ``.gguf`` file that does not exist.
+    """
+    if source == "embedded":
+        return embedded_gguf_path(), f"smollm2-135m-instruct-{_CONVERTED_FORMAT}"
+    if not source.endswith(".gguf"):
+        return None
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise ModelLoadError(f"{field}: GGUF file {source!r} does not exist{_expanded(source, path)}")
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return path, f"{path.stem}-{key}-{_CONVERTED_FORMAT}"
+
+
+def resolve_native(source: str, field: str = "source") -> str:
+    """The directory of a GGUF source's native copy (its quantized blocks as they are,
+    :mod:`toolkit.models.gguf_native`), converted once and cached as ``NAME-native``.
+
+    Raises:
+        ModelLoadError: naming ``field``: not a GGUF source (``embedded`` or a ``.gguf`` file), a missing or
+            unreadable file, or a failed conversion.
+    """
+    from toolkit.models.gguf_native import NATIVE_FORMAT, convert_native
+
+    found = gguf_source(source, field)
+    if found is None:
+        raise ModelLoadError(f"{field}: precision native keeps a GGUF file's own quantized blocks; {source!r} is not "
+                             "a GGUF source (embedded or a .gguf file): use precision fp32, bf16, int8 or int4")
+    path, name = found
+    return str(convert_gguf(path, cache_dir() / f"{name}-native-{NATIVE_FORMAT}", field, convert=convert_native))
+
+
 def resolve_source(source: str, field: str = "source", dtype: torch.dtype | None = None) -> str:
     """Turn ``ModelSpec.source`` into something ``from_pretrained`` can read: a local directory or a hub id.
 
@@ -302,15 +343,10 @@ def resolve_source(source: str, field: str = "source", dtype: torch.dtype | None
             not exist, a ``.gguf`` source that is not a usable GGUF file, or an existing path that is not an HF model
             directory (no ``config.json``).
     """
-    if source == "embedded":
-        return _cached_copy(embedded_gguf_path(), f"smollm2-135m-instruct-{_CONVERTED_FORMAT}", field, dtype)
+    found = gguf_source(source, field)
+    if found is not None:
+        return _cached_copy(*found, field, dtype)
     path = Path(source).expanduser()
-    if source.endswith(".gguf"):
-        if not path.is_file():
-            raise ModelLoadError(f"{field}: GGUF file {source!r} does not exist{_expanded(source, path)}")
-        stat = path.stat()
-        key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-        return _cached_copy(path, f"{path.stem}-{key}-{_CONVERTED_FORMAT}", field, dtype)
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{field}: {source!r} exists but holds no config.json (not an HF model directory)")

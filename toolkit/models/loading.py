@@ -10,9 +10,13 @@ import torch
 
 from toolkit.dtypes import torch_dtype
 from toolkit.errors import ConfigError, ModelLoadError
-from toolkit.models.embedded import resolve_source
+from toolkit.models.embedded import resolve_native, resolve_source
 from toolkit.models.spec import ModelSpec
 from toolkit.quant import AUTO, NONE, choose_backend, fallback_after, weight_backend
+
+NATIVE = "native"
+#: ``model.toolkit_backend`` of a native GGUF model
+NATIVE_BACKEND = "gguf"
 
 log = logging.getLogger("toolkit.quant")
 
@@ -57,7 +61,8 @@ def load_model(spec: ModelSpec, field: str = "model"):
 
     int8/int4 weights go through ``spec.backend`` (``auto`` resolved by :func:`toolkit.quant.choose_backend`), whose
     registered hooks (:class:`toolkit.quant.registry.WeightBackend`) load and quantize them; the backend actually used
-    is recorded as ``model.toolkit_backend`` and the kernel path is logged once per process.
+    is recorded as ``model.toolkit_backend`` and the kernel path is logged once per process. ``precision: native``
+    keeps a GGUF file's own quantized blocks (:mod:`toolkit.models.gguf_native`; backend ``gguf``).
 
     Raises:
         ConfigError: a field of ``spec`` is invalid, or the backend has no kernel for the precision on the device
@@ -68,6 +73,8 @@ def load_model(spec: ModelSpec, field: str = "model"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(spec.device, f"{field}.device")
+    if spec.precision == NATIVE:
+        return _load_native(spec, device, field)
     name = choose_backend(spec, device, field)
     backend = None if name == NONE else weight_backend(name, f"{field}.backend")
     kwargs: dict = {}
@@ -108,3 +115,36 @@ def load_model(spec: ModelSpec, field: str = "model"):
     model.toolkit_spec = spec  # remembered for reports and for deriving `self` drafts
     model.toolkit_backend = name
     return model, tokenizer
+
+
+def _load_native(spec: ModelSpec, device: torch.device, field: str):
+    """``(model, tokenizer)`` of a GGUF source at ``precision: native`` (see :func:`load_model`); logs which tensors
+    run on the file's own codes and which were kept dequantized (no int4 kernel holds their format)."""
+    from transformers import AutoTokenizer
+
+    from toolkit.models.gguf_native import load_native
+
+    if device.type != "cpu":
+        raise ConfigError(f"{field}.device", "precision native runs the GGUF blocks on ATen's int4 CPU kernel; on "
+                          f"{device.type} use precision int4 (torchao) or bf16", ["auto (on a machine without CUDA)",
+                                                                                 "cpu"])
+    location = resolve_native(spec.source, f"{field}.source")
+    tokenizer = AutoTokenizer.from_pretrained(location)
+    model = load_native(location, attention_implementation(location, spec.attn_implementation))
+    report = model.toolkit_native
+    kinds = sorted({entry["gguf_type"] for entry in report["native"].values()})
+    if location not in _SAID_NATIVE:
+        _SAID_NATIVE.add(location)
+        log.info("native GGUF weights (%s): %d linear layers on the file's own %s codes (ATen int4 kernel, bf16 "
+                 "activations)%s", report["source"], len(report["native"]), "/".join(kinds),
+                 "; kept dequantized at bf16 (no int4 kernel holds their format): " + ", ".join(
+                     f"{name} ({entry['gguf_type']})" for name, entry in report["dequantized"].items())
+                 if report["dequantized"] else "")
+    model.eval()
+    model.requires_grad_(False)
+    model.toolkit_spec = spec
+    model.toolkit_backend = NATIVE_BACKEND
+    return model, tokenizer
+
+
+_SAID_NATIVE: set[str] = set()

@@ -54,10 +54,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def bytes_read_per_token(model: torch.nn.Module) -> int:
     """Weight bytes one decode step reads: every weight once, except the input embedding, of which a step reads
     one row (unless the embedding is also the LM head: tied weights are read whole). A quantized LM head next to a
-    half-precision embedding (torchao int4 quantizes ``lm_head`` and leaves the embedding) counts at its packed size."""
+    half-precision embedding (torchao int4 quantizes ``lm_head`` and leaves the embedding; a native GGUF head has
+    its own int4 planes, :mod:`toolkit.models.gguf_native`) counts at its packed size."""
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
-    tied = head is not None and head.weight is embedding
+    tied = head is not None and getattr(head, "weight", None) is embedding
     total = weight_bytes(model)
     if not tied:
         total -= tensor_bytes(embedding) - tensor_bytes(embedding) // max(1, embedding.shape[0])

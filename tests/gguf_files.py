@@ -1,0 +1,102 @@
+"""Small real GGUF files for tests, written with the ``gguf`` package.
+
+A llama-architecture file carrying the embedded model's tokenizer metadata cut to its first ``VOCAB`` tokens (special
+tokens, the byte alphabet and the merges among them, so transformers' GGUF loader builds a working GPT-2 BPE
+tokenizer) and one random decoder layer. Tensors are F32 by default; ``types`` gives a GGUF type per tensor kind
+(``attn_q``, ``ffn_down``, ``token_embd``, ...): the block formats the ``gguf`` package can quantize (Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0) are quantized from the random weights, the K-quants (Q4_K, Q5_K, Q6_K) are random blocks with
+scales that give weights of the same size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from toolkit.models import embedded_gguf_path
+
+VOCAB = 1024
+#: byte offsets of the fp16 super-block scale (and minimum) in K-quant blocks
+_K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
+
+
+def _overrides(shape: dict) -> dict:
+    return {"llama.vocab_size": VOCAB, "llama.block_count": shape["layers"], "llama.embedding_length": shape["hidden"],
+            "llama.feed_forward_length": shape["ffn"], "llama.attention.head_count": shape["heads"],
+            "llama.attention.head_count_kv": shape["kv_heads"],
+            "llama.rope.dimension_count": shape["hidden"] // shape["heads"], "llama.context_length": 512,
+            "general.file_type": 0}
+
+
+def _copy_tokenizer(writer, shape: dict) -> None:
+    import gguf
+
+    reader = gguf.GGUFReader(embedded_gguf_path())
+    overrides = _overrides(shape)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.quantization_version"):
+            continue
+        value = overrides.get(name, field.contents())
+        if name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            value = value[:VOCAB]
+        elif name == "tokenizer.ggml.merges":
+            kept = set(reader.fields["tokenizer.ggml.tokens"].contents()[:VOCAB])
+            value = [m for m in value if "".join(m.split(" ")) in kept and all(p in kept for p in m.split(" "))]
+        sub_type = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
+
+
+def random_k_blocks(rows: int, columns: int, qtype, rng, scale: float = 0.002) -> np.ndarray:
+    """``(rows, bytes)`` random blocks of a K-quant type, super-block scales ``scale`` (and minimums ``2 scale``)."""
+    import gguf
+
+    per_block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows * columns // per_block, block_bytes), dtype=np.uint8)
+    at_d, at_min = _K_SCALES[qtype.name]
+    raw[:, at_d:at_d + 2] = np.array([scale], dtype=np.float16).view(np.uint8)
+    if at_min is not None:
+        raw[:, at_min:at_min + 2] = np.array([2 * scale], dtype=np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_tiny_gguf(path: Path, seed: int = 0, types: dict | None = None, hidden: int = 64, ffn: int = 128,
+                    heads: int = 4, kv_heads: int = 2, layers: int = 1, output: bool = False) -> Path:
+    """The GGUF of the module docstring at ``path`` (``output``: an untied ``output.weight``); returns ``path``."""
+    import gguf
+    from gguf.quants import quantize
+
+    shape = {"hidden": hidden, "ffn": ffn, "heads": heads, "kv_heads": kv_heads, "layers": layers}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _copy_tokenizer(writer, shape)
+    rng = np.random.default_rng(seed)
+    types = types or {}
+
+    def add(name: str, kind: str, rows: int, columns: int) -> None:
+        qtype = types.get(kind, gguf.GGMLQuantizationType.F32)
+        if qtype.name in _K_SCALES:
+            writer.add_tensor(name, random_k_blocks(rows, columns, qtype, rng), raw_dtype=qtype)
+            return
+        weights = (rng.standard_normal((rows, columns)) * 0.05).astype(np.float32)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, weights)
+        else:
+            writer.add_tensor(name, quantize(weights, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", "token_embd", VOCAB, hidden)
+    if output:
+        add("output.weight", "output", VOCAB, hidden)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    kv = kv_heads * hidden // heads
+    for i in range(layers):
+        for name, rows, columns in (("attn_q", hidden, hidden), ("attn_k", kv, hidden), ("attn_v", kv, hidden),
+                                    ("attn_output", hidden, hidden), ("ffn_gate", ffn, hidden),
+                                    ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)):
+            add(f"blk.{i}.{name}.weight", name, rows, columns)
+        for name in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(hidden, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
