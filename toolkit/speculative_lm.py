@@ -67,6 +67,7 @@ class SpeculativeLM:
         self.engine_note = ""  # which path decoding takes, and why (reports, the run log)
         self._forward_cost = None  # what forwards cost, one row or a batch (ForwardCost), learned online
         self.calibrator = Calibrator()  # acceptance calibration (adaptive: cost), learned across calls
+        self.draft_acceptance = Calibrator()  # a batch draft network's acceptance by position, across calls
 
     # -------------------------------------------------------------------------------------------- preparation
     def encode(self, prompt: str | list[dict] | torch.Tensor, field: str = "prompt") -> torch.Tensor:
@@ -125,6 +126,7 @@ class SpeculativeLM:
             self._persistent_drafter.close()
         self._persistent_drafter = None
         self.calibrator = Calibrator()
+        self.draft_acceptance = Calibrator()
 
     @property
     def verify_cost(self) -> VerifyCost:
@@ -310,11 +312,11 @@ class SpeculativeLM:
             return lambda: None
         if config.draft == DRAFT_EAGLE_HEAD:
             return BatchEagle(self.target, self.draft_model, do_sample=gen.do_sample, temperature=gen.temperature,
-                              top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed)
+                              top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed, acceptance=self.draft_acceptance)
         if config.uses_draft_model:
             return BatchDraftModel(self.draft_model, do_sample=gen.do_sample, temperature=gen.temperature,
                                    top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,
-                                   confidence_threshold=config.confidence_threshold)
+                                   confidence_threshold=config.confidence_threshold, acceptance=self.draft_acceptance)
         root = self._drafter(gen)
         return (lambda: root.fork()) if config.persistent else (lambda: self._drafter(gen))
 

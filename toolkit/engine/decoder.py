@@ -36,7 +36,7 @@ import torch
 
 from toolkit.engine.accept import accept, choose
 from toolkit.engine.forward import TargetForward
-from toolkit.engine.planner import ConstantK, CostAwareK, batch_weights, most_per_ms
+from toolkit.engine.planner import ConstantK, CostAwareK, batch_weights
 from toolkit.engine.rows import Row, finish
 from toolkit.kv.contract import policy_attached
 from toolkit.kv.rows import SingleRowCache
@@ -287,14 +287,12 @@ class SpeculativeDecoder:
 
     def _draft_steps(self, rows: list[Row], draft_limits: list[int], drafting, num_draft_tokens: int,
                      draining: bool) -> list[int]:
-        """Draft tokens to ask per row: K for free drafters; for a draft model or EAGLE head over the batch, the
-        count with the most expected tokens per ms of drafting (its measured step) plus verifying (0: plain)."""
+        """Draft tokens to ask per row: K for free drafters; for a draft model or EAGLE head over the batch, what
+        pays given its measured step (:meth:`toolkit.engine.planner.CostAwareK.draft_steps`; 0: plain)."""
         step_ms = drafting.step_ms(len(rows)) if num_draft_tokens else None
         if step_ms is not None and isinstance(self.controller, CostAwareK):
-            cost, acceptance = self.controller.cost, drafting.acceptance
-            weights, tokens = batch_weights(draft_limits, draining), [max(0, r) for r in draft_limits]
-            num_draft_tokens, _ = most_per_ms(weights, tokens, num_draft_tokens, lambda i, j: acceptance.prob(None, j),
-                                              lambda n: (cost.ms(len(rows), n + 1), n + 1), lambda n: n * step_ms)
+            num_draft_tokens = self.controller.draft_steps(batch_weights(draft_limits, draining), draft_limits,
+                                                           step_ms, drafting.acceptance)
         return [max(0, min(num_draft_tokens, limit)) for limit in draft_limits]
 
     # ------------------------------------------------------------------------------------------------ reports
