@@ -2,8 +2,8 @@
 
 A round's verify forward runs ``(B, W)`` tokens (``B`` rows, ``W`` = 1 + the draft tokens verified) through the HF
 model on the cache's ``prepare(W)`` inputs and returns logits ``(B, W, vocab)``. On the static cache
-(:class:`~toolkit.kv.static.StaticKV`) the forward may be compiled (gpt-fast's decode step; DESIGN.md "The static
-engine"); what a graph is specialised to depends on the device:
+(:class:`~toolkit.kv.static.StaticKV`) the forward may be compiled (gpt-fast's decode step; ``docs/design.md``,
+"The static engine"); what a graph is specialised to depends on the device:
 
 * **CPU** (inductor): one graph for single-token steps ``(1, 1)`` and one for verify forwards ``(1, W >= 2)`` with
   ``W`` a dynamic size, and the same two for ``B >= 2`` rows; the attended span of the cache is a dynamic size too.
@@ -297,9 +297,9 @@ class TargetForward:
 
 
 def compile_pays(target) -> bool:
-    """Where compiling was measured to pay (DESIGN.md, cost model): on CUDA, and on CPU for torchao weights (int4 /
-    int8 tensor subclasses: eager per-op overhead dominates); fp32 / bf16 / bitsandbytes weights on CPU are
-    bytes-bound or opaque kernels, where compiling gained nothing."""
+    """Where compiling was measured to pay (``docs/design.md``, "Cost model of a 2-core CPU"): on CUDA, and on CPU
+    for torchao weights (int4 / int8 tensor subclasses: eager per-op overhead dominates); fp32 / bf16 / bitsandbytes
+    weights on CPU are bytes-bound or opaque kernels, where compiling gained nothing."""
     params = list(target.parameters())
     if params[0].device.type == "cuda":
         return True
