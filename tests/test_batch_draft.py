@@ -144,3 +144,21 @@ def test_generate_batch_runs_draft_model_recipes_batched(setup):
     assert generator.batchable
     rows = generator.generate_batch(batch[:4], batch_size=4)
     assert [r.token_ids for r in rows] == alone[:4]
+
+
+def test_batched_calls_learn_the_draft_acceptance_together(setup):
+    """What a batch draft model's acceptance taught one batched call (how many tokens are worth drafting) is where the
+    next call starts, as the planner's calibration is; ``forget`` drops both."""
+    target, draft, batch, alone = setup
+    recipe = toolkit.Recipe.from_dict({"name": "draft-batch-cost", "target": {"device": "cpu"},
+                                       "draft": {"device": "cpu"},
+                                       "spec": {"drafter": "draft_model", "num_draft_tokens": 4, "adaptive": "cost"},
+                                       "generation": {"max_new_tokens": 24, "ignore_eos": True}})
+    lm = toolkit.build(recipe, target=target, tokenizer=None, draft_model=draft)
+    assert [r.token_ids for r in lm.generate_batch(batch[:4], batch_size=4)] == alone[:4]
+    first = lm.draft_acceptance.decisions
+    assert first > 0
+    assert [r.token_ids for r in lm.generate_batch(batch[:4], batch_size=4)] == alone[:4]
+    assert lm.draft_acceptance.decisions > first
+    lm.forget()
+    assert lm.draft_acceptance.decisions == 0

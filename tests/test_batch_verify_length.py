@@ -1,7 +1,13 @@
-"""Batched speculative sampling stays lossless when the verify width truncates sampled drafts.
+"""Batched speculation with the cost-aware planner: batches draft where it pays, and sampling stays lossless when the
+verify width truncates sampled drafts.
 
-The regime the planner's stopping rule exists for (``toolkit.engine.planner.CostAwareK.plan``): a weak first draft
-token that would be verified only because a confident second one follows. The probe drafter samples the first token from
+Exploration (``test_a_batch_learns_that_its_draft_pays``): how many tokens a batch drafts is decided before any is
+drawn, from the draft's acceptance per position learned from earlier rounds. A draft whose prior (1/2 per position)
+says drafting never pays must still be tried, or its real acceptance is never seen and the batch never speculates.
+
+Lossless truncation (``test_sampled_drafts_truncated_by_the_cost_curve_keep_the_target_law``): the regime the
+planner's stopping rule exists for (``toolkit.engine.planner.CostAwareK.plan``): a weak first draft token that would be
+verified only because a confident second one follows. The probe drafter samples the first token from
 q = 1/2 on the target's least and most likely tokens, and announces a confident second token only after the least
 likely one. The cost curve makes verifying one token never pay and two tokens pay only behind a confident second.
 Choosing the best width over the whole chain then verifies the first token exactly when it is the unlikely one, and
@@ -23,12 +29,49 @@ from test_decoder import make_prompt
 
 from toolkit.recipe import GenerationSpec
 from toolkit.speculative.cost_model import VerifyCost
+from toolkit.speculative.drafters.draft_model_rows import BatchDraftModel
 
 V = 12
 #: ms of a verify forward over n = 1, 2, 3, ... tokens: width 2 (one draft) never pays, width 3 pays only when the
 #: second draft token is confident (expected 1 + 0.525 + 0.525 * 0.975 = 2.04 tokens vs 1.8 ms; 1.55 after a weak one)
 CURVE = [1.0, 3.0, 1.8] + [50.0] * 13
 DRAWS = 600  # the old planner failed this with p = 2.8e-19 at 1,200 draws
+
+
+#: a flat verify cost curve (ms of a forward over n = 1..16 tokens: 4 tokens cost 1.08x one, 16 tokens 1.4x) and a
+#: draft step of 60 ms: at the prior's acceptance of 1/2 per position drafting never pays for 4 rows (4 tokens per
+#: 108 ms plainly; 6 expected per 178.7 ms with one draft token) nor for one row, at the real acceptance of a draft
+#: that is the target itself (1) it does (16 tokens per 320 ms with three)
+FLAT_MS = [100.0 + 8.0 * (n - 1) / 3 for n in range(1, 17)]
+DRAFT_STEP_MS = 60.0
+
+
+class FixedStepDraft(BatchDraftModel):
+    """A batch draft model whose step costs :data:`DRAFT_STEP_MS` whatever the machine does."""
+
+    def step_ms(self, rows: int) -> float:
+        return DRAFT_STEP_MS
+
+
+def _drafted_per_round(target, batch_size: int, prompts: list) -> tuple[float, float]:
+    """(draft tokens verified per round, tau) of sampled decoding with the target as its own draft."""
+    gen = GenerationSpec(max_new_tokens=16, do_sample=True, ignore_eos=True, seed=3)
+    decoder = batch_decoder(target, FixedStepDraft(target, do_sample=True, seed=gen.seed),
+                            VerifyCost(list(FLAT_MS), learn=False), num_draft_tokens=3, batch_size=batch_size)
+    rows = decoder.decode_batch(prompts, gen)
+    rounds = sum(s.rounds for _, s in rows)
+    return sum(s.drafted for _, s in rows) / rounds, sum(s.committed for _, s in rows) / rounds
+
+
+def test_a_batch_learns_that_its_draft_pays():
+    """Issue 46: 4 rows with a sampled draft model under the cost-aware planner and a flat curve drafted 0.00 tokens
+    per round: the draft's acceptance was never observed, as nothing was drafted while the prior said no."""
+    target = tiny_llama(seed=0, initializer_range=0.2)
+    prompts = [make_prompt(seed) for seed in range(4)]
+    batch, batch_tau = _drafted_per_round(target, 4, prompts)
+    alone, _ = _drafted_per_round(target, 1, prompts)
+    assert batch > 1.0 and batch_tau > 2.0, (batch, batch_tau)  # the target accepts its own draft every time
+    assert batch > 0.5 * alone, (batch, alone)
 
 
 _LAWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {prefix: its next-token law}

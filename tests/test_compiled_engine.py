@@ -191,3 +191,44 @@ def test_inductor_cache_goes_to_the_toolkit_cache_unless_the_user_chose_one(monk
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     forward.inductor_cache()
     assert forward.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_first_call_reports_its_compile_apart_and_announces_it(monkeypatch, caplog):
+    """A compiled recipe's first call through the Python API compiles the target's graphs: it says so on the
+    ``toolkit`` logger before and after, and reports the wait as ``stats.compile_ms``, outside ``total_ms`` (so
+    throughput and TPOT describe decoding); the second call compiles nothing. ``warm_up`` validates its input."""
+    import logging
+    import time
+
+    import toolkit
+    from toolkit.errors import ConfigError
+    from toolkit.speculative_lm import SpeculativeLM
+
+    def eager_backend(recipe, target, plan):  # dynamo traces as inductor would, without code generation (fast)
+        return TargetForward(target, compile=True, backend="eager"), "compiled static engine (test: eager backend)"
+
+    monkeypatch.setattr("toolkit.speculative_lm.forward_for", eager_backend)
+    torch._dynamo.reset()
+    target = tiny_llama(seed=0, initializer_range=0.2)
+    recipe = Recipe.from_dict({"name": "compiled-api", "target": {"device": "cpu"}, "draft": None, "compile": "on",
+                               "spec": {"drafter": "lookup", "num_draft_tokens": 3},
+                               "generation": {"max_new_tokens": NEW, "ignore_eos": True}})
+    lm: SpeculativeLM = toolkit.build(recipe, target=target, tokenizer=None)
+    prompt = torch.randint(1, 128, (1, 11), generator=torch.Generator().manual_seed(3))
+    with caplog.at_level(logging.INFO, logger="toolkit"):
+        began = time.perf_counter()
+        first = lm.generate(prompt).stats
+        wall_ms = (time.perf_counter() - began) * 1000
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("toolkit")]
+    assert any(m.startswith("compiling the target's 1x1") and "on-disk cache" in m for m in messages), messages
+    assert any(m.startswith("compiled the target's 1x1") for m in messages)
+    assert first.new_tokens == NEW and first.compile_ms > 0
+    assert first.total_ms + first.compile_ms <= wall_ms  # disjoint: the compile is not inside total_ms
+    assert first.throughput == pytest.approx(NEW / (first.total_ms / 1000))
+    assert first.tpot_ms == pytest.approx((first.total_ms - first.ttft_ms) / (NEW - 1))
+    assert first.target_ms + first.draft_ms + first.overhead_ms <= first.total_ms
+    again = lm.generate(prompt).stats
+    assert again.compile_ms == 0 and lm.generate(prompt).token_ids == hf_greedy(target, prompt, NEW)
+    with pytest.raises(ConfigError, match="tokens"):
+        lm.warm_up(0)
+    torch._dynamo.reset()

@@ -1,9 +1,10 @@
 """The speculative decode loop (toolkit/engine/decoder.py) with every drafter, on tiny random models and (slow) on the
 embedded SmolLM2 model.
 
-Layer 1 of DESIGN.md: greedy speculative output is token-identical to the target's own greedy output (HF
-``generate(do_sample=False)``, EOS disabled), with a draft that partly agrees so both acceptances and rejections
-happen. Plus the cache invariant after rollback, the stop conditions and seeded sampling.
+The greedy identity of ``docs/design.md`` ("Lossless semantics"): greedy speculative output is token-identical to
+the target's own greedy output (HF ``generate(do_sample=False)``, EOS disabled), with a draft that partly agrees so
+both acceptances and rejections happen. Plus the cache invariant after rollback, the stop conditions and seeded
+sampling.
 """
 
 from __future__ import annotations

@@ -127,6 +127,34 @@ def test_calibration_learns_the_real_acceptance_and_each_request_its_own_level()
     assert cal.request_factor() == 1.0
 
 
+def test_optimistic_acceptance_is_high_where_little_was_seen_and_comes_back():
+    cal = Calibrator()
+    cal.decisions = 1
+    assert cal.optimistic(1) > cal.prob(None, 1) == 0.5  # nothing seen yet: worth a try
+    for _ in range(100):  # position 1 always rejected
+        cal.observe(None, verified=1, accepted=0)
+    seen = cal.optimistic(1)
+    assert cal.prob(None, 1) < seen < 0.2
+    cal.decisions = 10**6  # a long time without drafting: the bound rises again, so it is tried again
+    assert cal.optimistic(1) > seen + 0.3
+    with pytest.raises(ValueError, match="position"):
+        cal.optimistic(0)
+
+
+def test_draft_steps_try_a_draft_the_prior_says_never_pays_and_stop_once_it_fails():
+    """4 rows, a flat curve (10 ms a forward), a draft step of 6 ms: at the prior's acceptance of 1/2 per position no
+    draft length pays (6 expected tokens per 16 ms with one, against 4 per 10 ms), so a planner reading the prior
+    never drafts and never learns otherwise. Read optimistically, the first rounds draft; once the draft is seen to
+    fail they stop."""
+    ctl, acceptance = controller(FLAT), Calibrator()
+    steps = ctl.draft_steps([1.0] * 4, [8] * 4, 6.0, acceptance)
+    assert steps > 0 and acceptance.decisions == 1
+    for _ in range(200):  # every first draft token rejected
+        acceptance.observe(None, verified=steps, accepted=0)
+    assert ctl.draft_steps([1.0] * 4, [8] * 4, 6.0, acceptance) == 0
+    assert ctl.draft_steps([1.0] * 4, [0] * 4, 0.0, Calibrator()) == 0  # no room left: a plain step
+
+
 # ------------------------------------------------------------------------------------------------------ outputs unchanged
 @pytest.mark.parametrize("make", [tiny_llama, tiny_neox])
 @pytest.mark.parametrize("curve", [FLAT, STEEP, DIP], ids=["flat", "steep", "dip"])

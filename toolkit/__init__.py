@@ -6,14 +6,10 @@ Public API::
     recipe = toolkit.Recipe.load("recipes/short.yaml")
     lm = toolkit.build(recipe)  # a toolkit.SpeculativeLM
     result = lm.generate("def fibonacci(n):", max_new_tokens=64)
-
-``toolkit.Generator`` and ``toolkit.SpecSpec`` are deprecated names of :class:`SpeculativeLM` and
-:class:`SpeculationSpec`: they still resolve, with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING
 
 from toolkit.errors import ConfigError, ModelLoadError, TokenizerMismatchError, ToolkitError
@@ -23,9 +19,6 @@ if TYPE_CHECKING:
     from toolkit.speculative_lm import SpeculativeLM
 
 __version__ = "0.1.0"
-
-#: deprecated name -> its current name (resolved by ``__getattr__`` with a ``DeprecationWarning``)
-_DEPRECATED = {"Generator": "SpeculativeLM", "SpecSpec": "SpeculationSpec"}
 
 
 def build(recipe, **kwargs) -> SpeculativeLM:
@@ -41,13 +34,7 @@ def generate(recipe, prompt, **overrides):
 
 
 def __getattr__(name: str):
-    """:class:`SpeculativeLM`, imported on first use (it loads the decoder), and the deprecated names."""
-    if name in _DEPRECATED:
-        warnings.warn(f"toolkit.{name} is deprecated; use toolkit.{_DEPRECATED[name]}", DeprecationWarning,
-                      stacklevel=2)
-        name = _DEPRECATED[name]
-        if name in globals():
-            return globals()[name]
+    """:class:`SpeculativeLM`, imported on first use (it loads the decoder)."""
     if name == "SpeculativeLM":
         from toolkit.speculative_lm import SpeculativeLM
 

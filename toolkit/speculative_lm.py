@@ -67,6 +67,7 @@ class SpeculativeLM:
         self.engine_note = ""  # which path decoding takes, and why (reports, the run log)
         self._forward_cost = None  # what forwards cost, one row or a batch (ForwardCost), learned online
         self.calibrator = Calibrator()  # acceptance calibration (adaptive: cost), learned across calls
+        self.draft_acceptance = Calibrator()  # a batch draft network's acceptance by position, across calls
 
     # -------------------------------------------------------------------------------------------- preparation
     def encode(self, prompt: str | list[dict] | torch.Tensor, field: str = "prompt") -> torch.Tensor:
@@ -125,6 +126,7 @@ class SpeculativeLM:
             self._persistent_drafter.close()
         self._persistent_drafter = None
         self.calibrator = Calibrator()
+        self.draft_acceptance = Calibrator()
 
     @property
     def verify_cost(self) -> VerifyCost:
@@ -159,9 +161,19 @@ class SpeculativeLM:
     def warm_up(self, tokens: int, batch_size: int = 1) -> float:
         """Compile the engine's graphs for requests of up to ``tokens`` positions (prompt + new tokens) and batches
         of ``batch_size`` rows before the first request (nothing on the eager path); returns the seconds it took
-        (seconds from inductor's on-disk cache, minutes cold) and reads or measures the verify cost curve."""
+        (seconds from inductor's on-disk cache, minutes cold) and reads or measures the verify cost curve.
+
+        Without it, the first call of a compiled recipe compiles (logged on the ``toolkit.engine`` logger) and
+        reports that time as ``stats.compile_ms``, outside its other times.
+
+        Raises:
+            ConfigError: ``tokens`` or ``batch_size`` not a positive integer (named).
+        """
+        from toolkit.checks import check_int
         from toolkit.kv.static import capacity_for
 
+        check_int("tokens", tokens, low=1)
+        check_int("batch_size", batch_size, low=1)
         engine = self.engine
         if not engine.compiled:
             return 0.0
@@ -210,7 +222,10 @@ class SpeculativeLM:
         input_ids = self.encode(prompt)
         self.check_request(input_ids, gen)
         stats = stats if stats is not None else GenerationStats()
-        chunks = self.decoder(gen).decode(input_ids, gen, stats, self.eos_token_ids(gen), self._stop_check(gen))
+        compiled = self.engine.compile_ms
+        decoder = self.decoder(gen)
+        stats.compile_ms += self.engine.compile_ms - compiled  # the verify cost curve, measured through new graphs
+        chunks = decoder.decode(input_ids, gen, stats, self.eos_token_ids(gen), self._stop_check(gen))
         return chunks, stats, input_ids[0].tolist(), gen
 
     def _text(self, ids: list[int], gen: GenerationSpec) -> str:
@@ -293,7 +308,12 @@ class SpeculativeLM:
         inputs = [self.encode(p) for p in prompts]
         for i, input_ids in enumerate(inputs):
             self.check_request(input_ids, gen, f"prompts[{i}]")
-        rows = self.decoder(gen, batch_size).decode_batch(inputs, gen, self.eos_token_ids(gen), self._stop_check(gen))
+        compiled = self.engine.compile_ms
+        decoder = self.decoder(gen, batch_size)
+        measured = self.engine.compile_ms - compiled  # the verify cost curve, measured through new graphs
+        rows = decoder.decode_batch(inputs, gen, self.eos_token_ids(gen), self._stop_check(gen))
+        for _, stats in rows:
+            stats.compile_ms += measured
         return [GenerationResult(self._text(ids, gen), ids, x[0].tolist(), stats)
                 for (ids, stats), x in zip(rows, inputs)]
 
@@ -310,11 +330,11 @@ class SpeculativeLM:
             return lambda: None
         if config.draft == DRAFT_EAGLE_HEAD:
             return BatchEagle(self.target, self.draft_model, do_sample=gen.do_sample, temperature=gen.temperature,
-                              top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed)
+                              top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed, acceptance=self.draft_acceptance)
         if config.uses_draft_model:
             return BatchDraftModel(self.draft_model, do_sample=gen.do_sample, temperature=gen.temperature,
                                    top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,
-                                   confidence_threshold=config.confidence_threshold)
+                                   confidence_threshold=config.confidence_threshold, acceptance=self.draft_acceptance)
         root = self._drafter(gen)
         return (lambda: root.fork()) if config.persistent else (lambda: self._drafter(gen))
 

@@ -36,7 +36,7 @@ import torch
 
 from toolkit.engine.accept import accept, choose
 from toolkit.engine.forward import TargetForward
-from toolkit.engine.planner import ConstantK, CostAwareK, batch_weights, most_per_ms
+from toolkit.engine.planner import ConstantK, CostAwareK, batch_weights
 from toolkit.engine.rows import Row, finish
 from toolkit.kv.contract import policy_attached
 from toolkit.kv.rows import SingleRowCache
@@ -249,10 +249,12 @@ class SpeculativeDecoder:
         drafted = [min(len(r.proposal), n) for r in rows]
         inputs, counts = self._stage([[r.ids[-1]] + r.proposal[:d] + [r.ids[-1]] * (width - 1 - d)
                                       for r, d in zip(rows, drafted)], drafted)  # the round's one upload
+        compiled = self.forward.compile_ms
         logits = self.forward(self.cache, inputs)
         result = accept(logits, inputs, counts, drafted, gen, rows)
         accepted, next_ids = zip(*result.tolist())  # the round's one device-to-host transfer
         verified_at = time.perf_counter()
+        compile_ms = self.forward.compile_ms - compiled  # a first call compiled: not the forward's cost
         self.cache.accept(result[:, 0] + 1, [a + 1 for a in accepted])
         self.cache.commit()
         drafting.commit(rows, list(accepted))
@@ -263,10 +265,11 @@ class SpeculativeDecoder:
             row.stats.record_round(d, a)
             row.stats.target_forwards += 1
         ended = time.perf_counter()
-        verify_ms, share = (verified_at - drafted_at) * 1000, 1.0 / len(rows)
-        for row in rows:  # a round's time is shared by its rows
+        verify_ms, share = (verified_at - drafted_at) * 1000 - compile_ms, 1.0 / len(rows)
+        for row in rows:  # a round's time is shared by its rows; each waited for a compile
+            row.compile_ms += compile_ms
             row.stats.record_time((drafted_at - started) * 1000 * share, verify_ms * share,
-                                  (ended - started) * 1000 * share, width)
+                                  ((ended - started) * 1000 - compile_ms) * share, width)
         self.controller.timed(len(rows), width, verify_ms, (ended - verified_at) * 1000)
         return chunks
 
@@ -287,14 +290,12 @@ class SpeculativeDecoder:
 
     def _draft_steps(self, rows: list[Row], draft_limits: list[int], drafting, num_draft_tokens: int,
                      draining: bool) -> list[int]:
-        """Draft tokens to ask per row: K for free drafters; for a draft model or EAGLE head over the batch, the
-        count with the most expected tokens per ms of drafting (its measured step) plus verifying (0: plain)."""
+        """Draft tokens to ask per row: K for free drafters; for a draft model or EAGLE head over the batch, what
+        pays given its measured step (:meth:`toolkit.engine.planner.CostAwareK.draft_steps`; 0: plain)."""
         step_ms = drafting.step_ms(len(rows)) if num_draft_tokens else None
         if step_ms is not None and isinstance(self.controller, CostAwareK):
-            cost, acceptance = self.controller.cost, drafting.acceptance
-            weights, tokens = batch_weights(draft_limits, draining), [max(0, r) for r in draft_limits]
-            num_draft_tokens, _ = most_per_ms(weights, tokens, num_draft_tokens, lambda i, j: acceptance.prob(None, j),
-                                              lambda n: (cost.ms(len(rows), n + 1), n + 1), lambda n: n * step_ms)
+            num_draft_tokens = self.controller.draft_steps(batch_weights(draft_limits, draining), draft_limits,
+                                                           step_ms, drafting.acceptance)
         return [max(0, min(num_draft_tokens, limit)) for limit in draft_limits]
 
     # ------------------------------------------------------------------------------------------------ reports
@@ -318,4 +319,5 @@ class SpeculativeDecoder:
             stats.compressions_draft = draft_cache.compressions
         drafting.close(row)
         _sync(self.device)
-        stats.total_ms = (time.perf_counter() - row.started) * 1000
+        stats.compile_ms += row.compile_ms
+        stats.total_ms = (time.perf_counter() - row.started) * 1000 - row.compile_ms

@@ -2,8 +2,8 @@
 
 A round's verify forward runs ``(B, W)`` tokens (``B`` rows, ``W`` = 1 + the draft tokens verified) through the HF
 model on the cache's ``prepare(W)`` inputs and returns logits ``(B, W, vocab)``. On the static cache
-(:class:`~toolkit.kv.static.StaticKV`) the forward may be compiled (gpt-fast's decode step; DESIGN.md "The static
-engine"); what a graph is specialised to depends on the device:
+(:class:`~toolkit.kv.static.StaticKV`) the forward may be compiled (gpt-fast's decode step; ``docs/design.md``,
+"The static engine"); what a graph is specialised to depends on the device:
 
 * **CPU** (inductor): one graph for single-token steps ``(1, 1)`` and one for verify forwards ``(1, W >= 2)`` with
   ``W`` a dynamic size, and the same two for ``B >= 2`` rows; the attended span of the cache is a dynamic size too.
@@ -21,7 +21,9 @@ the model as it is. A padded forward's extra positions are never kept: the calle
 tokens, and padding rows are never accepted into.
 
 Compiled code is cached on disk by inductor (``TORCHINDUCTOR_CACHE_DIR``, the toolkit's cache directory unless the user
-set it), so a second process starts warm.
+set it), so a second process starts warm. A graph's first call compiles it: the engine logs one INFO line on the
+``toolkit.engine`` logger before it (what is compiled, how long it may take) and one after (how long it took), and
+adds the time to :attr:`TargetForward.compile_ms`, which the decoder keeps out of a generation's timings.
 """
 
 from __future__ import annotations
@@ -50,6 +52,15 @@ MODES = {"cpu": "default", "cuda": "reduce-overhead"}
 #: wrapper's per-kernel work and the subclass checks), but the first compile ~11 min instead of ~2.5 min and a warm
 #: start from the on-disk cache ~75 s instead of ~20 s (frozen graphs are only partly cached) -- so opt-in
 TUNED_CPU_OPTIONS = {"freezing": True, "cpp_wrapper": True}
+#: what a graph's first compile takes (cold: inductor's on-disk cache does not hold it yet), for the log line
+COLD_COMPILE = {"cpu": "about 20-100 s on a 2-core CPU", "cpu-tuned": "several minutes (compile: max)",
+                "cuda": "tens of seconds"}
+
+
+def _graphs() -> int:
+    """Graphs dynamo has compiled in this process (a call that raises it compiled; recompiles for a new cache shape
+    included)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def inductor_cache() -> None:
@@ -115,6 +126,8 @@ class TargetForward:
 
     Attributes:
         compile_s: first-call seconds (compile + run) per graph key.
+        compile_ms: milliseconds spent in calls that compiled (a graph's first call, a recompile for a new cache
+            shape, a CUDA graph's capture), cumulative over the engine's life.
         static_span: whether static caches built for it must attend to every slot (bucketed shapes).
     """
 
@@ -126,6 +139,8 @@ class TargetForward:
         self.widths, self.batch_sizes = CUDA_WIDTHS, CUDA_BATCH_SIZES
         self.mode = mode or MODES.get(self.device.type, "default")
         self.compile_s: dict[tuple, float] = {}
+        self.compile_ms = 0.0
+        self.backend, self.tuned = backend, tuned
         self._compiled = None
         self._cache = None  # the last static cache built, reused by requests it can hold (addresses stay fixed)
         self._checked = weakref.WeakKeyDictionary()  # cache -> graph keys that ran on it once with every guard
@@ -208,6 +223,9 @@ class TargetForward:
         self._mark_dynamic(input_ids, kwargs, cache, span=not self.buckets)
         key = (run_rows if self.buckets else min(run_rows, 2), run_width if self.buckets else min(run_width, 2))
         first = key not in self._checked.get(cache, ())  # this graph on this cache: guards not yet run in full
+        new_key, graphs = key not in self.compile_s, _graphs()
+        if new_key:
+            self._announce(key)
         began = time.perf_counter()
         if self.device.type == "cuda" and self.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # the previous round's outputs were consumed
@@ -215,12 +233,30 @@ class TargetForward:
                 model_kwargs(self.model, {"past_key_values": kwargs["past_key_values"]}))
         logits = self._run(args, first)
         self._checked.setdefault(cache, set()).add(key)
-        if key not in self.compile_s:
+        if new_key or _graphs() != graphs:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self.compile_s[key] = time.perf_counter() - began
-            log.info("compiled the %s forward in %.1f s", "x".join(map(str, key)), self.compile_s[key])
+            seconds = time.perf_counter() - began
+            self.compile_ms += seconds * 1000
+            self.compile_s.setdefault(key, seconds)
+            what = "compiled" if new_key else "recompiled (a new cache shape)"
+            log.info("%s the target's %s forward in %.1f s", what, self._shape(key), seconds)
         return logits[:rows, :width]
+
+    def _shape(self, key: tuple) -> str:
+        """A graph key in words: rows x width, ``2+`` where the size is dynamic past 1 (unbucketed shapes)."""
+        return "x".join(str(n) if self.buckets or n == 1 else "2+" for n in key) + " (rows x tokens)"
+
+    def _announce(self, key: tuple) -> None:
+        """The INFO line before a graph's first call: what is compiled and what it may take."""
+        if self.backend != "inductor":
+            expected = f"seconds ({self.backend} backend)"
+        else:
+            kind = "cpu-tuned" if self.tuned and self.device.type == "cpu" else self.device.type
+            expected = COLD_COMPILE.get(kind, "minutes")
+        log.info("compiling the target's %s forward with torch.compile: %s the first time on this machine, seconds "
+                 "once inductor's on-disk cache (%s) holds it; SpeculativeLM.warm_up() compiles before timing",
+                 self._shape(key), expected, os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default"))
 
     def _hooked(self) -> bool:
         """Whether a forward hook is on the model (an EAGLE drafter's feature hook): such forwards run eager. A
@@ -297,10 +333,10 @@ class TargetForward:
 
 
 def compile_pays(target) -> bool:
-    """Where compiling was measured to pay (DESIGN.md, cost model): on CUDA, and on CPU for int4 / int8 weights
-    (torchao's tensor subclasses, a GGUF's native blocks on :class:`~toolkit.quant.int4_linear.PackedInt4Linear`:
-    eager per-op overhead dominates); fp32 / bf16 / bitsandbytes weights on CPU are bytes-bound or opaque kernels,
-    where compiling gained nothing."""
+    """Where compiling was measured to pay (``docs/design.md``, "Cost model of a 2-core CPU"): on CUDA, and on CPU
+    for int4 / int8 weights (torchao's tensor subclasses, a GGUF's native blocks on
+    :class:`~toolkit.quant.int4_linear.PackedInt4Linear`: eager per-op overhead dominates); fp32 / bf16 /
+    bitsandbytes weights on CPU are bytes-bound or opaque kernels, where compiling gained nothing."""
     from toolkit.quant.int4_linear import PackedInt4Linear
 
     params = list(target.parameters())

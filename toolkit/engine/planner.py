@@ -14,6 +14,12 @@ forward of 5 tokens can cost less than one of 3; bucketed CUDA graphs make the c
 drafting ``n`` tokens costs where it is not free (a draft model's steps). ``n = 0`` is a plain one-token step, so a
 round never expects fewer tokens per unit time than AR decoding.
 
+Where drafting costs time (a draft model or EAGLE head over a batch), :meth:`CostAwareK.draft_steps` applies the same
+rule *before* drafting, to choose how many tokens to draft, with the drafter's acceptance per position. It reads an
+upper confidence bound of it (:meth:`~toolkit.speculative.verify_length.Calibrator.optimistic`): acceptance is learned
+only from rounds that draft, so a prior saying that drafting never pays would otherwise never meet the draft's real
+acceptance (issue 46: 4 rows drafted 0.00 tokens per round with a draft the target accepted every time).
+
 **Stopping rule** (lossless sampling): when draft tokens were *sampled* from q, whether token ``i`` is verified may
 depend only on what was known before it was drawn — the confidences ``c_1..c_i``, each read before its token — never
 on later ones, which depend on token ``i`` itself. So with sampled drafts ``n`` is the first length after which one
@@ -202,19 +208,44 @@ class CostAwareK:
     def next_k(self) -> int:
         return self.num_draft_tokens
 
+    def _forward_ms(self, rows: int) -> Callable[[int], tuple[float, int]]:
+        """``n -> (ms, m)``: the cheapest forward over ``rows`` rows holding ``n + 1`` tokens each, with the round's
+        bookkeeping."""
+        def forward_ms(n: int) -> tuple[float, int]:
+            width = self.cost.cheapest(rows, n + 1, max(self.widest, n + 1))
+            return self.cost.ms(rows, width) + self.overhead_ms, width
+
+        return forward_ms
+
     def plan(self, rows: list, weights: list[float]) -> tuple[int, int]:
         """``(n, m)``: verify the first ``n`` draft tokens of every row in a forward of ``m >= n + 1`` tokens."""
         def prob(i: int, j: int) -> float:
             confidence = rows[i].confidence
             return self.calibrator.prob(None if confidence is None else confidence[j - 1], j)
 
-        def forward_ms(n: int) -> tuple[float, int]:
-            width = self.cost.cheapest(len(rows), n + 1, max(self.widest, n + 1))
-            return self.cost.ms(len(rows), width) + self.overhead_ms, width
-
         tokens = [len(r.proposal) for r in rows]
         longest = min(max(tokens, default=0), self.widest - 1)
-        return most_per_ms(weights, tokens, longest, prob, forward_ms, stopping=any(r.q is not None for r in rows))
+        return most_per_ms(weights, tokens, longest, prob, self._forward_ms(len(rows)),
+                           stopping=any(r.q is not None for r in rows))
+
+    def draft_steps(self, weights: list[float], limits: list[int], step_ms: float, acceptance: Calibrator) -> int:
+        """How many tokens to draft for every row when one draft step over them costs ``step_ms``: the count with the
+        most expected tokens per ms of drafting and verifying (0: a plain step), decided before any token is drawn,
+        so the output's distribution does not depend on it (see the module docstring).
+
+        Args:
+            weights: per row, how much its tokens count (:func:`batch_weights`).
+            limits: per row, the most draft tokens it can still commit (its chain stops there).
+            step_ms: milliseconds of one draft step over the rows (> 0 charges drafting; 0 is free drafting).
+            acceptance: the drafter's acceptance by draft position, read optimistically
+                (:meth:`~toolkit.speculative.verify_length.Calibrator.optimistic`); counts this decision.
+        """
+        acceptance.decisions += 1
+        tokens = [max(0, x) for x in limits]
+        longest = min(self.num_draft_tokens, self.widest - 1)
+        steps, _ = most_per_ms(weights, tokens, longest, lambda i, j: acceptance.optimistic(j),
+                               self._forward_ms(len(weights)), lambda n: n * step_ms)
+        return steps
 
     def update(self, rows: list, verified: int, accepted: list[int]) -> None:
         for row, a in zip(rows, accepted):

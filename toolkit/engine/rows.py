@@ -27,6 +27,7 @@ class Row:
         confidence: the drafter's confidence per draft token (``None``: none).
         q: draft probabilities ``(len(proposal), vocab)`` of sampled drafts (``None``: deterministic drafts).
         checked: new ids already checked for stop conditions.
+        compile_ms: milliseconds of its rounds spent compiling the target's forward (kept out of its times).
     """
 
     index: int
@@ -41,6 +42,7 @@ class Row:
     confidence: list[float] | None = None
     q: torch.Tensor | None = None
     checked: int = 0
+    compile_ms: float = 0.0
 
 
 def finish(new_ids: list[int], before: int, limit: int, eos: set[int],

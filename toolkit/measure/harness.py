@@ -1,7 +1,7 @@
 """The one measurement harness: warm-up, interleaved repetitions, device sync, medians with min-max.
 
 Every timing in the project goes through :func:`measure` — ``toolkit run --compare``, ``toolkit eval``, the search
-and the benchmarks — so they all follow the protocol of ``../shared/DESIGN.md`` ("Benchmark hygiene"):
+and the benchmarks — so they all follow the protocol of ``docs/design.md`` ("Measuring"):
 
 * every method runs on the same prompts with the same :class:`~toolkit.recipe.GenerationSpec`;
 * ``warmup`` untimed calls per method first (allocator, kernels, lazy init);

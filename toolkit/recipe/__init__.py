@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,12 +204,3 @@ class Recipe:
         data.pop("name")
         data.pop("description")
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
-
-
-def __getattr__(name: str):
-    """``SpecSpec``, the deprecated name of :class:`SpeculationSpec`, still resolves (with a ``DeprecationWarning``)."""
-    if name == "SpecSpec":
-        warnings.warn("toolkit.recipe.SpecSpec is deprecated; use toolkit.recipe.SpeculationSpec", DeprecationWarning,
-                      stacklevel=2)
-        return SpeculationSpec
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,6 +21,11 @@ class GenerationStats:
     ``overhead_ms`` everything else of the round (choosing the verify length, rollback, commit, bookkeeping).
     ``verify_tokens`` sums the widths of the verify forwards (padding included); ``plain_steps`` counts rounds that
     verified no draft token (a one-token step).
+
+    ``compile_ms`` is what the call waited for ``torch.compile`` to build the target's graphs (their first use in
+    the process: while measuring the verify cost curve, or in a round). It is in none of the other times: the call's
+    wall time is ``total_ms + compile_ms`` (plus a verify cost measurement), and ``tpot_ms`` and ``throughput``
+    describe decoding alone. ``SpeculativeLM.warm_up`` compiles ahead, after which calls report 0.
     """
 
     prompt_tokens: int = 0
@@ -49,6 +54,7 @@ class GenerationStats:
     overhead_ms: float = 0.0
     verify_tokens: int = 0
     plain_steps: int = 0
+    compile_ms: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -62,12 +68,12 @@ class GenerationStats:
 
     @property
     def tpot_ms(self) -> float:
-        """Time per output token after the first, in ms."""
+        """Time per output token after the first, in ms (compiling excluded)."""
         return (self.total_ms - self.ttft_ms) / (self.new_tokens - 1) if self.new_tokens > 1 else 0.0
 
     @property
     def throughput(self) -> float:
-        """Generated tokens per second over the whole call (prefill included)."""
+        """Generated tokens per second over the whole call (prefill included, compiling excluded: ``compile_ms``)."""
         return self.new_tokens / (self.total_ms / 1000.0) if self.total_ms > 0 else 0.0
 
     @property

@@ -13,12 +13,16 @@ one rule for one row and for batches).
 ``p_i`` comes from the drafter's own confidence for token ``i`` (``Drafter.confidence()``: a draft probability, or
 a match-length statistic for a model-free drafter), mapped through a :class:`Calibrator` that learns, online and
 across calls, how often tokens of each confidence bin were actually accepted. Drafters without a confidence are
-calibrated by draft position. Neither the choice of ``j`` nor padding changes what is accepted: the output is the
-same as with any fixed K (greedy: token-identical to AR; sampling: the target's distribution).
+calibrated by draft position. Where the number of tokens to *draft* is chosen before any is drawn (a draft network
+over a batch), the choice reads :meth:`Calibrator.optimistic`, an upper confidence bound, so that a draft length the
+estimates have rarely seen still gets tried: an estimate learned only from what is drafted is never corrected if a
+pessimistic prior stops all drafting. Neither the choice of ``j`` nor padding changes what is accepted: the output is
+the same as with any fixed K (greedy: token-identical to AR; sampling: the target's distribution).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -30,6 +34,8 @@ PRIOR_STRENGTH = 4.0
 REQUEST_PRIOR = 4.0
 #: a bin's counts are scaled down past this many trials, so the estimate follows a drifting acceptance rate
 MAX_TRIALS = 400.0
+#: weight of the exploration bonus of :meth:`Calibrator.optimistic`: UCB1's sqrt(2 ln t / n) (Auer et al. 2002)
+EXPLORATION = 2.0
 
 
 @dataclass
@@ -42,6 +48,7 @@ class Calibrator:
     position_trials: dict[int, float] = field(default_factory=dict)
     request_accepted: float = 0.0
     request_expected: float = 0.0
+    decisions: int = 0  # draft-length decisions taken on optimistic estimates (UCB1's t)
 
     def begin_request(self) -> None:
         """Start a new request: its own acceptance level is learned afresh (see :meth:`request_factor`)."""
@@ -62,6 +69,24 @@ class Calibrator:
         """P(accepted | previous accepted) for a token of raw ``confidence`` (``None``: by ``position``, 1-based),
         this request's factor applied."""
         return min(1.0, self._average(confidence, position) * self.request_factor())
+
+    def optimistic(self, position: int) -> float:
+        """An upper confidence bound of P(draft token ``position`` (1-based) accepted | the ones before it were), for
+        choosing how many tokens to draft before any is drawn: :meth:`prob` by position plus
+        ``sqrt(EXPLORATION * ln(1 + decisions) / (PRIOR_STRENGTH + trials))``, in [0, 1].
+
+        The bonus is large while a position has few outcomes and shrinks as they come; while none come (nothing is
+        drafted) it grows slowly with the decisions taken, so drafting is tried again now and then. The count of
+        tokens drafted never changes what is accepted, so exploring leaves the output's distribution alone.
+
+        Raises:
+            ValueError: ``position < 1``.
+        """
+        if position < 1:
+            raise ValueError(f"position: must be >= 1, got {position}")
+        trials = PRIOR_STRENGTH + self.position_trials.get(position, 0.0)
+        bonus = math.sqrt(EXPLORATION * math.log1p(self.decisions) / trials)
+        return min(1.0, self.prob(None, position) + bonus)
 
     def _average(self, confidence: float | None, position: int) -> float:
         if confidence is None:

@@ -16,7 +16,9 @@ A round (see the batch drafter protocol in :mod:`toolkit.speculative.drafters.ro
 
 The number of steps is chosen by the decoder from :meth:`BatchDraftModel.step_ms` (what a draft forward over B rows
 takes: a probe forward, then the moving average of the drafting rounds) and the acceptance per draft position
-(``acceptance``, learned from the rounds), so that drafting pays: ``0`` steps makes the round a batched plain step.
+(``acceptance``, learned from the rounds, read optimistically so that a length rarely drafted is tried again: see
+:meth:`toolkit.engine.planner.CostAwareK.draft_steps`), so that drafting pays: ``0`` steps makes the round a batched
+plain step.
 This is the draft-model path of HF assisted generation (Leviathan et al., 2023) over a batch, with vLLM's rule that
 the draft length shrinks as the batch grows (a draft step over B rows costs more as B grows, a verify token costs
 more once the target stops being memory-bound).
@@ -48,11 +50,13 @@ class BatchDraftModel(ModelBatchDrafter):
         seed: row ``i`` of a call samples its draft tokens with a generator seeded ``seed + 1 + i``.
         confidence_threshold: a row stops drafting in a round once the draft's top probability falls below it (HF
             dynamic speculation); ``None`` drafts every step.
+        acceptance: as :class:`~toolkit.speculative.drafters.rows.ModelBatchDrafter`.
     """
 
     def __init__(self, model, *, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, confidence_threshold: float | None = None):
-        super().__init__(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                 top_p: float = 1.0, seed: int = 0, confidence_threshold: float | None = None, acceptance=None):
+        super().__init__(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                         acceptance=acceptance)
         self.model, self.confidence_threshold = model, confidence_threshold
         self.device = next(model.parameters()).device
         self.dtype = mask_dtype(model)

@@ -53,12 +53,13 @@ class BatchEagle(ModelBatchDrafter):
     Args:
         target: the HF causal LM being decoded (its feature layer(s) get the hook during a batched call).
         head: a loaded :class:`~toolkit.eagle.head.EagleHead` (EAGLE-1 or EAGLE-3) on the target's device.
-        do_sample / temperature / top_k / top_p / seed: as :class:`ModelBatchDrafter`.
+        do_sample / temperature / top_k / top_p / seed / acceptance: as :class:`ModelBatchDrafter`.
     """
 
     def __init__(self, target, head, *, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0):
-        super().__init__(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                 top_p: float = 1.0, seed: int = 0, acceptance=None):
+        super().__init__(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                         acceptance=acceptance)
         self.target, self.head = target, head
         self.device = head.lm_head.weight.device
         self.dtype = next(head.parameters()).dtype

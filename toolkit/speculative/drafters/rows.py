@@ -94,17 +94,24 @@ class RowDrafters:
 class ModelBatchDrafter:
     """What the drafters running a network over the whole batch share: sampling settings, a generator per row
     (row ``i`` of a call seeded ``seed + 1 + i``), the per-position acceptance learned from the rounds
-    (``acceptance``, a :class:`Calibrator` by position) and the cost of one draft step (:meth:`step_ms`).
+    (``acceptance``, a :class:`Calibrator` by position: P(a drafted token is committed), which the planner reads
+    optimistically to choose how many tokens to draft) and the cost of one draft step (:meth:`step_ms`).
+
+    Args:
+        do_sample / temperature / top_k / top_p / seed: as the subclasses.
+        acceptance: the :class:`Calibrator` to learn in, kept by the caller across calls (a SpeculativeLM keeps one,
+            so a batched call starts from what earlier calls learned); ``None``: a fresh one.
 
     Subclasses implement ``_probe(rows)`` (one forward over ``(rows, 1)`` tokens, for timing) and the protocol's
     ``join`` / ``propose`` / ``commit``; they call :meth:`_observe_time` with what their steps took.
     """
 
     def __init__(self, *, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int = 0):
+                 seed: int = 0, acceptance: Calibrator | None = None):
         self.do_sample, self.temperature, self.top_k, self.top_p = do_sample, temperature, top_k, top_p
         self.seed = seed
-        self.acceptance = Calibrator()
+        self.acceptance = acceptance if acceptance is not None else Calibrator()
+        self.acceptance.begin_request()  # one drafter per batched call
         self._step_ms: dict[int, float] = {}  # rows -> ms of one draft forward, moving average
         self._generators: list[torch.Generator | None] = []
 
