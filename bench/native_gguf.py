@@ -104,7 +104,7 @@ def write_qwen2_gguf(path: Path) -> Path:
     import numpy as np
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_source("embedded"), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(resolve_source("embedded"), dtype=torch.float32).requires_grad_(False)
     c = model.config
     reader = gguf.GGUFReader(embedded_gguf_path())
     writer = gguf.GGUFWriter(str(path), "qwen2")

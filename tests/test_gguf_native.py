@@ -44,6 +44,8 @@ def test_codes_scales_and_planes_give_the_files_weights_exactly(qtype):
     assert plane_codes.max() <= 15 and plane_codes.shape[1] == 512 * ((bits + 3) // 4)
     parts = (plane_codes.astype(np.float32) - 8).reshape(6, -1, 32) * plane_scale[..., None] + plane_zero[..., None]
     np.testing.assert_allclose(parts.reshape(6, -1, 512).sum(1), expected, rtol=0, atol=1e-6 * np.abs(expected).max())
+    if qtype in (T.Q4_0, T.Q5_0, T.Q8_0):  # zeros kept small: the kernel rounds them to bf16 (0, -8 d, 8 d)
+        assert np.abs(plane_zero[:, :16]).max() <= 8 * np.abs(scale).max() * (1 + 1e-6)
 
 
 @pytest.mark.parametrize("qtype", [T.Q6_K, T.Q2_K, T.F16, T.IQ4_NL], ids=lambda t: t.name)

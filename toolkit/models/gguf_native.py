@@ -38,7 +38,7 @@ from toolkit.quant.int4_linear import GROUP, PackedInt4Linear, pack_nibbles
 log = logging.getLogger("toolkit.models")
 NATIVE = "native"
 #: bump when the on-disk layout of native copies changes
-NATIVE_FORMAT = "v1"
+NATIVE_FORMAT = "v2"
 TENSORS = "native.safetensors"
 REPORT = "native.json"
 #: weights per row chunk while decoding blocks (float32 temporaries of ~64 MiB)
@@ -98,6 +98,17 @@ def _planes(tensor, order) -> dict:
     scale_zero = np.ascontiguousarray(np.stack([scale.T, zero.T], axis=-1))  # (groups, out_features, 2)
     return {"nibbles": torch.from_numpy(np.ascontiguousarray(pack_nibbles(codes))),
             "scale_and_zero": torch.from_numpy(scale_zero).to(COMPUTE_DTYPE)}
+
+
+def _release(reader) -> None:
+    """Drop the file pages of ``reader``'s memory map from this process (they stay in the page cache): a tensor
+    once converted no longer counts in the resident set, so converting peaks at the converted tensors plus one
+    tensor of the file, not plus the whole file."""
+    import mmap
+
+    handle = getattr(reader.data, "_mmap", None)
+    if handle is not None and hasattr(mmap, "MADV_DONTNEED"):
+        handle.madvise(mmap.MADV_DONTNEED)
 
 
 def _names(model) -> tuple[set, str, str]:
@@ -164,6 +175,7 @@ def convert_native(gguf_path: Path, out: Path, dtype=None) -> None:
             tensors[target] = value[torch.from_numpy(order)] if order is not None else value
             if target in linear and kind not in ("F32", "F16", "BF16"):
                 report["dequantized"][target] = {"gguf_type": kind, "kept_as": "bf16"}
+        _release(reader)
     missing = [n for n, _ in model.named_parameters() if n not in tensors and f"{n}.nibbles" not in tensors]
     if missing:
         raise ValueError(f"the GGUF file provides no tensor for {missing[:3]}")

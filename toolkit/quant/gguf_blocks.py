@@ -125,9 +125,12 @@ def affine_groups(raw: np.ndarray, qtype, columns: int):
 def nibble_planes(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray, bits: int):
     """Split ``bits``-bit codes into 4-bit planes for the int4 kernels' convention ``w = (c - 8) * S + Z``.
 
-    Plane ``p`` holds ``(code >> 4p) & 15`` with scale ``S_p = scale * 16**p``; all the offset goes to plane 0:
-    ``Z_0 = minimum + 8 * sum_p S_p``, ``Z_p = 0`` for ``p > 0``, so ``sum_p (c_p - 8) S_p + Z_p = scale * code +
-    minimum`` exactly (for Q8_0, ``Z_0 = 8 d``: the zero stays as small as the scale).
+    Plane ``p`` holds ``(code >> 4p) & 15`` with scale ``S_p = scale * 16**p``; the zeros must add up to
+    ``minimum + 8 * sum_p S_p`` so that ``sum_p (c_p - 8) S_p + Z_p = scale * code + minimum`` exactly. The kernel
+    holds zeros in bf16, so a large zero carries a large rounding error (a Q5_0 group's total zero is ``120 d``:
+    0.23 of a step off). So each upper plane's zero is ``0`` or ``8 S_p`` — a power-of-two multiple of its scale,
+    rounded exactly as the scale is — whichever leaves plane 0 the smaller zero, per group: Q8_0 keeps ``Z_0 = 8 d``
+    (``Z_1 = 0``), Q5_0 ``Z_0 = -8 d`` (``Z_1 = 128 d``).
 
     Args:
         codes: ``(rows, columns)`` uint8; scale, minimum: ``(rows, columns // 32)`` float32; bits: 4, 5 or 8.
@@ -139,8 +142,13 @@ def nibble_planes(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray, bit
     planes = (bits + 3) // 4
     if planes == 1:
         return codes, scale, minimum + 8 * scale
-    total = sum(16 ** p for p in range(planes))
-    out_codes = np.concatenate([(codes >> (4 * p)) & 15 for p in range(planes)], axis=1)
-    out_scale = np.concatenate([scale * 16 ** p for p in range(planes)], axis=1)
-    zero = [minimum + 8 * total * scale] + [np.zeros_like(scale)] * (planes - 1)
-    return out_codes, out_scale, np.concatenate(zero, axis=1)
+    if planes != 2:
+        raise ValueError(f"bits must be 4, 5 or 8 (one or two 4-bit planes), got {bits}")
+    upper = 16 * scale
+    zero_high = minimum + 8 * scale  # plane 0's zero when plane 1 takes 8 S_1
+    zero_low = zero_high + 8 * upper  # ... when plane 1's zero is 0
+    high = np.abs(zero_high) < np.abs(zero_low)
+    out_codes = np.concatenate([codes & 15, codes >> 4], axis=1)
+    out_scale = np.concatenate([scale, upper], axis=1)
+    out_zero = np.concatenate([np.where(high, zero_high, zero_low), np.where(high, 8 * upper, 0.0)], axis=1)
+    return out_codes, out_scale, out_zero.astype(np.float32)
