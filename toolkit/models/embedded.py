@@ -197,23 +197,19 @@ def check_gguf(path: Path, field: str = "source") -> None:
                              f"{exc.__class__.__name__}{': ' + detail if detail else ''})") from None
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, field: str = "source", dtype: torch.dtype = torch.float32,
-                 convert=None) -> Path:
-    """Dequantize a GGUF file once into an HF safetensors directory of ``dtype`` weights at ``out_dir``; return
-    ``out_dir``. transformers' GGUF loader dequantizes each tensor to fp32 and casts it to ``dtype`` as it loads, so
-    the peak is about one model at ``dtype`` plus one tensor. ``convert(gguf_path, directory, dtype)`` writes another
-    layout instead (:func:`toolkit.models.gguf_native.convert_native`: the file's blocks as they are), under the same
-    lock, manifest and rename.
+def convert_gguf(gguf_path: Path, out_dir: Path, field: str = "source", dtype=torch.float32, convert=None) -> Path:
+    """Dequantize a GGUF file once into an HF safetensors directory of ``dtype`` weights at ``out_dir``; return it
+    (``convert(gguf_path, dir, dtype)`` writes another layout). Each tensor is dequantized to fp32 and cast to
+    ``dtype`` as it loads: the peak is about one model at ``dtype`` plus one tensor.
 
     Safe under concurrency and against damage: the work happens under the file lock ``out_dir.lock`` (a process
     that finds the lock held waits, up to :data:`LOCK_TIMEOUT_S`, then reuses the finished copy); the copy is
     written to a temporary sibling directory with its manifest and renamed into place, so an interrupted conversion
     leaves nothing a later load would take for a finished one; an existing copy that disagrees with its manifest
-    (see :func:`manifest_problem`) is logged with the offending file, removed and converted again.
-
-    A file that is not GGUF is refused before the lock is taken (:func:`check_gguf`); a conversion that fails
-    anyway removes its temporary directory and its lock file (while holding the lock: a process waiting on it sees
-    the unlinked file and retries on a fresh one) and raises :class:`ModelLoadError` naming ``field``.
+    (:func:`manifest_problem`) is logged with the offending file, removed and converted again. A file that is not
+    GGUF is refused before the lock is taken (:func:`check_gguf`); a conversion that fails anyway removes its
+    temporary directory and its lock file (while holding the lock: a process waiting on it sees the unlinked file
+    and retries on a fresh one) and raises :class:`ModelLoadError` naming ``field``.
 
     Raises:
         ModelLoadError: not a GGUF file, the conversion failed, or the lock could not be taken within
@@ -242,8 +238,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, field: str = "source", dtype: t
             try:
                 (convert or _convert_into)(gguf_path, tmp, dtype)
                 os.replace(tmp, out_dir)
-                _report_conversion(gguf_path, out_dir, time.perf_counter() - started, f"{precision_name(dtype)} "
-                                   "safetensors" if convert is None else "its own blocks (native)")
+                layout = f"{precision_name(dtype)} safetensors" if convert is None else "its own blocks (native)"
+                _report_conversion(gguf_path, out_dir, time.perf_counter() - started, layout)
             except BaseException as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
                 Path(lock.lock_file).unlink(missing_ok=True)
@@ -312,24 +308,6 @@ def gguf_source(source: str, field: str = "source") -> tuple[Path, str] | None:
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     return path, f"{path.stem}-{key}-{_CONVERTED_FORMAT}"
-
-
-def resolve_native(source: str, field: str = "source") -> str:
-    """The directory of a GGUF source's native copy (its quantized blocks as they are,
-    :mod:`toolkit.models.gguf_native`), converted once and cached as ``NAME-native``.
-
-    Raises:
-        ModelLoadError: naming ``field``: not a GGUF source (``embedded`` or a ``.gguf`` file), a missing or
-            unreadable file, or a failed conversion.
-    """
-    from toolkit.models.gguf_native import NATIVE_FORMAT, convert_native
-
-    found = gguf_source(source, field)
-    if found is None:
-        raise ModelLoadError(f"{field}: precision native keeps a GGUF file's own quantized blocks; {source!r} is not "
-                             "a GGUF source (embedded or a .gguf file): use precision fp32, bf16, int8 or int4")
-    path, name = found
-    return str(convert_gguf(path, cache_dir() / f"{name}-native-{NATIVE_FORMAT}", field, convert=convert_native))
 
 
 def resolve_source(source: str, field: str = "source", dtype: torch.dtype | None = None) -> str:

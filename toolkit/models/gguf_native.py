@@ -194,6 +194,25 @@ def _processed(tensor, processor, mapping) -> torch.Tensor:
     return torch.from_numpy(np.copy(processor.process(weights=weights, name=tensor.name).weights)).to(COMPUTE_DTYPE)
 
 
+def resolve_native(source: str, field: str = "source") -> str:
+    """The directory of a GGUF source's native copy (its quantized blocks as they are,
+    this module), converted once and cached as ``NAME-native``.
+
+    Raises:
+        ModelLoadError: naming ``field``: not a GGUF source (``embedded`` or a ``.gguf`` file), a missing or
+            unreadable file, or a failed conversion.
+    """
+    from toolkit.models.embedded import convert_gguf, gguf_source
+    from toolkit.resources import cache_dir
+
+    found = gguf_source(source, field)
+    if found is None:
+        raise ModelLoadError(f"{field}: precision native keeps a GGUF file's own quantized blocks; {source!r} is not "
+                             "a GGUF source (embedded or a .gguf file): use precision fp32, bf16, int8 or int4")
+    path, name = found
+    return str(convert_gguf(path, cache_dir() / f"{name}-native-{NATIVE_FORMAT}", field, convert=convert_native))
+
+
 def load_native(directory: str | Path, attn_implementation: str = "sdpa"):
     """The model of a native copy (:func:`convert_native`) on the CPU, in eval mode, with ``model.toolkit_native``
     (what each tensor became: ``native.json``).

@@ -10,7 +10,7 @@ import torch
 
 from toolkit.dtypes import torch_dtype
 from toolkit.errors import ConfigError, ModelLoadError
-from toolkit.models.embedded import resolve_native, resolve_source
+from toolkit.models.embedded import resolve_source
 from toolkit.models.spec import ModelSpec
 from toolkit.quant import AUTO, NONE, choose_backend, fallback_after, weight_backend
 
@@ -122,7 +122,7 @@ def _load_native(spec: ModelSpec, device: torch.device, field: str):
     run on the file's own codes and which were kept dequantized (no int4 kernel holds their format)."""
     from transformers import AutoTokenizer
 
-    from toolkit.models.gguf_native import load_native
+    from toolkit.models.gguf_native import load_native, resolve_native
 
     if device.type != "cpu":
         raise ConfigError(f"{field}.device", "precision native runs the GGUF blocks on ATen's int4 CPU kernel; on "
