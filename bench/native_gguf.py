@@ -188,7 +188,8 @@ def stage_speed(args, report: dict) -> None:
                   for name, precision in variants.items()}
     gen = GenerationSpec(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     any_gen = next(iter(generators.values()))
-    suites = {"short": spread(load_suite("short"), 4), "unseen": spread(load_suite(str(ROOT / "bench/prompts/unseen.yaml")), 4)}
+    unseen = load_suite(str(ROOT / "bench/prompts/unseen.yaml"))
+    suites = {"short": spread(load_suite("short"), 4), "unseen": spread(unseen, 4)}
     out = {"cpu": cpu()}
     for suite, prompts in suites.items():
         items = [Prompt(p.id, p.kind, any_gen.encode(p.prompt, p.id)) for p in prompts]
@@ -243,7 +244,8 @@ def _first_load(source: str, new_tokens: int) -> dict:
 
 
 def stage_memory(args, report: dict) -> None:
-    report["memory"] = {"embedded Q4_1": _first_load("embedded", 10) | {"file_bytes": embedded_gguf_path().stat().st_size}}
+    size = embedded_gguf_path().stat().st_size
+    report["memory"] = {"embedded Q4_1": _first_load("embedded", 10) | {"file_bytes": size}}
 
 
 def write_llama8b_q4_k_m(path: Path, layers: int | None = None) -> Path:
@@ -291,8 +293,9 @@ def stage_big(args, report: dict) -> None:
 
 
 def markdown(report: dict) -> str:
-    lines = ["# Native GGUF weights (`precision: native`)", "", f"CPU: {report['cpu']['model']}, "
-             f"{' '.join(report['cpu']['avx'])}; {report['cpu']['threads']} threads; torch {report['cpu']['torch']}.", ""]
+    machine = report["cpu"]
+    lines = ["# Native GGUF weights (`precision: native`)", "", f"CPU: {machine['model']}, {' '.join(machine['avx'])}; "
+             f"{machine['threads']} threads; torch {machine['torch']}.", ""]
     for file, texts in report.get("quality", {}).items():
         lines += [f"## Quality: {file}", "", "| text | method | PPL | top-1 vs fp32 | top-1 vs llama.cpp |",
                   "|---|---|---|---|---|"]
