@@ -6,8 +6,8 @@ against llama.cpp on the same file, one run.
 
 Stages (each saved as it finishes):
 
-* ``quality`` — teacher-forced on 1,024 held-out tokens of prose and of code (``eval.data.heldout_ids``): perplexity and
-  top-1 agreement, with fp32 (transformers' dequantized copy of the file) and with llama.cpp's own argmax, for
+* ``quality`` — teacher-forced on 1,024 held-out tokens of prose and of code (``eval.data.heldout_ids``): perplexity,
+  top-1 agreement with fp32 (transformers' dequantized copy of the file) and with llama.cpp's own argmax, for
   ``native``, torchao ``int4`` (today's re-quantized path) and llama.cpp on the file itself. Two files: the embedded
   model's Q4_1 GGUF, and a Q4_K_M file of another architecture (qwen2) made by llama.cpp's own quantizer from the
   embedded model's weights (written as an F32 qwen2 GGUF first: real weights, so perplexity means something).
