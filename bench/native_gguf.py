@@ -131,9 +131,9 @@ def write_qwen2_gguf(path: Path) -> Path:
             short = module_name.rsplit(".", 1)[-1]
             if short in names:
                 writer.add_tensor(f"blk.{i}.{names[short]}.weight", module.weight.detach().numpy())
-        for proj in ("attn_q", "attn_k", "attn_v"):
-            rows = getattr(layer.self_attn, {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj"}[proj])
-            writer.add_tensor(f"blk.{i}.{proj}.bias", np.zeros(rows.out_features, dtype=np.float32))
+        for proj in ("q_proj", "k_proj", "v_proj"):  # qwen2 has q/k/v biases: zero, the llama function
+            rows = getattr(layer.self_attn, proj).out_features
+            writer.add_tensor(f"blk.{i}.{names[proj]}.bias", np.zeros(rows, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -251,36 +251,18 @@ def stage_memory(args, report: dict) -> None:
 def write_llama8b_q4_k_m(path: Path, layers: int | None = None) -> Path:
     """Random blocks in Q4_K_M's tensor types at Llama-3.1-8B's shape (see the module docstring)."""
     import gguf
-    import numpy as np
-    from gguf_files import _copy_tokenizer, random_k_blocks
+    from gguf_files import write_llama_gguf
 
     s = dict(LLAMA_8B, layers=layers or LLAMA_8B["layers"])
-    writer = gguf.GGUFWriter(str(path), "llama")
-    _copy_tokenizer(writer, s)
-    for key in ("vocab_size",):
-        writer.add_uint32(f"llama.{key}", s["vocab"])
-    rng = np.random.default_rng(0)
     Q4K, Q6K = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
     more_bits = {i for i in range(s["layers"]) if i < s["layers"] // 8 or i >= 7 * s["layers"] // 8
                  or (i - s["layers"] // 8) % 3 == 2}  # llama.cpp's use_more_bits for attn_v / ffn_down
-    writer.add_tensor("token_embd.weight", random_k_blocks(s["vocab"], s["hidden"], Q4K, rng), raw_dtype=Q4K)
-    writer.add_tensor("output.weight", random_k_blocks(s["vocab"], s["hidden"], Q6K, rng), raw_dtype=Q6K)
-    writer.add_tensor("output_norm.weight", np.ones(s["hidden"], dtype=np.float32))
-    kv = s["kv_heads"] * s["hidden"] // s["heads"]
-    for i in range(s["layers"]):
-        for name, rows, columns in (("attn_q", s["hidden"], s["hidden"]), ("attn_k", kv, s["hidden"]),
-                                    ("attn_v", kv, s["hidden"]), ("attn_output", s["hidden"], s["hidden"]),
-                                    ("ffn_gate", s["ffn"], s["hidden"]), ("ffn_up", s["ffn"], s["hidden"]),
-                                    ("ffn_down", s["hidden"], s["ffn"])):
-            qtype = Q6K if name in ("attn_v", "ffn_down") and i in more_bits else Q4K
-            writer.add_tensor(f"blk.{i}.{name}.weight", random_k_blocks(rows, columns, qtype, rng), raw_dtype=qtype)
-        for name in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(s["hidden"], dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+
+    def qtype(kind: str, layer: int | None):
+        return Q6K if kind == "output" or (kind in ("attn_v", "ffn_down") and layer in more_bits) else Q4K
+
+    return write_llama_gguf(path, types=qtype, hidden=s["hidden"], ffn=s["ffn"], heads=s["heads"],
+                            kv_heads=s["kv_heads"], layers=s["layers"], vocab=s["vocab"], output=True)
 
 
 def stage_big(args, report: dict) -> None:

@@ -29,6 +29,7 @@ from toolkit.measure import engines
 from toolkit.measure.baselines import hf_generate
 from toolkit.measure.harness import Call, Runner
 from toolkit.measure.timing import synchronize
+from toolkit.models.spec import is_gguf_source
 from toolkit.recipe import GenerationSpec, Recipe
 from toolkit.speculative.stats import GenerationStats
 
@@ -57,7 +58,7 @@ def strongest_baselines(recipe: Recipe, target) -> list[str]:
 
     methods = ["ar_static"] if compile_pays(target) else []
     if not recipe.generation.do_sample:
-        gguf = recipe.target.source == "embedded" or recipe.target.source.endswith(".gguf")
+        gguf = is_gguf_source(recipe.target.source)
         methods += [m for m in engines.available() if gguf or not m.startswith("llamacpp")]
     return methods
 

@@ -2,10 +2,11 @@
 
 A llama-architecture file carrying the embedded model's tokenizer metadata cut to its first ``VOCAB`` tokens (special
 tokens, the byte alphabet and the merges among them, so transformers' GGUF loader builds a working GPT-2 BPE
-tokenizer) and one random decoder layer. Tensors are F32 by default; ``types`` gives a GGUF type per tensor kind
-(``attn_q``, ``ffn_down``, ``token_embd``, ...): the block formats the ``gguf`` package can quantize (Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0) are quantized from the random weights, the K-quants (Q4_K, Q5_K, Q6_K) are random blocks with
-scales that give weights of the same size.
+tokenizer) and random decoder layers of any shape (one small layer by default; the native-weights benchmark writes
+Llama-3.1-8B's shape with it). Tensors are F32 by default; ``types`` gives a GGUF type per tensor kind (``attn_q``,
+``ffn_down``, ``token_embd``, ``output``, ...), or is a function ``(kind, layer) -> type``: the block formats the
+``gguf`` package can quantize (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are quantized from the random weights, the K-quants
+(Q4_K, Q5_K, Q6_K) are random blocks with scales that give weights of the same size.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ _K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
 
 
 def _overrides(shape: dict) -> dict:
-    return {"llama.vocab_size": VOCAB, "llama.block_count": shape["layers"], "llama.embedding_length": shape["hidden"],
-            "llama.feed_forward_length": shape["ffn"], "llama.attention.head_count": shape["heads"],
-            "llama.attention.head_count_kv": shape["kv_heads"],
+    return {"llama.vocab_size": shape["vocab"], "llama.block_count": shape["layers"],
+            "llama.embedding_length": shape["hidden"], "llama.feed_forward_length": shape["ffn"],
+            "llama.attention.head_count": shape["heads"], "llama.attention.head_count_kv": shape["kv_heads"],
             "llama.rope.dimension_count": shape["hidden"] // shape["heads"], "llama.context_length": 512,
             "general.file_type": 0}
 
@@ -60,20 +61,22 @@ def random_k_blocks(rows: int, columns: int, qtype, rng, scale: float = 0.002) -
     return raw.reshape(rows, -1)
 
 
-def write_tiny_gguf(path: Path, seed: int = 0, types: dict | None = None, hidden: int = 64, ffn: int = 128,
-                    heads: int = 4, kv_heads: int = 2, layers: int = 1, output: bool = False) -> Path:
-    """The GGUF of the module docstring at ``path`` (``output``: an untied ``output.weight``); returns ``path``."""
+def write_llama_gguf(path: Path, seed: int = 0, types=None, hidden: int = 64, ffn: int = 128, heads: int = 4,
+                     kv_heads: int = 2, layers: int = 1, vocab: int = VOCAB, output: bool = False) -> Path:
+    """The GGUF of the module docstring at ``path`` (``vocab``: rows of the embedding and ``output.weight``, an untied
+    head with ``output``); returns ``path``."""
     import gguf
     from gguf.quants import quantize
 
-    shape = {"hidden": hidden, "ffn": ffn, "heads": heads, "kv_heads": kv_heads, "layers": layers}
+    shape = {"hidden": hidden, "ffn": ffn, "heads": heads, "kv_heads": kv_heads, "layers": layers, "vocab": vocab}
     writer = gguf.GGUFWriter(str(path), "llama")
     _copy_tokenizer(writer, shape)
     rng = np.random.default_rng(seed)
-    types = types or {}
+    kinds = types or {}
+    qtype_of = types if callable(types) else lambda kind, layer: kinds.get(kind, gguf.GGMLQuantizationType.F32)
 
-    def add(name: str, kind: str, rows: int, columns: int) -> None:
-        qtype = types.get(kind, gguf.GGMLQuantizationType.F32)
+    def add(name: str, kind: str, rows: int, columns: int, layer: int | None = None) -> None:
+        qtype = qtype_of(kind, layer)
         if qtype.name in _K_SCALES:
             writer.add_tensor(name, random_k_blocks(rows, columns, qtype, rng), raw_dtype=qtype)
             return
@@ -83,16 +86,16 @@ def write_tiny_gguf(path: Path, seed: int = 0, types: dict | None = None, hidden
         else:
             writer.add_tensor(name, quantize(weights, qtype), raw_dtype=qtype)
 
-    add("token_embd.weight", "token_embd", VOCAB, hidden)
+    add("token_embd.weight", "token_embd", vocab, hidden)
     if output:
-        add("output.weight", "output", VOCAB, hidden)
+        add("output.weight", "output", vocab, hidden)
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     kv = kv_heads * hidden // heads
     for i in range(layers):
         for name, rows, columns in (("attn_q", hidden, hidden), ("attn_k", kv, hidden), ("attn_v", kv, hidden),
                                     ("attn_output", hidden, hidden), ("ffn_gate", ffn, hidden),
                                     ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)):
-            add(f"blk.{i}.{name}.weight", name, rows, columns)
+            add(f"blk.{i}.{name}.weight", name, rows, columns, i)
         for name in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(hidden, dtype=np.float32))
     writer.write_header_to_file()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf_files import VOCAB, random_k_blocks, write_tiny_gguf
+from gguf_files import VOCAB, random_k_blocks, write_llama_gguf
 
 from toolkit.errors import ConfigError, ModelLoadError
 from toolkit.models.gguf_native import TENSORS
@@ -87,7 +87,7 @@ def mixed(tmp_path_factory):
     from toolkit.models.gguf_native import resolve_native
 
     root = tmp_path_factory.mktemp("native")
-    path = write_tiny_gguf(root / "mixed.gguf", types=MIXED, hidden=256, ffn=512, heads=4, kv_heads=2)
+    path = write_llama_gguf(root / "mixed.gguf", types=MIXED, hidden=256, ffn=512, heads=4, kv_heads=2)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TOOLKIT_CACHE_DIR", str(root / "cache"))
         model, _ = load_model(ModelSpec(source=str(path), precision="native", device="cpu"))
@@ -146,7 +146,7 @@ def test_native_of_a_truncated_file_is_one_clear_error(tmp_path, monkeypatch):
     from toolkit.models import load_model
 
     monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_tiny_gguf(tmp_path / "full.gguf", types={"attn_q": T.Q4_0})
+    path = write_llama_gguf(tmp_path / "full.gguf", types={"attn_q": T.Q4_0})
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(ModelLoadError, match=r"target\.source: .*cut\.gguf is not a readable GGUF file"):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gguf_files import write_tiny_gguf
+from gguf_files import write_llama_gguf
 
 from toolkit.models import manifest_problem
 from toolkit.models.embedded import MANIFEST
@@ -27,7 +27,7 @@ from toolkit.models.embedded import MANIFEST
 REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf")
+    return write_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf")
 
 
 _WORKER = textwrap.dedent("""

@@ -25,7 +25,6 @@ assigns these tensors, so memory peaks at about the final weights.
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +34,6 @@ from toolkit.errors import ModelLoadError
 from toolkit.quant.gguf_blocks import affine_groups, block_format, nibble_planes
 from toolkit.quant.int4_linear import GROUP, PackedInt4Linear, pack_nibbles
 
-log = logging.getLogger("toolkit.models")
-NATIVE = "native"
 #: bump when the on-disk layout of native copies changes
 NATIVE_FORMAT = "v2"
 TENSORS = "native.safetensors"
@@ -171,7 +168,7 @@ def convert_native(gguf_path: Path, out: Path, dtype=None) -> None:
                 report["native"][target] = {"gguf_type": kind, "in_features": int(tensor.shape[0]),
                                             "out_features": int(tensor.shape[1])}
                 continue
-            value = _dequantized(tensor) if rows_only else _processed(tensor, processor, mapping)
+            value = _dequantized(tensor) if rows_only else _processed(tensor, processor)
             tensors[target] = value[torch.from_numpy(order)] if order is not None else value
             if target in linear and kind not in ("F32", "F16", "BF16"):
                 report["dequantized"][target] = {"gguf_type": kind, "kept_as": "bf16"}
@@ -185,7 +182,7 @@ def convert_native(gguf_path: Path, out: Path, dtype=None) -> None:
     AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs).save_pretrained(out)
 
 
-def _processed(tensor, processor, mapping) -> torch.Tensor:
+def _processed(tensor, processor) -> torch.Tensor:
     """A tensor through transformers' own path (dequantize whole, then the processor): architectures whose
     processor reshapes or rewrites values (Bloom's fused QKV, Gemma's norms, ...)."""
     from gguf.quants import dequantize
@@ -231,15 +228,16 @@ def load_native(directory: str | Path, attn_implementation: str = "sdpa"):
     model = _empty_model(config, attn_implementation=attn_implementation)
     plain = {}
     with safe_open(str(directory / TENSORS), framework="pt") as handle:
+        keys = set(handle.keys())
         for name, info in report["native"].items():
             module_name = name.removesuffix(".weight")
             parent, _, child = module_name.rpartition(".")
             bias = f"{module_name}.bias"
             layer = PackedInt4Linear(handle.get_tensor(f"{name}.nibbles"), handle.get_tensor(f"{name}.scale_and_zero"),
                                      info["in_features"], info["out_features"],
-                                     handle.get_tensor(bias) if bias in handle.keys() else None)
+                                     handle.get_tensor(bias) if bias in keys else None)
             setattr(model.get_submodule(parent) if parent else model, child, layer)
-        for key in handle.keys():
+        for key in sorted(keys):
             if not key.endswith((".nibbles", ".scale_and_zero")) and key.removesuffix(".bias") + ".weight" \
                     not in report["native"]:
                 plain[key] = handle.get_tensor(key)

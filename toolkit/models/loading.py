@@ -11,10 +11,9 @@ import torch
 from toolkit.dtypes import torch_dtype
 from toolkit.errors import ConfigError, ModelLoadError
 from toolkit.models.embedded import resolve_source
-from toolkit.models.spec import ModelSpec
+from toolkit.models.spec import NATIVE, ModelSpec
 from toolkit.quant import AUTO, NONE, choose_backend, fallback_after, weight_backend
 
-NATIVE = "native"
 #: ``model.toolkit_backend`` of a native GGUF model
 NATIVE_BACKEND = "gguf"
 

@@ -9,7 +9,7 @@ from toolkit.checks import check_choice, check_float
 from toolkit.errors import ConfigError
 from toolkit.quant.registry import backend_choices
 
-PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4", "native")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4", "native")  # the last: NATIVE
 BACKENDS = backend_choices()  # auto + the registered weight-quantization backends (toolkit.quant.registry)
 TORCHAO_INT8 = ("weight_only", "dynamic")
 TORCHAO_GROUP_SIZES = (32, 64, 128, 256)
@@ -17,6 +17,13 @@ TORCHAO_COMPUTE_DTYPES = ("auto", "fp32", "fp16", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 COMPUTE_DTYPES = ("fp32", "fp16", "bf16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+#: the precision that keeps a GGUF source's own quantized blocks (:mod:`toolkit.models.gguf_native`)
+NATIVE = "native"
+
+
+def is_gguf_source(source: str) -> bool:
+    """Whether a model ``source`` is a GGUF file: ``embedded`` (the shipped Q4_1 GGUF) or a ``.gguf`` path."""
+    return source == "embedded" or source.endswith(".gguf")
 
 
 @dataclass
@@ -63,10 +70,10 @@ class ModelSpec:
         if any(ord(c) < 32 or ord(c) == 127 for c in self.source):
             raise ConfigError(f"{prefix}.source", f"holds a control character: {self.source!r}")
         check_choice(f"{prefix}.precision", self.precision, PRECISIONS)
-        if self.precision == "native" and not (self.source == "embedded" or self.source.endswith(".gguf")):
+        if self.precision == NATIVE and not is_gguf_source(self.source):
             raise ConfigError(f"{prefix}.precision", f"native keeps a GGUF file's own quantized blocks, and source "
                               f"{self.source!r} is not a GGUF file (embedded or a .gguf path)",
-                              [p for p in PRECISIONS if p != "native"])
+                              [p for p in PRECISIONS if p != NATIVE])
         check_choice(f"{prefix}.device", self.device, DEVICES)
         check_float(f"{prefix}.int8_threshold", self.int8_threshold, low=0.0)
         check_choice(f"{prefix}.int4_compute_dtype", self.int4_compute_dtype, COMPUTE_DTYPES)
