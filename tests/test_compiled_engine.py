@@ -132,8 +132,9 @@ def test_what_the_static_cache_does_not_hold_runs_eager(setup):
     assert engine(kv({"policy": "streaming", "sink_tokens": 4, "window": 32}))[0]  # the ring
     compiled, why = engine(kv({"policy": "streaming", "sink_tokens": 4, "window": 32, "position_mode": "reindex"}))
     assert not compiled and "StreamingLLM with reindexed positions" in why
-    compiled, why = engine(kv({"policy": "l2norm", "budget": 16, "sink_tokens": 2, "protect_recent": 4}))
-    assert not compiled and "the l2norm policy" in why
+    assert engine(kv({"policy": "l2norm", "budget": 16, "sink_tokens": 2, "protect_recent": 4}))[0]  # static tiers
+    compiled, why = engine(kv({"policy": "quantized", "quant_bits": 4}))
+    assert not compiled and "the quantized policy" in why
     compiled, why = engine(base.replace(spec=SpeculationSpec(drafter="suffix", tree=True)))
     assert not compiled and "token trees" in why
     windowed = tiny_llama(seed=0)
@@ -146,11 +147,11 @@ def test_what_the_static_cache_does_not_hold_runs_eager(setup):
     assert compiled and "frozen weights, C++ wrapper" in why
     compiled, why = engine(base.replace(compile="auto"))  # fp32 weights on the CPU: compiling does not pay
     assert not compiled and "bytes-bound" in why
-    with pytest.raises(ValueError, match="does not hold StreamingLLM with reindexed positions"):
+    with pytest.raises(ValueError, match="do not hold StreamingLLM with reindexed positions"):
         StaticKV(target, 1, 64, window=make_policy(KVSpec("streaming", {"position_mode": "reindex"})))
     # a compiled forward handed a policy the static cache does not hold runs eager on the policy's own cache
-    policy = make_policy(KVSpec("l2norm", {"budget": 12, "sink_tokens": 2, "protect_recent": 4, "skip_layers": [0],
-                                           "compress_interval": 3}))
+    policy = make_policy(KVSpec("streaming", {"sink_tokens": 2, "window": 12, "position_mode": "reindex",
+                                              "compress_interval": 3}))
     compiled_forward = TargetForward(target, compile=True, backend="eager")
     ids, stats, decoder = run(target, LookupDrafter(max_cached_requests=0), setup[1], compiled_forward,
                               policy=policy)

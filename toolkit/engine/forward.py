@@ -183,11 +183,11 @@ class TargetForward:
 
         rows = self.rows_for(rows, self.batch_sizes[-1])
         cached = self._cache
-        if cached is not None and cached.allocated >= rows and cached.window is policy and cached.widest >= widest \
-                and (policy is not None or cached.capacity >= capacity):
+        if cached is not None and cached.allocated >= rows and cached.policy is policy and cached.widest >= widest \
+                and cached.fits(capacity):
             cached.keep_rows([])
             return cached
-        if cached is not None and cached.window is policy and policy is None:
+        if cached is not None and cached.policy is policy and cached.window is None:
             capacity = max(capacity, cached.capacity)
         cache = rows_cache(policy, self.model, rows, capacity, widest, static_span=self.static_span)
         if isinstance(cache, StaticKV) and keep:
@@ -299,21 +299,22 @@ class TargetForward:
         then compiles at most four graphs. With CUDA graphs the span is the whole cache, and each bucket is a
         shape of its own that the CUDA graph trees record once from the same compiled code (a capture, not a
         compile: seconds in all instead of a compile per bucket)."""
-        mask, positions = kwargs["attention_mask"], kwargs["position_ids"]
+        masks, indices = cache.dynamic_inputs()
         if span:
-            torch._dynamo.mark_dynamic(mask, 3)
+            torch._dynamo.mark_dynamic(kwargs["attention_mask"], 3)  # the uncompressed span (tiers: static spans)
         rows, width = input_ids.shape
-        for tensor in (input_ids, positions, cache.write_index):
+        for tensor in (input_ids, kwargs["position_ids"], *indices):
             if width > 1:
                 torch._dynamo.mark_dynamic(tensor, 1)
             if rows > 1:
                 torch._dynamo.mark_dynamic(tensor, 0)
         if rows > 1:
             torch._dynamo.mark_dynamic(cache.row_index, 0)
-        if width > 1:
-            torch._dynamo.mark_dynamic(mask, 2)
-        if rows > 1:
-            torch._dynamo.mark_dynamic(mask, 0)
+        for mask in masks:
+            if width > 1:
+                torch._dynamo.mark_dynamic(mask, 2)
+            if rows > 1:
+                torch._dynamo.mark_dynamic(mask, 0)
 
     def warm_up(self, cache_factory, widths: tuple[int, ...] = (1, 2), rows: tuple[int, ...] = (1,)) -> float:
         """Compile now the graphs forwards of ``widths`` x ``rows`` use, on a scratch cache from

@@ -74,7 +74,9 @@ def compressed_attention(module, query, key, value, attention_mask, scaling=None
 def static_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention-interface function of the static engine (:mod:`toolkit.kv.static`): SDPA of ``query``
     ``(b, q_heads, q, d)`` over ``key``/``value`` ``(b, kv_heads, span, d)`` under the boolean mask
-    ``(b, 1, q, span)`` (``None``: causal). Returns ``(output (b, q, q_heads, d), None)``.
+    ``(b, 1, q, span)`` (``None``: causal), or over the tiers of an evicting static cache (``key`` a
+    :class:`~toolkit.kv.static_evict.TierKeys`, each tier with its own mask). Returns ``(output (b, q, q_heads, d),
+    None)``.
 
     On CPU, half-precision queries are attended in float32 (the static cache holds its keys and values in float32
     there): PyTorch's bf16 flash-attention kernel for CPU is built for long query blocks, and with the few queries of
@@ -83,8 +85,11 @@ def static_attention(module, query, key, value, attention_mask, scaling=None, dr
     """
     dtype = query.dtype
     if query.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-        query, key, value = query.float(), key.float(), value.float()  # key / value: no-ops on the static cache
-    out = sdpa(query, key, value, attention_mask, scaling)
+        query = query.float()
+    if hasattr(key, "attend"):  # tiers of an evicting static cache, each with its own mask (toolkit.kv.static_evict)
+        out = key.attend(query, scaling)
+    else:
+        out = sdpa(query, key.to(query.dtype), value.to(query.dtype), attention_mask, scaling)
     return out.to(dtype).transpose(1, 2).contiguous(), None
 
 

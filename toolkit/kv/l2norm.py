@@ -49,11 +49,12 @@ class L2Norm(KVPolicy):
 
     uses_attention_hook = True
 
-    def rows_cache(self, model):
-        """The per-row form for batches (:mod:`toolkit.kv.evict_rows`; head-aware too)."""
-        from toolkit.kv.evict_rows import EvictBatchCache
+    def static_cache(self, model, rows: int, capacity: int, widest: int, static_span: bool = False):
+        """The decoder's form, one row or a batch: fixed-budget tiers on the static engine, compacted at commit
+        points (:class:`~toolkit.kv.static_evict.StaticEvictKV`; head-aware too)."""
+        from toolkit.kv.static_evict import StaticEvictKV
 
-        return EvictBatchCache.for_model(model, self)
+        return StaticEvictKV(model, rows, capacity, widest, self, static_span=static_span)
 
     def __post_init__(self) -> None:
         super().__post_init__()

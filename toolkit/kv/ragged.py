@@ -9,9 +9,8 @@ overwritten by its next forward, so ragged acceptance leaves no holes. Rows leav
 join (:meth:`BatchCache.add_row`: a request prefilled alone) between rounds; the buffer grows by doubling when a row
 would run past it.
 
-It speaks the decoder's row protocol (:mod:`toolkit.kv.rows`) and is the base of the KIVI-quantized
-(:mod:`toolkit.kv.quantized_rows`) and L2-norm / head-aware (:mod:`toolkit.kv.evict_rows`) per-row caches, which
-subclass its layers and its commit point. Unlike the static cache (:mod:`toolkit.kv.static`) its attended span is
+It speaks the decoder's row protocol (:mod:`toolkit.kv.rows`) and is the base of the KIVI-quantized per-row cache
+(:mod:`toolkit.kv.quantized_rows`), which subclasses its layers and its commit point. Unlike the static cache (:mod:`toolkit.kv.static`) its attended span is
 read from the device every forward, and its buffers grow: it runs eager. A batched draft model keeps its cache here
 too (:meth:`rollback`, :meth:`join_empty` / :meth:`fill`).
 

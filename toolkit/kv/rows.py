@@ -14,9 +14,10 @@ policy, for one row or a batch::
 
 Between forwards row ``r`` represents the tokens committed so far but its last one (the next forward's first input).
 
-Which cache a policy gets (:func:`rows_cache`): the static cache (:class:`~toolkit.kv.static.StaticKV`) where it
-holds the policy (none, StreamingLLM with absolute positions and the exact window); else the policy's own per-row
-cache for batches (``policy.rows_cache(model)``: KIVI-quantized, L2-norm, head-aware), or, for one sequence and for
+Which cache a policy gets (:func:`rows_cache`): a static cache where the policy has a static form — the plain
+:class:`~toolkit.kv.static.StaticKV` (none, StreamingLLM with absolute positions and the exact window) or the
+policy's own ``static_cache`` (L2-norm and head-aware eviction: :mod:`toolkit.kv.static_evict`); else the policy's
+eager per-row cache for batches (``policy.rows_cache(model)``: KIVI-quantized), or, for one sequence and for
 policies with no per-row form, the policy's single-sequence cache behind :class:`SingleRowCache`. No ``isinstance``:
 each policy declares its forms.
 """
@@ -140,6 +141,8 @@ def rows_cache(policy, model, rows: int, capacity: int, widest: int, static_span
         ValueError: ``rows > 1`` with a policy that has no per-row form (the caller decodes one at a time).
     """
     if static_form(policy) is None and supports_static(model) is None:
+        if policy is not None and getattr(policy, "static_cache", None) is not None:
+            return policy.static_cache(model, rows, capacity, widest, static_span=static_span)
         return StaticKV(model, rows, capacity, widest, window=policy, static_span=static_span)
     if rows == 1:
         return SingleRowCache(policy, model)
@@ -151,13 +154,12 @@ def rows_cache(policy, model, rows: int, capacity: int, widest: int, static_span
 
 def batches(policy, model) -> str | None:
     """Why requests under ``policy`` cannot share a batch (``None``: they can)."""
-    if static_form(policy) is None and supports_static(model) is None:
+    model_why = supports_static(model)
+    if static_form(policy) is None and model_why is None:
         return None
-    if policy is None:
-        return supports_static(model)
-    if getattr(policy, "rows_cache", None) is None:
-        return static_form(policy)
-    return None
+    if policy is not None and getattr(policy, "rows_cache", None) is not None:
+        return None
+    return model_why or static_form(policy)
 
 
 def supports_static(model) -> str | None:

@@ -22,8 +22,9 @@ policy keeps ``p`` for ``q``):
   position a query needs is ever overwritten by a draft token that is later rejected. Capacity is fixed whatever
   the generation length: ``sinks + window + widest`` slots.
 
-KIVI-quantized, L2-norm and head-aware caches change what they hold at commit points (packing, gathers per head), so
-they run on the eager path (:mod:`toolkit.kv.rows`); :func:`static_form` says which policies this cache holds.
+L2-norm and head-aware eviction subclass it with fixed-budget tiers compacted at commit points
+(:mod:`toolkit.kv.static_evict`). KIVI-quantized caches re-pack what they hold at commit points and run on the eager
+path (:mod:`toolkit.kv.rows`); :func:`static_form` says which policies have a static form.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ def capacity_for(tokens: int, step: int = CAPACITY_STEP) -> int:
 
 
 def static_form(policy) -> str | None:
-    """Why ``policy`` has no static form (``None``: :class:`StaticKV` holds it). The static cache holds no policy
-    (``None``) and StreamingLLM with absolute positions and the exact window (its ring)."""
-    if policy is None:
+    """Why ``policy`` has no static form (``None``: it has one). :class:`StaticKV` holds no policy (``None``) and
+    StreamingLLM with absolute positions and the exact window (its ring); a policy with a ``static_cache`` method
+    builds its own (L2-norm and head-aware eviction: :mod:`toolkit.kv.static_evict`)."""
+    if policy is None or getattr(policy, "static_cache", None) is not None:
         return None
     from toolkit.kv.streaming import StreamingLLM
 
@@ -131,19 +133,11 @@ class StaticKV(Cache):
                  static_span: bool = False):
         if rows < 1 or capacity < 1:
             raise ValueError(f"rows and capacity: must be >= 1, got {rows} and {capacity}")
-        problem = static_form(window)
-        if problem:
-            raise ValueError(f"window: the static cache does not hold {problem}")
-        config = model.config.get_text_config(decoder=True)
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        param = next(model.parameters())
-        device = device or param.device
-        dtype = dtype or _compute_dtype(model)
-        if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-            dtype = torch.float32  # read as float32 by every forward: stored so, not converted at each read
-        self.window, self.widest = window, widest
+        if window is not None and not getattr(window, "ring", False):
+            problem = static_form(window) or f"the {window.name} policy (its static_cache builds a cache of its own)"
+            raise ValueError(f"window: the plain static cache and its ring do not hold {problem}")
+        num_layers, kv_heads, head_dim, dtype, device = kv_geometry(model, dtype, device)
+        self.policy, self.window, self.widest = window, window, widest
         self.sinks = window.sink_tokens if window is not None else 0
         self.ring = window.window + widest if window is not None else 0
         self.capacity = self.sinks + self.ring if window is not None else capacity
@@ -155,14 +149,8 @@ class StaticKV(Cache):
         # shapes keep one spare row (batches only; one row is a static size of its own)
         spare = 0 if static_span or rows == 1 else 1
         shape = (rows + spare, kv_heads, self.capacity + (0 if static_span else SPAN_STEP), head_dim)
-        layers = []
-        for _ in range(config.num_hidden_layers):
-            keys = torch.zeros(shape, dtype=dtype, device=device)
-            values = torch.zeros(shape, dtype=dtype, device=device)
-            if not torch.compiler.is_compiling():
-                torch._dynamo.mark_static_address(keys)
-                torch._dynamo.mark_static_address(values)
-            layers.append(StaticLayer(self, keys, values))
+        layers = [StaticLayer(self, static_buffer(shape, dtype, device), static_buffer(shape, dtype, device))
+                  for _ in range(num_layers)]
         super().__init__(layers=layers)
         self.allocated, self.active = rows, 0
         self.lengths = torch.zeros(rows + spare, dtype=torch.long, device=device)
@@ -171,6 +159,10 @@ class StaticKV(Cache):
         self.write_index = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.row_index = torch.zeros(1, dtype=torch.long, device=device)
         self.attention_mask = torch.ones(1, 1, 1, min(self.capacity, SPAN_STEP), dtype=torch.bool, device=device)
+
+    def fits(self, capacity: int) -> bool:
+        """Whether a request of ``capacity`` positions fits (the ring holds any length)."""
+        return self.window is not None or self.capacity >= capacity
 
     # ------------------------------------------------------------------------------------------------ a forward
     @property
@@ -228,6 +220,10 @@ class StaticKV(Cache):
         self.write_index = self.slots(positions)
         self.attention_mask = self.visibility(positions, span)
         return {"position_ids": positions, "attention_mask": self.attention_mask, "past_key_values": self}
+
+    def dynamic_inputs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(masks, write indices)`` of the current forward, whose sizes a compiled graph treats as dynamic."""
+        return [self.attention_mask], [self.write_index]
 
     def accept(self, kept: torch.Tensor, kept_host: list[int], rows: range | None = None) -> None:
         """After a forward: row ``r`` keeps the first ``kept[r]`` of its new tokens (``(B,)`` long on the device, the
@@ -322,6 +318,29 @@ class StaticKV(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.longest
+
+
+def kv_geometry(model, dtype=None, device=None) -> tuple[int, int, int, torch.dtype, torch.device]:
+    """``(layers, kv_heads, head_dim, dtype, device)`` of a static cache for ``model``: by default on the model's
+    device in its compute dtype, float32 on a CPU for half-precision models (whose attention runs in float32 there:
+    see :func:`toolkit.kv.attention.static_attention`; stored so, not converted at each read)."""
+    config = model.config.get_text_config(decoder=True)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    device = device or next(model.parameters()).device
+    dtype = dtype or _compute_dtype(model)
+    if torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        dtype = torch.float32
+    return config.num_hidden_layers, kv_heads, head_dim, dtype, device
+
+
+def static_buffer(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed buffer whose address compiled graphs and CUDA graphs may bake in (``mark_static_address``)."""
+    buffer = torch.zeros(shape, dtype=dtype, device=device)
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(buffer)
+    return buffer
 
 
 def _compute_dtype(model) -> torch.dtype:
