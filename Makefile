@@ -88,17 +88,18 @@ bench-llamacpp: bench-cpu-engines
 
 ## llama.cpp as the target's backend (target.backend: llama.cpp; the extra [llamacpp]): llama-cpp-python built natively
 ## for this CPU (GGML_NATIVE) ONCE as a wheel in the user cache, keyed by the CPU's flags (a native build must not run
-## on another ISA), then installed into .venv from there. The build took 44 min on the shared 2-core set-up machine;
-## later installs take seconds. Afterwards `toolkit run short --compare` also shows ours on llama.cpp and llama.cpp's
-## AR / prompt lookup rows.
+## on another ISA), then installed into .venv from there (the extra [llamacpp] of pyproject.toml). The build took
+## about 17 min on a shared 2-core AMD EPYC (AVX-512) machine under load; later installs take seconds. Afterwards
+## `toolkit run short --compare` also shows ours on llama.cpp and llama.cpp's AR / prompt-lookup rows.
 LLAMACPP_VERSION := 0.3.36
 LLAMACPP_WHEELS ?= $(HOME)/.cache/llm-toolkit/wheels/$(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-12)
 llamacpp: $(STAMP)
 	ls $(LLAMACPP_WHEELS)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl >/dev/null 2>&1 || \
 	  CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=ON}" $(BIN)/pip wheel --no-deps \
 	    llama-cpp-python==$(LLAMACPP_VERSION) -w $(LLAMACPP_WHEELS)
-	$(BIN)/pip install -c constraints.txt --find-links $(LLAMACPP_WHEELS) -e ".[dev,llamacpp]"
-	$(BIN)/python -c "import llama_cpp; print('llama.cpp (llama-cpp-python)', llama_cpp.__version__)"
+	$(BIN)/pip install -c constraints.txt --find-links $(LLAMACPP_WHEELS) "llama-cpp-python==$(LLAMACPP_VERSION)"
+	$(BIN)/python -c "import llama_cpp; from toolkit.models.llamacpp import metadata_dir; \
+	  print('llama.cpp (llama-cpp-python)', llama_cpp.__version__, '| embedded GGUF metadata:', metadata_dir('embedded')[1])"
 
 ## Ours on llama.cpp (the main recipe's drafter) vs llama.cpp AR vs llama.cpp's prompt lookup on the same GGUF, held-out
 ## prompts, one process, interleaved, median of 3 -> bench/reports/llamacpp-backend/.

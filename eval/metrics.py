@@ -78,7 +78,8 @@ def perplexity_through_cache(model, ids: list[int], policy=None, chunk: int = 5,
 @torch.no_grad()
 def perplexity_sliding_window(model, ids: list[int], window: int = 1024, stride: int = 512,
                               progress: bool = False) -> dict:
-    """Standard sliding-window perplexity (HF "Perplexity of fixed-length models") of an uncompressed model.
+    """Standard sliding-window perplexity (HF "Perplexity of fixed-length models") of an uncompressed model (a
+    llama.cpp target: each window a fresh llama.cpp sequence, logits at every position).
 
     Windows of ``window`` tokens start every ``stride`` tokens; each window scores only the tokens not scored by an
     earlier window (so every token 1..n-1 is scored once, with at least ``window - stride`` tokens of context
@@ -298,7 +299,12 @@ def merge_peaks(results: list[dict]) -> dict:
 
 
 def kv_bytes_per_token(model) -> int:
-    """Bytes one token adds to an uncompressed ``DynamicCache`` of ``model`` (all layers, keys + values)."""
+    """Bytes one token adds to an uncompressed ``DynamicCache`` of ``model`` (all layers, keys + values); for a
+    llama.cpp target, to its plain f16 cache."""
+    if is_llamacpp(model):
+        from toolkit.kv.llamacpp_cache import LlamaCppForm, bytes_per_token
+
+        return bytes_per_token(model.config, LlamaCppForm())
     device = next(model.parameters()).device
     cache = new_cache(None, model)
     with torch.no_grad():
