@@ -92,14 +92,15 @@ bench-llamacpp: bench-cpu-engines
 ## about 17 min on a shared 2-core AMD EPYC (AVX-512) machine under load; later installs take seconds. Afterwards
 ## `toolkit run short --compare` also shows ours on llama.cpp and llama.cpp's AR / prompt-lookup rows.
 LLAMACPP_VERSION := 0.3.36
-LLAMACPP_WHEELS ?= $(HOME)/.cache/llm-toolkit/wheels/$(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-12)
+CPU_KEY := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-12)
+LLAMACPP_WHEELS ?= $(HOME)/.cache/llm-toolkit/wheels/$(CPU_KEY)
 llamacpp: $(STAMP)
 	ls $(LLAMACPP_WHEELS)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl >/dev/null 2>&1 || \
 	  CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=ON}" $(BIN)/pip wheel --no-deps \
 	    llama-cpp-python==$(LLAMACPP_VERSION) -w $(LLAMACPP_WHEELS)
 	$(BIN)/pip install -c constraints.txt --find-links $(LLAMACPP_WHEELS) "llama-cpp-python==$(LLAMACPP_VERSION)"
-	$(BIN)/python -c "import llama_cpp; from toolkit.models.llamacpp import metadata_dir; \
-	  print('llama.cpp (llama-cpp-python)', llama_cpp.__version__, '| embedded GGUF metadata:', metadata_dir('embedded')[1])"
+	$(BIN)/python -c "import llama_cpp; from toolkit.models.llamacpp import metadata_dir as m; \
+	  print('llama.cpp (llama-cpp-python)', llama_cpp.__version__, '| embedded GGUF metadata:', m('embedded')[1])"
 
 ## Ours on llama.cpp (the main recipe's drafter) vs llama.cpp AR vs llama.cpp's prompt lookup on the same GGUF, held-out
 ## prompts, one process, interleaved, median of 3 -> bench/reports/llamacpp-backend/.

@@ -111,7 +111,7 @@ def suite_result(measured, methods: list[str]) -> dict:
         row["tau"] = ours.stats.tokens_per_round
         row["identical_to_llamacpp_ar"] = ours.token_ids == measured.per_prompt("llamacpp_ar", i)[-1].token_ids
         rows.append(row)
-    overall = {m: measured.speed(m)["throughput"].median for m in methods}
+    overall = {m: measured.speed(m)["throughput"]["median"] for m in methods}
     ratios = {f"ours_vs_{m}": measured.paired_ratio("ours", m) for m in methods if m != "ours"}
     return {"rows": rows, "overall": overall, "ratios": ratios, "tau": measured.tau("ours")}
 
@@ -120,7 +120,7 @@ def markdown(report: dict) -> str:
     c = report["cpu"]
     lines = ["# Ours on llama.cpp vs llama.cpp AR vs llama.cpp prompt lookup", "",
              f"CPU: {c['model']} ({c['cores']} CPUs); flags: {', '.join(c['flags']) or 'none of ' + str(CPU_FLAGS)}.",
-             f"llama-cpp-python {report['llama_cpp']}, {report['threads']} threads, GGUF {report['gguf']}; recipe "
+             f"llama-cpp-python {report['llama_cpp']}, {report['threads']} thread(s), GGUF {report['gguf']}; recipe "
              f"{report['recipe']} on llama.cpp; {report['max_new_tokens']} new tokens, median of {report['repeats']} "
              "interleaved repetitions, tok/s including the prompt.", "",
              f"Verify cost curve through llama.cpp (ms for 1..16 tokens): {report['verify_ms']}", ""]
@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench/reports/llamacpp-backend")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    base = Recipe.load(resolve(args.recipe, "recipes", "recipe"))
+    base = Recipe.load(resolve(args.recipe, "", "--recipe"))
     recipe = llamacpp_variant(base)
     if recipe is None:
         sys.exit(f"recipe {base.name}: no llama.cpp form (llama-cpp-python missing, not a GGUF target, or a "

@@ -135,7 +135,8 @@ class LlamaCppForward:
         Raises ``ValueError`` for ``B > 1`` or ``W >`` :data:`N_BATCH`."""
         rows, width = input_ids.shape
         if rows != 1 or width > N_BATCH:
-            raise ValueError(f"input_ids: a llama.cpp forward takes (1, <= {N_BATCH}) tokens, got {tuple(input_ids.shape)}")
+            raise ValueError(f"input_ids: a llama.cpp forward takes (1, <= {N_BATCH}) tokens, got "
+                             f"{tuple(input_ids.shape)}")
         self._decode(input_ids[0].tolist(), cache.held, all_logits=True)
         cache.written(width)
         return self._logits(width).view(1, width, self.n_vocab)
