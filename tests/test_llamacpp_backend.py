@@ -189,3 +189,18 @@ def test_quantized_kv_and_context_shift_run_and_count_exact_bytes(generator):
     out = shift.generate(PROMPT, max_new_tokens=24)
     assert out.stats.compressions_target > 0 and len(out.token_ids) == 24
     assert out.stats.peak_kv_bytes_target <= (4 + 32 + 8 + 9) * 30 * 192 * 2 * 2
+
+
+def test_compare_rows_and_the_search_offer_llama_cpp_only_where_it_is_installed():
+    from eval.runners import baseline_methods, llamacpp_variant
+    from eval.space import load_space
+    from toolkit.resources import resolve
+
+    short = Recipe.load(resolve("short", "", "recipe"))
+    variant = llamacpp_variant(short)
+    assert (variant is not None) == installed()
+    if variant is not None:
+        assert variant.target.backend == "llama.cpp" and variant.spec.drafter == short.spec.drafter
+        assert baseline_methods(variant) == []  # no HF model to run HF baselines on
+    dim = next(d for d in load_space("short").dimensions if d.name == "target_backend_gguf")
+    assert ("llama.cpp" in dim.searched) == installed() and dim.when == {"target_precision": ["native"]}

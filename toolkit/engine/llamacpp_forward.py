@@ -30,6 +30,7 @@ import torch
 
 from toolkit.errors import ConfigError
 from toolkit.kv.llamacpp_cache import LlamaCppCache, LlamaCppForm, bytes_per_token, llamacpp_form
+from toolkit.kv.static import CAPACITY_STEP
 from toolkit.models.llamacpp import LLAMACPP, N_BATCH
 
 
@@ -89,7 +90,7 @@ class LlamaCppForward:
         if rows > 1:
             raise ConfigError("batch_size", "target.backend llama.cpp decodes one sequence at a time", [1])
         form = self.form if policy is not None else LlamaCppForm(self.form.type_k, self.form.type_v)
-        if not form.shifts and capacity > self.model.n_ctx + widest + 256:  # capacities are rounded up to 256
+        if not form.shifts and capacity - CAPACITY_STEP >= self.model.n_ctx:  # rounded up: certainly too long
             raise ConfigError("generation.max_new_tokens", f"the request needs {capacity} positions, more than "
                               f"the llama.cpp context of {self.model.n_ctx}")
         return LlamaCppCache(self.llama, form, self._token_bytes)

@@ -43,6 +43,9 @@ VERSION = "0.3.36"
 #: tokens of a llama.cpp context: the model's context, at most this (KV bytes grow with it: 8192 positions of the
 #: embedded model at f16 are 180 MiB)
 N_CTX_MAX = 8192
+#: positions past the model's context a llama.cpp context holds: a request may fill the context, and the last verify
+#: forward then writes up to K (<= 64) draft positions past it, which are never kept
+VERIFY_HEADROOM = 64
 #: tokens per ``llama_decode`` of a prompt (and the widest verify forward)
 N_BATCH = 512
 #: what a metadata-only copy holds (``convert_gguf``'s log line)
@@ -112,7 +115,8 @@ class LlamaCppTarget(torch.nn.Module):
 
     Attributes:
         config / generation_config: the HF configs of the file.
-        gguf_path, threads, n_ctx: the file, threads and tokens per context.
+        gguf_path, threads: the file and llama.cpp's threads.
+        n_ctx: tokens per context: the model's context (at most :data:`N_CTX_MAX`) + :data:`VERIFY_HEADROOM`.
         toolkit_weight_bytes: the GGUF file's bytes (what llama.cpp maps).
     """
 
@@ -127,7 +131,7 @@ class LlamaCppTarget(torch.nn.Module):
         self.anchor = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # the decoder's device: the CPU
         self.threads = threads or torch.get_num_threads()
         limit = getattr(self.config, "max_position_embeddings", None) or N_CTX_MAX
-        self.n_ctx = min(limit, N_CTX_MAX)
+        self.n_ctx = min(limit, N_CTX_MAX) + VERIFY_HEADROOM
         self.toolkit_spec, self.toolkit_backend = spec, LLAMACPP
         self.toolkit_weight_bytes = self.gguf_path.stat().st_size
         self._contexts: dict[tuple, object] = {}
