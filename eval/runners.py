@@ -77,17 +77,19 @@ def strongest_baselines(recipe: Recipe, target) -> list[str]:
 
 
 def llamacpp_variant(recipe: Recipe) -> Recipe | None:
-    """The recipe with its GGUF target on llama.cpp (``target.backend: llama.cpp``, precision native): the
-    ``ours_llamacpp`` row of ``--compare`` (the same decoder, drafter and planner on llama.cpp's kernels), or
-    ``None`` where it does not apply (llama.cpp not installed, not a GGUF target, already on llama.cpp, or a
-    combination llama.cpp refuses)."""
+    """The recipe with its GGUF target on llama.cpp (``target.backend: llama.cpp``): the ``ours_llamacpp`` row of
+    ``--compare`` (the same decoder, drafter and planner, the same file's own blocks, on llama.cpp's kernels), or
+    ``None`` where it does not apply: llama.cpp not installed, a target that is not a GGUF's own blocks
+    (``precision: native``; other precisions are other weights), already on llama.cpp, or a combination llama.cpp
+    refuses."""
     from toolkit.errors import ConfigError
     from toolkit.models.llamacpp import installed
     from toolkit.session import plan
 
-    if not installed() or not is_gguf_source(recipe.target.source) or recipe.target.backend == LLAMACPP:
+    spec = recipe.target
+    if not installed() or not is_gguf_source(spec.source) or spec.precision != "native" or spec.backend == LLAMACPP:
         return None
-    target = dataclasses.replace(recipe.target, backend=LLAMACPP, precision="native", device="cpu")
+    target = dataclasses.replace(spec, backend=LLAMACPP, device="cpu")
     variant = dataclasses.replace(recipe, name=f"{recipe.name}-llamacpp", target=target)
     try:
         plan(variant)

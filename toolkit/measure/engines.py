@@ -73,9 +73,9 @@ def engines_python() -> str | None:
         candidate = root / ".venv-engines" / "bin" / "python"
         if candidate.is_file():
             return str(candidate)
-    import importlib.util
+    from toolkit.models import llamacpp
 
-    if importlib.util.find_spec("llama_cpp") is not None:  # the [llamacpp] extra in this environment (make llamacpp)
+    if llamacpp.installed():  # the [llamacpp] extra in this environment (make llamacpp): the llama.cpp rows
         return sys.executable
     return None
 
