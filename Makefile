@@ -7,7 +7,7 @@ RECIPE ?= recipes/short.yaml
 SCENARIO ?= short
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-native-gguf bench-long-context bench-gpu bench-cpu-engines bench-llamacpp bench-model-drafters test test-system test-all test-fast upgrade-check distill clean
+.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-native-gguf bench-long-context bench-gpu bench-cpu-engines bench-llamacpp llamacpp bench-llamacpp-backend bench-model-drafters test test-system test-all test-fast upgrade-check distill clean
 
 setup: $(STAMP)
 
@@ -85,6 +85,27 @@ bench-cpu-engines: $(STAMP)
 	$(BIN)/python bench/cpu_engines.py
 
 bench-llamacpp: bench-cpu-engines
+
+## llama.cpp as the target's backend (target.backend: llama.cpp; the extra [llamacpp]): llama-cpp-python built natively
+## for this CPU (GGML_NATIVE) ONCE as a wheel in the user cache, keyed by the CPU's flags (a native build must not run
+## on another ISA), then installed into .venv from there (the extra [llamacpp] of pyproject.toml). The build took
+## about 17 min on a shared 2-core AMD EPYC (AVX-512) machine under load; later installs take seconds. Afterwards
+## `toolkit run short --compare` also shows ours on llama.cpp and llama.cpp's AR / prompt-lookup rows.
+LLAMACPP_VERSION := 0.3.36
+CPU_KEY := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-12)
+LLAMACPP_WHEELS ?= $(HOME)/.cache/llm-toolkit/wheels/$(CPU_KEY)
+llamacpp: $(STAMP)
+	ls $(LLAMACPP_WHEELS)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl >/dev/null 2>&1 || \
+	  CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=ON}" $(BIN)/pip wheel --no-deps \
+	    llama-cpp-python==$(LLAMACPP_VERSION) -w $(LLAMACPP_WHEELS)
+	$(BIN)/pip install -c constraints.txt --find-links $(LLAMACPP_WHEELS) "llama-cpp-python==$(LLAMACPP_VERSION)"
+	$(BIN)/python -c "import llama_cpp; from toolkit.models.llamacpp import metadata_dir as m; \
+	  print('llama.cpp (llama-cpp-python)', llama_cpp.__version__, '| embedded GGUF metadata:', m('embedded')[1])"
+
+## Ours on llama.cpp (the main recipe's drafter) vs llama.cpp AR vs llama.cpp's prompt lookup on the same GGUF, held-out
+## prompts, one process, interleaved, median of 3 -> bench/reports/llamacpp-backend/.
+bench-llamacpp-backend: llamacpp
+	$(BIN)/python bench/llamacpp_backend.py
 
 ## Drafters that run a network (the EAGLE head, a draft model) vs our own AR path on the main recipe's int4 weights,
 ## unseen prompts -> bench/reports/model-drafters/.

@@ -196,7 +196,7 @@ def load_recipe_models(recipe: Recipe, reference: bool = True):
     target, tokenizer, draft_model, _ = load_models(plan(recipe), SHARED_POOL)
     ref = None
     if reference and recipe.target.precision != "fp32":
-        ref_spec = dataclasses.replace(recipe.target, precision="fp32")
+        ref_spec = dataclasses.replace(recipe.target, precision="fp32", backend="auto")
         ref, _ = get_model(ref_spec, "reference")
     return target, tokenizer, draft_model, ref
 

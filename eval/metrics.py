@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.kv.contract import new_cache, policy_attached
+from toolkit.models.llamacpp import is_llamacpp
 
 
 # ------------------------------------------------------------------------------------------------------ perplexity
@@ -42,6 +43,8 @@ def perplexity_through_cache(model, ids: list[int], policy=None, chunk: int = 5,
         raise ValueError("ids: perplexity needs at least 2 tokens")
     if chunk < 1:
         raise ValueError(f"chunk: must be >= 1, got {chunk}")
+    if is_llamacpp(model):
+        return _through_llamacpp(model, ids, policy, chunk)
     device = next(model.parameters()).device
     seq = torch.tensor([ids], device=device)
     n = seq.shape[1]
@@ -75,7 +78,8 @@ def perplexity_through_cache(model, ids: list[int], policy=None, chunk: int = 5,
 @torch.no_grad()
 def perplexity_sliding_window(model, ids: list[int], window: int = 1024, stride: int = 512,
                               progress: bool = False) -> dict:
-    """Standard sliding-window perplexity (HF "Perplexity of fixed-length models") of an uncompressed model.
+    """Standard sliding-window perplexity (HF "Perplexity of fixed-length models") of an uncompressed model (a
+    llama.cpp target: each window a fresh llama.cpp sequence, logits at every position).
 
     Windows of ``window`` tokens start every ``stride`` tokens; each window scores only the tokens not scored by an
     earlier window (so every token 1..n-1 is scored once, with at least ``window - stride`` tokens of context
@@ -88,6 +92,8 @@ def perplexity_sliding_window(model, ids: list[int], window: int = 1024, stride:
     device = next(model.parameters()).device
     seq = torch.tensor([ids], device=device)
     n = seq.shape[1]
+    run = _llamacpp_window(model) if is_llamacpp(model) else \
+        (lambda tokens: model(input_ids=tokens, use_cache=False).logits[0])
     nll, count, scored_until = 0.0, 0, 1  # next absolute index to score (token 0 is never predicted)
     begins = list(range(0, n, stride))
     if progress:
@@ -96,7 +102,7 @@ def perplexity_sliding_window(model, ids: list[int], window: int = 1024, stride:
         begins = tqdm(begins, desc=f"ppl sliding window {window}/{stride}", unit="win", leave=False)
     for begin in begins:
         end = min(begin + window, n)
-        logits = model(input_ids=seq[:, begin:end], use_cache=False).logits[0]
+        logits = run(seq[:, begin:end])
         first = max(scored_until, begin + 1)
         if first < end:
             targets = seq[0, first:end]
@@ -110,6 +116,59 @@ def perplexity_sliding_window(model, ids: list[int], window: int = 1024, stride:
         "protocol": {"method": "sliding window, uncompressed model", "window": window, "stride": stride,
                      "text_tokens": n, "predicted_tokens": count, "normalization": "token-level, natural log"},
     }
+
+
+def _through_llamacpp(model, ids: list[int], policy, chunk: int) -> dict:
+    """:func:`perplexity_through_cache` of a llama.cpp target (``target.backend: llama.cpp``): the same chunks of
+    ``chunk`` tokens, each one forward of the decoder's llama.cpp forward with logits at every position, on its cache
+    under the KV policy's llama.cpp form (StreamingLLM shifts at the commit after each chunk)."""
+    from toolkit.engine.llamacpp_forward import LlamaCppForward
+
+    forward = LlamaCppForward(model, policy)
+    cache = forward.cache_for(policy, 1, len(ids), chunk)
+    cache.begin_row(0)
+    nll, count, peak_kv = 0.0, 0, 0
+    seq = torch.tensor([ids])
+    for start in range(0, len(ids) - 1, chunk):
+        tokens = seq[:, start:start + chunk]
+        logits = forward(cache, tokens)[0]
+        cache.accept(None, [tokens.shape[1]])
+        cache.commit()
+        targets = seq[0, start + 1:start + tokens.shape[1] + 1]
+        nll += _nll_sum(logits[: targets.shape[0]], targets)
+        count += targets.shape[0]
+        peak_kv = max(peak_kv, cache.kv_bytes())
+    cache.keep_rows([])
+    form = forward.form
+    return {
+        "value": math.exp(nll / count), "nll_sum": nll, "tokens": count, "peak_kv_bytes": peak_kv,
+        "protocol": {"method": "teacher-forced through the recipe's KV cache on llama.cpp", "chunk_tokens": chunk,
+                     "text_tokens": len(ids), "predicted_tokens": count, "normalization": "token-level, natural log",
+                     "kv_policy": getattr(policy, "name", "none") if policy is not None else "none",
+                     "llama_cpp_cache": f"{form.type_k}/{form.type_v}"},
+    }
+
+
+def _llamacpp_window(model):
+    """``tokens (1, n) -> logits (n, vocab)`` of a llama.cpp target over a fresh sequence (positions from 0), in
+    forwards of up to ``N_BATCH`` tokens: the sliding window's forward."""
+    from toolkit.engine.llamacpp_forward import LlamaCppForward
+    from toolkit.models.llamacpp import N_BATCH
+
+    forward = LlamaCppForward(model)
+
+    def run(tokens: torch.Tensor) -> torch.Tensor:
+        cache = forward.cache_for(None, 1, tokens.shape[1], N_BATCH)
+        cache.begin_row(0)
+        out = []
+        for start in range(0, tokens.shape[1], N_BATCH):
+            piece = tokens[:, start:start + N_BATCH]
+            out.append(forward(cache, piece)[0])
+            cache.accept(None, [piece.shape[1]])
+        cache.keep_rows([])
+        return torch.cat(out)
+
+    return run
 
 
 # ------------------------------------------------------------------------------------------------------ acceptance
@@ -240,7 +299,12 @@ def merge_peaks(results: list[dict]) -> dict:
 
 
 def kv_bytes_per_token(model) -> int:
-    """Bytes one token adds to an uncompressed ``DynamicCache`` of ``model`` (all layers, keys + values)."""
+    """Bytes one token adds to an uncompressed ``DynamicCache`` of ``model`` (all layers, keys + values); for a
+    llama.cpp target, to its plain f16 cache."""
+    if is_llamacpp(model):
+        from toolkit.kv.llamacpp_cache import LlamaCppForm, bytes_per_token
+
+        return bytes_per_token(model.config, LlamaCppForm())
     device = next(model.parameters()).device
     cache = new_cache(None, model)
     with torch.no_grad():

@@ -19,7 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eval.fidelity import agreement, first_divergence
-from eval.runners import OURS, PROMPT_LOOKUPS, baseline_methods, engine_runners, runners_for, strongest_baselines
+from eval.runners import (
+    OURS,
+    OURS_LLAMACPP,
+    PROMPT_LOOKUPS,
+    baseline_methods,
+    engine_runners,
+    runners_for,
+    strongest_baselines,
+)
 from toolkit.io import atomic_write_json, atomic_write_text
 from toolkit.measure.engines import ENGINES
 from toolkit.measure.harness import Measurement, Prompt, environment, measure, spread
@@ -110,7 +118,8 @@ def run_recipe(recipe: Recipe, compare: bool = False, repeats: int = 3, prompts:
     eos = generator.eos_token_ids(gen)
     reference = None
     if compare and recipe.target.precision != "fp32":  # fp32 AR next to a low-precision target, for reference
-        reference, _ = SHARED_POOL.get(dataclasses.replace(recipe.target, precision="fp32"), "reference")
+        fp32 = dataclasses.replace(recipe.target, precision="fp32", backend="auto")  # llama.cpp targets: on torch
+        reference, _ = SHARED_POOL.get(fp32, "reference")
     methods = [OURS] + (baseline_methods(recipe, reference is not None) if compare else [])
     if compare:  # the strongest baselines right after plain HF AR
         methods[2:2] = strongest_baselines(recipe, generator.target)
@@ -135,10 +144,11 @@ def run_recipe(recipe: Recipe, compare: bool = False, repeats: int = 3, prompts:
     with engine_runners(recipe, methods, eos) as engine_calls:
         runners = runners_for(generator, methods, eos, reference, static_cache_len=static_len,
                               engine_calls=engine_calls)
+        generators = [generator] + [r.generator for r in runners.values() if hasattr(r, "generator")]
         measured = measure(runners, items, gen, repeats=repeats if compare else 1, warmup=1, progress=progress,
                            desc=f"run {recipe.name}",
                            warm_gen=dataclasses.replace(gen, max_new_tokens=min(16, gen.max_new_tokens)),
-                           before_repetition=lambda rep: generator.forget(),
+                           before_repetition=lambda rep: [g.forget() for g in generators],
                            deadline=started + time_budget_s if time_budget_s else None)
     result = _result(recipe, generator, measured, compare)
     result.engine = engine
@@ -170,7 +180,7 @@ def _result(recipe: Recipe, generator: SpeculativeLM, measured: Measurement, com
             ours = method == OURS
             same = (ids == ar_ids[prompt.id]) if prompt.id in ar_ids else None
             divergence = None
-            if method in ENGINES:  # other weights (the GGUF, an OpenVINO export): their text is not the target's
+            if method in ENGINES or method == OURS_LLAMACPP:  # other kernels / weights: not the target's text
                 same = None
             if same is False and method != "ar_fp32" and not recipe.generation.do_sample:
                 divergence = first_divergence(generator.target, prompt.input_ids, ar_ids[prompt.id], ids)

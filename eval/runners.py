@@ -12,7 +12,10 @@
   not fp32): the quality/fidelity reference and the throughput bar of the memory scenario.
 
 * ``llamacpp_ar``, ``llamacpp_lookup``, ``openvino_ar`` — the CPU engines of :mod:`toolkit.measure.engines` when
-  installed (``make bench-cpu-engines``), on the recipe's model files, in their own processes.
+  installed (``make bench-cpu-engines``, or llama.cpp alone with ``make llamacpp``), on the recipe's model files, in
+  their own processes;
+* ``ours_llamacpp`` — our decoder (same drafter, planner, KV policy) with the recipe's GGUF target on llama.cpp
+  (``target.backend: llama.cpp``) when llama-cpp-python is installed here (``make llamacpp``).
 
 HF baselines go through :func:`toolkit.measure.baselines.hf_generate`, which leaves the shared models as it found
 them.
@@ -21,6 +24,7 @@ them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import torch
@@ -29,11 +33,14 @@ from toolkit.measure import engines
 from toolkit.measure.baselines import hf_generate
 from toolkit.measure.harness import Call, Runner
 from toolkit.measure.timing import synchronize
+from toolkit.models.llamacpp import LLAMACPP
 from toolkit.models.spec import is_gguf_source
 from toolkit.recipe import GenerationSpec, Recipe
 from toolkit.speculative.stats import GenerationStats
 
 OURS = "ours"
+#: our decoder with the recipe's GGUF target on llama.cpp (``target.backend: llama.cpp``), next to ``ours``
+OURS_LLAMACPP = "ours_llamacpp"
 #: HF prompt lookup's ``max_matching_ngram_size`` in every comparison (HF's default is 2; 3 was measured better here)
 PROMPT_LOOKUP_NGRAM = 3
 #: the HF prompt-lookup baselines timed next to a model-free drafter (see the module docstring)
@@ -41,7 +48,11 @@ PROMPT_LOOKUPS = ["prompt_lookup", "prompt_lookup_10"]
 
 
 def baseline_methods(recipe: Recipe, has_reference: bool = False) -> list[str]:
-    """The HF baselines that make sense next to this recipe's drafter (``ar`` always; ``ar_fp32`` with a reference)."""
+    """The HF baselines that make sense next to this recipe's drafter (``ar`` always; ``ar_fp32`` with a reference).
+    A llama.cpp target has no HF model to generate with: only ``ar_fp32`` (llama.cpp's own AR and prompt lookup are
+    engine rows: :func:`strongest_baselines`)."""
+    if recipe.target.backend == LLAMACPP:
+        return ["ar_fp32"] if has_reference else []
     methods = ["ar"]
     baseline = recipe.spec.config.hf_baseline  # the HF method that drafts the same way (registry)
     if baseline is not None:
@@ -56,11 +67,35 @@ def strongest_baselines(recipe: Recipe, target) -> list[str]:
     source: ``embedded`` or a ``.gguf`` file)."""
     from toolkit.engine.forward import compile_pays
 
-    methods = ["ar_static"] if compile_pays(target) else []
+    methods = ["ar_static"] if compile_pays(target) and recipe.target.backend != LLAMACPP else []
     if not recipe.generation.do_sample:
         gguf = is_gguf_source(recipe.target.source)
         methods += [m for m in engines.available() if gguf or not m.startswith("llamacpp")]
+    if llamacpp_variant(recipe) is not None:
+        methods.append(OURS_LLAMACPP)
     return methods
+
+
+def llamacpp_variant(recipe: Recipe) -> Recipe | None:
+    """The recipe with its GGUF target on llama.cpp (``target.backend: llama.cpp``): the ``ours_llamacpp`` row of
+    ``--compare`` (the same decoder, drafter and planner, the same file's own blocks, on llama.cpp's kernels), or
+    ``None`` where it does not apply: llama.cpp not installed, a target that is not a GGUF's own blocks
+    (``precision: native``; other precisions are other weights), already on llama.cpp, or a combination llama.cpp
+    refuses."""
+    from toolkit.errors import ConfigError
+    from toolkit.models.llamacpp import installed
+    from toolkit.session import plan
+
+    spec = recipe.target
+    if not installed() or not is_gguf_source(spec.source) or spec.precision != "native" or spec.backend == LLAMACPP:
+        return None
+    target = dataclasses.replace(spec, backend=LLAMACPP, device="cpu")
+    variant = dataclasses.replace(recipe, name=f"{recipe.name}-llamacpp", target=target)
+    try:
+        plan(variant)
+    except ConfigError:
+        return None
+    return variant
 
 
 def engine_model(recipe: Recipe, method: str) -> str:
@@ -161,6 +196,13 @@ def runners_for(generator, methods: list[str], eos_ids: list[int], reference=Non
             out[method] = engine_calls[method]
         elif method == OURS:
             out[method] = ours_runner(generator, eos_ids, trajectory)
+        elif method == OURS_LLAMACPP:  # our decoder on llama.cpp; its generator is forgotten with ours (run.py)
+            from toolkit.session import SHARED_POOL
+            from toolkit.speculative_lm import build
+
+            on_llamacpp = build(llamacpp_variant(generator.recipe), pool=SHARED_POOL)
+            out[method] = ours_runner(on_llamacpp, eos_ids, trajectory)
+            out[method].generator = on_llamacpp
         else:
             cross = None if generator.draft_tokenizer is None else (generator.tokenizer, generator.draft_tokenizer)
             out[method] = baseline_runner(method, generator.recipe, eos_ids, target=generator.target,

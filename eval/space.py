@@ -23,6 +23,9 @@ Format::
       draft_precision: {path: draft.precision, choices: [bf16, int8, int4], when: {drafter: [self]}}
       target_backend: {path: target.backend, choices: [bitsandbytes, torchao], when: {target_precision: [int8]},
                        enabled: false} # a whole dimension kept off (``--enable target_backend``)
+      target_backend_gguf: {path: target.backend, choices: [auto, llama.cpp], when: {target_precision: [native]}}
+                                       # a GGUF's own blocks on torch or on llama.cpp (a weight backend whose
+                                       # package is not installed is never searched: labels disabled at load)
 
 A trial walks the dimensions in file order and picks one label for every *active* one: a dimension with ``when``
 is active only when each named (earlier) dimension is active and took one of the listed labels — a KV budget
@@ -418,6 +421,10 @@ def _dimensions(space: object) -> list[Dimension]:
         if bad:
             raise ConfigError(f"{field_name}.disabled", f"must list labels of this dimension, got {bad}", dim.labels)
         dim.disabled = list(disabled)
+        if dim.path in ("target.backend", "draft.backend"):  # backends not installed here are not searched
+            from toolkit.quant import AUTO, installed
+
+            dim.disabled += [x for x in dim.labels if x != AUTO and x not in dim.disabled and not installed(x)]
         dims.append(dim)
     if not dims:
         raise ConfigError("search.space", "no dimensions to search")

@@ -19,7 +19,8 @@ PARAMS = {"streaming": {"sink_tokens": 4, "window": 24}, "l2norm": {"budget": 16
 
 def _policies() -> list:
     make_policy(KVSpec("none"))  # loads the built-in policies
-    out = [(name, KVSpec(name, PARAMS.get(name, {}))) for name in sorted(POLICIES)]
+    out = [(name, KVSpec(name, PARAMS.get(name, {}))) for name in sorted(POLICIES)
+           if POLICIES[name].torch_form]  # llama.cpp's own KV formats: tests/test_llamacpp_backend.py
     out += [(f"{name}+quant", KVSpec(name, {**PARAMS.get(name, {}), "quant_bits": 4, "quant_group_size": 16,
                                             "residual_length": 8})) for name in sorted(COMPOSED)]
     return out

@@ -43,6 +43,7 @@ def test_static_compiled_ar_is_greedy_ar_with_one_graph_for_every_prompt_length(
 
 def test_strongest_baselines_name_static_ar_where_compiling_pays_and_only_engines_that_apply(monkeypatch):
     monkeypatch.setattr(engines, "available", lambda: ["llamacpp_ar", "llamacpp_lookup", "openvino_ar"])
+    monkeypatch.setattr("toolkit.models.llamacpp.installed", lambda: False)  # no ours_llamacpp row (test_llamacpp_*)
     recipe = Recipe.load("recipes/short.yaml")  # the embedded GGUF's own blocks
     int4 = tiny_llama()
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
@@ -59,6 +60,7 @@ def test_strongest_baselines_name_static_ar_where_compiling_pays_and_only_engine
 
 
 def test_no_engines_without_their_interpreter(monkeypatch, tmp_path):
+    monkeypatch.setattr("toolkit.models.llamacpp.installed", lambda: False)  # not this interpreter either
     monkeypatch.setenv("TOOLKIT_ENGINES_PYTHON", "off")
     assert engines.engines_python() is None
     monkeypatch.delenv("TOOLKIT_ENGINES_PYTHON", raising=False)

@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from toolkit.errors import ConfigError
 from toolkit.kv import make_policy
 from toolkit.recipe import ModelSpec, Recipe
 from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_MODEL, DRAFT_TARGET
@@ -82,7 +83,27 @@ def plan(recipe: Recipe) -> Plan:
             if recipe.spec.tree:
                 policy.check_tree(recipe.spec.tree_depth, section)
         policies[section] = policy
+    _check_backend(recipe, policies)
     return Plan(recipe, policies["kv"], policies["draft_kv"], draft_spec(recipe), widest)
+
+
+def _check_backend(recipe: Recipe, policies: dict) -> None:
+    """KV policies against the target's backend: llama.cpp's own KV formats only on a llama.cpp target (and never on
+    the draft, which runs on torch); a llama.cpp target's combinations (:func:`toolkit.engine.llamacpp_forward.
+    check_plan`). Raises :class:`ConfigError` naming the field."""
+    from toolkit.models.llamacpp import LLAMACPP
+
+    llamacpp = recipe.target.backend == LLAMACPP
+    for section, policy in policies.items():
+        if policy is not None and not policy.torch_form and (section != "kv" or not llamacpp):
+            owner = "the draft runs on torch" if section == "draft_kv" else "the target runs on torch"
+            raise ConfigError(f"{section}.policy", f"{policy.name} is llama.cpp's own KV cache format and {owner} "
+                              "(target.backend llama.cpp runs it)", ["none", "streaming", "l2norm", "head_aware",
+                                                                      "quantized"])
+    if llamacpp:
+        from toolkit.engine.llamacpp_forward import check_plan
+
+        check_plan(recipe, policies)
 
 
 class ModelPool:

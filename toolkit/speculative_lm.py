@@ -26,6 +26,7 @@ from toolkit.engine.forward import TargetForward, forward_for
 from toolkit.engine.planner import ForwardCost, make_controller
 from toolkit.errors import ConfigError
 from toolkit.models import model_vocab_size, weight_bytes
+from toolkit.models.llamacpp import is_llamacpp
 from toolkit.models.capabilities import check_tree_support
 from toolkit.recipe import GenerationSpec, Recipe
 from toolkit.session import ModelPool, Plan, load_models, plan
@@ -149,10 +150,15 @@ class SpeculativeLM:
         return self._forward_cost
 
     @property
-    def engine(self) -> TargetForward:
+    def engine(self) -> TargetForward:  # or LlamaCppForward (toolkit.engine.llamacpp_forward), same calls
         """The target's forward (:mod:`toolkit.engine.forward`): compiled on the static cache, or eager, as the
         recipe's ``compile`` and the plan allow; :attr:`engine_note` says which and why. ``engine.warm_up`` compiles
         its graphs ahead of the first request."""
+        if self._engine is None and is_llamacpp(self.target):  # the GGUF on llama.cpp (target.backend)
+            from toolkit.engine.llamacpp_forward import forward_for as llamacpp_forward_for
+
+            self._engine, self.engine_note = llamacpp_forward_for(self.recipe, self.target, self.plan)
+            log.info("decoding path: %s", self.engine_note)
         if self._engine is None:
             self._engine, self.engine_note = forward_for(self.recipe, self.target, self.plan)
             log.info("decoding path: %s", self.engine_note)
@@ -281,7 +287,7 @@ class SpeculativeLM:
         from toolkit.kv.rows import batches
 
         spec = self.recipe.spec
-        policy_ok = batches(self.target_policy, self.target) is None
+        policy_ok = batches(self.target_policy, self.target) is None and not is_llamacpp(self.target)
         draft_ok = not spec.config.uses_draft_model or (self.draft_tokenizer is None and self.draft_policy is None)
         return spec.config.batch and policy_ok and draft_ok and not spec.tree
 
@@ -302,7 +308,7 @@ class SpeculativeLM:
             if batch_size > 1:
                 log.info("recipe %s runs its prompts one at a time (batched decoding does not cover token trees, "
                          "cross-tokenizer drafts, compressed draft caches, StreamingLLM with reindexed positions or "
-                         "composed with quantization)", self.recipe.name)
+                         "composed with quantization, llama.cpp targets)", self.recipe.name)
             return [self.generate(p, **overrides) for p in prompts]
         gen = self._generation_spec(overrides)
         inputs = [self.encode(p) for p in prompts]

@@ -108,7 +108,8 @@ def _cpu_name() -> str:
 def load_or_measure(model, max_tokens: int = 16, cache_dir: Path | None = None, forward=None) -> VerifyCost:
     """The cached curve of ``model`` on this machine, measured (and cached atomically) on first use, through
     ``forward`` (:class:`~toolkit.engine.forward.TargetForward`; a compiled one has its own cache entry: its shapes
-    and mode are in the key).
+    and mode are in the key; so has a forward with a ``cost_tag``, the llama.cpp one's file, version, threads and KV
+    cache types).
 
     ``cache_dir`` defaults to ``$TOOLKIT_VERIFY_COST_DIR`` or :func:`toolkit.resources.cache_dir`
     ``/ "verify-cost"``. A cache file that cannot be read or does not cover ``max_tokens`` is measured again.
@@ -120,6 +121,9 @@ def load_or_measure(model, max_tokens: int = 16, cache_dir: Path | None = None, 
     if forward is not None and forward.compiled:
         shape = f"{forward.buckets}|{forward.widths}|{forward.mode}"
         key += "-compiled-" + hashlib.sha256(shape.encode()).hexdigest()[:8]
+    tag = getattr(forward, "cost_tag", "")  # a forward outside torch (llama.cpp): its file, version, threads, types
+    if tag:
+        key += "-" + hashlib.sha256(tag.encode()).hexdigest()[:12]
     default = os.environ.get("TOOLKIT_VERIFY_COST_DIR") or user_cache_dir() / "verify-cost"
     path = Path(cache_dir or default) / f"{key}.json"
     try:

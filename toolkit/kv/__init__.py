@@ -23,6 +23,7 @@ from toolkit.kv import streaming  # noqa: E402,F401,I001
 from toolkit.kv import l2norm  # noqa: E402,F401
 from toolkit.kv import head_aware  # noqa: E402,F401
 from toolkit.kv import quantized  # noqa: E402,F401
+from toolkit.kv import ggml_types  # noqa: E402,F401
 
 __all__ = ["COMPOSED", "NONE", "POLICIES", "QUANT_FIELDS", "allowed_policies", "make_policy", "policy_names",
            "policy_type", "register_composed", "register_policy"]

@@ -51,6 +51,8 @@ class KVPolicy:
     rows_cache: ClassVar = None
     #: install :mod:`toolkit.kv.attention` on the model (layers or heads of different physical lengths)
     uses_attention_hook: ClassVar[bool] = False
+    #: the policy runs on torch targets (``False``: llama.cpp's own KV formats, :mod:`toolkit.kv.ggml_types`)
+    torch_form: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_int("compress_interval", self.compress_interval, low=0, high=TOKENS_MAX)

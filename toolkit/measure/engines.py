@@ -12,7 +12,8 @@ the model once and times each request itself; greedy decoding, the same prompts 
 ``max_new_tokens`` and EOS handling, the same thread count as the toolkit's torch.
 
 Where the engines' interpreter is: ``$TOOLKIT_ENGINES_PYTHON`` (``off``: none, as in the test suite), else
-``.venv-engines/bin/python`` in the working directory or the source checkout. :func:`available` says which engines it can import (none when it is absent).
+``.venv-engines/bin/python`` in the working directory or the source checkout, else this interpreter when it has
+llama-cpp-python (the ``[llamacpp]`` extra, ``make llamacpp``: the llama.cpp rows only). :func:`available` says which engines it can import (none when it is absent).
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ def engines_python() -> str | None:
         candidate = root / ".venv-engines" / "bin" / "python"
         if candidate.is_file():
             return str(candidate)
+    from toolkit.models import llamacpp
+
+    if llamacpp.installed():  # the [llamacpp] extra in this environment (make llamacpp): the llama.cpp rows
+        return sys.executable
     return None
 
 

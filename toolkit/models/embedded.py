@@ -47,6 +47,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 _CONVERTED_FORMAT = "v1"  # bump when the on-disk layout of converted copies changes
 MANIFEST = "toolkit-manifest.json"
+OWN_LAYOUT = "its own blocks (native)"  # what a conversion by its own `convert` writes, unless it says (.layout)
 LOCK_TIMEOUT_S = 1800.0  # a conversion takes ~20 s; waiting longer than this means the holder is stuck
 GGUF_MAGIC = b"GGUF"
 #: a hub id: ``name`` or ``namespace/name`` of letters, digits, ``-``, ``_`` and ``.`` (no leading ``.``)
@@ -238,7 +239,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, field: str = "source", dtype=to
             try:
                 (convert or _convert_into)(gguf_path, tmp, dtype)
                 os.replace(tmp, out_dir)
-                layout = f"{precision_name(dtype)} safetensors" if convert is None else "its own blocks (native)"
+                layout = getattr(convert, "layout", OWN_LAYOUT) if convert else f"{precision_name(dtype)} safetensors"
                 _report_conversion(gguf_path, out_dir, time.perf_counter() - started, layout)
             except BaseException as exc:
                 shutil.rmtree(tmp, ignore_errors=True)

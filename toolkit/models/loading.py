@@ -11,6 +11,7 @@ import torch
 from toolkit.dtypes import torch_dtype
 from toolkit.errors import ConfigError, ModelLoadError
 from toolkit.models.embedded import resolve_source
+from toolkit.models.llamacpp import LLAMACPP
 from toolkit.models.spec import NATIVE, ModelSpec
 from toolkit.quant import AUTO, NONE, choose_backend, fallback_after, weight_backend
 
@@ -61,7 +62,8 @@ def load_model(spec: ModelSpec, field: str = "model"):
     int8/int4 weights go through ``spec.backend`` (``auto`` resolved by :func:`toolkit.quant.choose_backend`), whose
     registered hooks (:class:`toolkit.quant.registry.WeightBackend`) load and quantize them; the backend actually used
     is recorded as ``model.toolkit_backend`` and the kernel path is logged once per process. ``precision: native``
-    keeps a GGUF file's own quantized blocks (:mod:`toolkit.models.gguf_native`; backend ``gguf``).
+    keeps a GGUF file's own quantized blocks (:mod:`toolkit.models.gguf_native`; backend ``gguf``), on llama.cpp
+    with ``backend: llama.cpp`` (:func:`toolkit.models.llamacpp.load_llamacpp`).
 
     Raises:
         ConfigError: a field of ``spec`` is invalid, or the backend has no kernel for the precision on the device
@@ -123,6 +125,10 @@ def _load_native(spec: ModelSpec, device: torch.device, field: str):
 
     from toolkit.models.gguf_native import load_native, resolve_native
 
+    if spec.backend == LLAMACPP:  # the file on llama.cpp: a LlamaCppTarget, no torch weights
+        from toolkit.models.llamacpp import load_llamacpp
+
+        return load_llamacpp(spec, field)
     if device.type != "cpu":
         raise ConfigError(f"{field}.device", "precision native runs the GGUF blocks on ATen's int4 CPU kernel; on "
                           f"{device.type} use precision int4 (torchao) or bf16", ["auto (on a machine without CUDA)",

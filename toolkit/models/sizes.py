@@ -40,7 +40,10 @@ def _quant_state_bytes(state) -> int:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes held by the model's parameters and buffers, each storage counted once (tied weights once), quantized
-    weights at their packed size plus their scales / zero points (see :func:`tensor_bytes`)."""
+    weights at their packed size plus their scales / zero points (see :func:`tensor_bytes`). A model whose weights
+    live outside torch (a llama.cpp target) states them as ``toolkit_weight_bytes`` (the GGUF file's bytes)."""
+    if getattr(model, "toolkit_weight_bytes", None) is not None:
+        return int(model.toolkit_weight_bytes)
     seen: set[int] = set()
     total = 0
     for tensor in list(model.parameters()) + list(model.buffers()):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from toolkit.checks import check_choice, check_float
 from toolkit.errors import ConfigError
-from toolkit.quant.registry import backend_choices
+from toolkit.quant.registry import backend_choices, weight_backend
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4", "native")  # the last: NATIVE
 BACKENDS = backend_choices()  # auto + the registered weight-quantization backends (toolkit.quant.registry)
@@ -39,6 +39,9 @@ class ModelSpec:
             NF4, Dettmers et al. 2023), ``torchao`` (int8 weight-only or dynamic-activation W8A8, int4 group-wise
             weight-only; see :mod:`toolkit.quant.torchao`), or ``auto``: the backend measured fastest for the
             precision on the device among those installed (:mod:`toolkit.quant.auto`). Ignored for fp32/fp16/bf16.
+            ``llama.cpp`` (targets only, optional extra ``[llamacpp]``): a GGUF target at ``precision: native`` runs
+            on llama.cpp's CPU kernels instead of torch (:mod:`toolkit.quant.llamacpp`,
+            :mod:`toolkit.engine.llamacpp_forward`).
         device: ``auto`` (cuda when available), ``cpu`` or ``cuda``.
         int8_threshold: bitsandbytes LLM.int8() outlier threshold (``llm_int8_threshold``); 6.0 is the paper's value.
         int4_compute_dtype: dtype of the bitsandbytes NF4 matmul (``bnb_4bit_compute_dtype``).
@@ -70,6 +73,9 @@ class ModelSpec:
         if any(ord(c) < 32 or ord(c) == 127 for c in self.source):
             raise ConfigError(f"{prefix}.source", f"holds a control character: {self.source!r}")
         check_choice(f"{prefix}.precision", self.precision, PRECISIONS)
+        check_choice(f"{prefix}.backend", self.backend, backend_choices())
+        if self.backend != "auto":
+            weight_backend(self.backend, f"{prefix}.backend").check_spec(self, prefix)
         if self.precision == NATIVE and not is_gguf_source(self.source):
             raise ConfigError(f"{prefix}.precision", f"native keeps a GGUF file's own quantized blocks, and source "
                               f"{self.source!r} is not a GGUF file (embedded or a .gguf path)",
@@ -80,7 +86,6 @@ class ModelSpec:
         if not isinstance(self.int4_double_quant, bool):
             raise ConfigError(f"{prefix}.int4_double_quant", "must be true or false")
         check_choice(f"{prefix}.attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
-        check_choice(f"{prefix}.backend", self.backend, backend_choices())
         check_choice(f"{prefix}.torchao_int8", self.torchao_int8, TORCHAO_INT8)
         check_choice(f"{prefix}.torchao_group_size", self.torchao_group_size, TORCHAO_GROUP_SIZES)
         check_choice(f"{prefix}.torchao_compute_dtype", self.torchao_compute_dtype, TORCHAO_COMPUTE_DTYPES)

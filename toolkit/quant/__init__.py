@@ -32,6 +32,7 @@ from toolkit.quant.registry import (
 # The registrations, one line per backend (registration order = the order of the allowed names in errors).
 from toolkit.quant import bitsandbytes  # noqa: E402,F401,I001
 from toolkit.quant import torchao  # noqa: E402,F401
+from toolkit.quant import llamacpp  # noqa: E402,F401
 
 BACKENDS = backend_choices()
 QUANTIZED = ("int8", "int4")

@@ -55,6 +55,10 @@ class WeightBackend:
         if device.type not in self.devices:
             raise ConfigError(f"{field}.device", f"backend {self.name} has no kernel on {device.type}", self.devices)
 
+    def check_spec(self, spec, field: str) -> None:
+        """Raise :class:`ConfigError` (naming ``{field}.<name>``) when the rest of the section ``spec`` cannot go with
+        this backend, at recipe validation (before any model loads). Nothing by default."""
+
     def load_kwargs(self, spec, device, field: str) -> dict:
         """``from_pretrained`` keyword arguments (the weights' dtype at least). Raises :class:`ModelLoadError` when
         the backend's package is missing."""

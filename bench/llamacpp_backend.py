@@ -1,0 +1,187 @@
+"""Ours on llama.cpp (``target.backend: llama.cpp``, the main recipe's drafter and planner) against llama.cpp's own
+AR and llama.cpp's own prompt-lookup decoding, on the same GGUF file, in one process.
+
+    make bench-llamacpp-backend       # builds / installs the [llamacpp] extra first (make llamacpp)
+    PYTHONPATH=. .venv/bin/python bench/llamacpp_backend.py [--recipe short] [--suites short-heldout unseen ...]
+        [--num-prompts N] [--max-new-tokens 96] [--repeats 3] [--threads 2] [--out bench/reports/llamacpp-backend]
+
+Methods, each on the same prompt token ids (the recipe's chat template), greedy, the same EOS ids and
+``max_new_tokens``, ``--threads`` threads each:
+
+* ``ours`` — the recipe with its target on llama.cpp (:func:`eval.runners.llamacpp_variant`): our decoder, the
+  recipe's drafter (lookup with memory across the requests of one repetition) and cost-aware verify length, the
+  verify cost curve measured through llama.cpp (cached per machine);
+* ``llamacpp_ar`` — ``Llama.generate`` with temperature 0 (argmax), a context of its own, reset before each request;
+* ``llamacpp_lookup`` — the same with llama.cpp's Python prompt-lookup drafter (``LlamaPromptLookupDecoding``,
+  ``--lookup-tokens`` per draft, n-gram ``--max-ngram``).
+
+Protocol (:func:`toolkit.measure.harness.measure`): one warm-up call per method, then ``--repeats`` repetitions,
+methods interleaved per prompt with the order rotated between repetitions, the drafter's memory cleared before each
+repetition; tok/s = new tokens / wall time of the call, prompt included (TTFT counted); medians over repetitions.
+Greedy identity: ours' tokens against llama.cpp AR's, per prompt.
+
+Writes ``<out>/llamacpp_backend.json`` and ``<out>/README.md`` with ``lscpu``'s model name and AVX flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from eval.runners import llamacpp_variant, ours_runner  # noqa: E402
+from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
+from toolkit.measure.harness import Call, Prompt, environment, measure, spread  # noqa: E402
+from toolkit.measure.prompts import load_suite  # noqa: E402
+from toolkit.recipe import Recipe  # noqa: E402
+from toolkit.resources import resolve  # noqa: E402
+from toolkit.speculative.stats import GenerationStats  # noqa: E402
+from toolkit.speculative_lm import build  # noqa: E402
+
+SUITES = {"short-heldout": "short-heldout", "unseen": str(ROOT / "bench/prompts/unseen.yaml"), "short": "short",
+          "repeat": "repeat"}
+COLUMNS = {"ours": "ours on llama.cpp", "llamacpp_ar": "llama.cpp AR", "llamacpp_lookup": "llama.cpp prompt lookup"}
+CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
+
+
+def cpu() -> dict:
+    """``lscpu``'s model name and which of :data:`CPU_FLAGS` this CPU has (every CPU figure states them)."""
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=False, timeout=30).stdout
+    except OSError:
+        text = ""
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    flags = set(fields.get("Flags", "").split())
+    return {"model": fields.get("Model name", "?").strip(), "flags": [f for f in CPU_FLAGS if f in flags],
+            "cores": fields.get("CPU(s)", "?").strip()}
+
+
+def llamacpp_runner(path: str, threads: int, eos: set[int], lookup_tokens: int = 0, max_ngram: int = 3):
+    """llama.cpp's own greedy decoding (``Llama.generate``, temperature 0), optionally with its prompt lookup."""
+    from llama_cpp import Llama
+
+    draft = None
+    if lookup_tokens:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(max_ngram_size=max_ngram, num_pred_tokens=lookup_tokens)
+    llm = Llama(model_path=path, n_ctx=4096, n_threads=threads, n_threads_batch=threads, draft_model=draft,
+                verbose=False)
+
+    def run(input_ids: torch.Tensor, gen) -> Call:
+        llm.reset()
+        out: list[int] = []
+        stats = GenerationStats()
+        start = time.perf_counter()
+        first = None
+        for token in llm.generate(input_ids[0].tolist(), top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
+                                  repeat_penalty=1.0, reset=True):
+            first = first or time.perf_counter()
+            out.append(int(token))
+            if int(token) in eos or len(out) >= gen.max_new_tokens:
+                break
+        end = time.perf_counter()
+        stats.new_tokens, stats.prompt_tokens = len(out), int(input_ids.shape[1])
+        stats.ttft_ms, stats.total_ms = ((first or end) - start) * 1000, (end - start) * 1000
+        stats.rounds = stats.target_forwards = max(len(out) - 1, 0)
+        return Call(out, stats)
+
+    return run
+
+
+def suite_result(measured, methods: list[str]) -> dict:
+    """Per prompt and overall: median tok/s per method, ours' ratios, τ, greedy identity with llama.cpp AR."""
+    rows = []
+    for i, prompt in enumerate(measured.prompts):
+        row = {"prompt": prompt.id, "kind": prompt.kind}
+        for m in methods:
+            calls = measured.per_prompt(m, i)
+            row[m] = statistics.median(c.stats.throughput for c in calls)
+        ours = measured.per_prompt("ours", i)[-1]
+        row["tau"] = ours.stats.tokens_per_round
+        row["identical_to_llamacpp_ar"] = ours.token_ids == measured.per_prompt("llamacpp_ar", i)[-1].token_ids
+        rows.append(row)
+    overall = {m: measured.speed(m)["throughput"]["median"] for m in methods}
+    ratios = {f"ours_vs_{m}": measured.paired_ratio("ours", m) for m in methods if m != "ours"}
+    return {"rows": rows, "overall": overall, "ratios": ratios, "tau": measured.tau("ours")}
+
+
+def markdown(report: dict) -> str:
+    c = report["cpu"]
+    lines = ["# Ours on llama.cpp vs llama.cpp AR vs llama.cpp prompt lookup", "",
+             f"CPU: {c['model']} ({c['cores']} CPUs); flags: {', '.join(c['flags']) or 'none of ' + str(CPU_FLAGS)}.",
+             f"llama-cpp-python {report['llama_cpp']}, {report['threads']} thread(s), GGUF {report['gguf']}; recipe "
+             f"{report['recipe']} on llama.cpp; {report['max_new_tokens']} new tokens, median of {report['repeats']} "
+             "interleaved repetitions, tok/s including the prompt.", "",
+             f"Verify cost curve through llama.cpp (ms for 1..16 tokens): {report['verify_ms']}", ""]
+    for suite, result in report["suites"].items():
+        methods = list(result["overall"])
+        lines += [f"## {suite}", "", "| prompt | " + " | ".join(COLUMNS[m] for m in methods) +
+                  " | ours / AR | ours / PL | τ | = llama.cpp AR |", "|---" * (len(methods) + 5) + "|"]
+        for row in result["rows"]:
+            lines.append(f"| {row['prompt']} | " + " | ".join(f"{row[m]:.1f}" for m in methods) +
+                         f" | {row['ours'] / row['llamacpp_ar']:.2f}x | {row['ours'] / row['llamacpp_lookup']:.2f}x"
+                         f" | {row['tau']:.2f} | {'yes' if row['identical_to_llamacpp_ar'] else 'NO'} |")
+        r = result["ratios"]
+        lines += ["| all | " + " | ".join(f"{result['overall'][m]:.1f}" for m in methods) +
+                  f" | {r['ours_vs_llamacpp_ar']:.2f}x | {r['ours_vs_llamacpp_lookup']:.2f}x | {result['tau']:.2f} "
+                  "| |", ""]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", default="short")
+    parser.add_argument("--suites", nargs="+", default=list(SUITES), choices=list(SUITES))
+    parser.add_argument("--num-prompts", type=int, default=None, help="prompts per suite (default: all)")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--lookup-tokens", type=int, default=10)
+    parser.add_argument("--max-ngram", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/reports/llamacpp-backend")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    base = Recipe.load(resolve(args.recipe, "", "--recipe"))
+    recipe = llamacpp_variant(base)
+    if recipe is None:
+        sys.exit(f"recipe {base.name}: no llama.cpp form (llama-cpp-python missing, not a GGUF target, or a "
+                 "combination llama.cpp refuses)")
+    gen = dataclasses.replace(recipe.generation, max_new_tokens=args.max_new_tokens, do_sample=False)
+    ours = build(recipe)
+    path = str(ours.target.gguf_path)
+    eos = set(ours.eos_token_ids(gen))
+    runners = {"ours": ours_runner(ours, sorted(eos)), "llamacpp_ar": llamacpp_runner(path, args.threads, eos),
+               "llamacpp_lookup": llamacpp_runner(path, args.threads, eos, args.lookup_tokens, args.max_ngram)}
+    import llama_cpp
+
+    report = {"cpu": cpu(), "environment": environment(), "llama_cpp": llama_cpp.__version__,
+              "system_info": llama_cpp.llama_print_system_info().decode(errors="replace"), "threads": args.threads,
+              "gguf": Path(path).name, "recipe": base.name, "max_new_tokens": args.max_new_tokens,
+              "repeats": args.repeats, "verify_ms": [round(x, 1) for x in ours.verify_cost.step_ms[:16]],
+              "engine": ours.engine_note, "suites": {}}
+    for suite in args.suites:
+        prompts = spread(load_suite(SUITES[suite]), args.num_prompts)
+        items = [Prompt(p.id, p.kind, ours.encode(p.prompt, f"prompts.{p.id}")) for p in prompts]
+        measured = measure(runners, items, gen, repeats=args.repeats, warmup=1, rotate=True, desc=suite,
+                           warm_gen=dataclasses.replace(gen, max_new_tokens=min(16, gen.max_new_tokens)),
+                           before_repetition=lambda rep: ours.forget())
+        report["suites"][suite] = suite_result(measured, list(runners))
+    args.out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(args.out / "llamacpp_backend.json", report)
+    atomic_write_text(args.out / "README.md", markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""``target.backend: llama.cpp``: the one decoder driving llama.cpp as the target forward (toolkit/engine/
+llamacpp_forward.py, toolkit/kv/llamacpp_cache.py) on the embedded model's Q4_1 GGUF.
+
+The configuration errors run everywhere (they only plan); the rest needs llama-cpp-python (the ``[llamacpp]`` extra,
+``make llamacpp``) and is skipped without it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import toolkit
+from toolkit.errors import ConfigError
+from toolkit.models.llamacpp import installed
+from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec, Recipe, SpeculationSpec
+from toolkit.session import plan
+
+NEEDS_LLAMACPP = pytest.mark.skipif(not installed(), reason="llama-cpp-python (the [llamacpp] extra) is not "
+                                    "installed: `make llamacpp` builds and installs it")
+GGUF_TARGET = {"source": "embedded", "precision": "native", "backend": "llama.cpp"}
+#: a prompt whose continuation repeats what it holds: the lookup drafter's drafts get accepted
+PROMPT = [{"role": "user", "content": "Repeat this text exactly: The quick brown fox jumps over the lazy dog. The "
+           "quick brown fox jumps over the lazy dog again and again."}]
+TEXT = "The quick brown fox jumps over the lazy dog. " * 6
+
+
+def _recipe(target: dict | None = None, kv: dict | None = None, drafter: str = "lookup", draft=None,
+            adaptive: str = "constant", **fields) -> Recipe:
+    spec = SpeculationSpec(drafter=drafter, num_draft_tokens=6, adaptive=adaptive, config=None)
+    return Recipe(name="llamacpp", target=ModelSpec(**(target or GGUF_TARGET)), draft=draft,
+                  kv=KVSpec.from_dict(kv or {"policy": "none"}, "kv"), spec=spec,
+                  generation=GenerationSpec(max_new_tokens=48, ignore_eos=True), **fields)
+
+
+@pytest.mark.parametrize("target,kv,field", [
+    ({"source": "/tmp/some-hf-dir", "precision": "fp32", "backend": "llama.cpp"}, None, "target.backend"),
+    ({**GGUF_TARGET, "device": "cuda"}, None, "target.backend"),
+    ({**GGUF_TARGET, "precision": "int4"}, None, "target.precision"),
+    (GGUF_TARGET, {"policy": "l2norm", "budget": 64}, "kv.policy"),
+    (GGUF_TARGET, {"policy": "head_aware", "budget": 64}, "kv.policy"),
+    (GGUF_TARGET, {"policy": "quantized", "quant_bits": 4}, "kv.policy"),
+    (GGUF_TARGET, {"policy": "streaming", "window": 64}, "kv.position_mode"),
+    (GGUF_TARGET, {"policy": "streaming", "window": 64, "position_mode": "reindex"}, "kv.exact_window"),
+    ({"source": "embedded", "precision": "native"}, {"policy": "ggml_types", "type_k": "q8_0"}, "kv.policy"),
+])
+def test_what_llama_cpp_cannot_run_is_one_error_naming_the_field(target, kv, field):
+    with pytest.raises(ConfigError) as info:
+        plan(_recipe(target, kv))
+    assert info.value.field == field
+
+
+def test_llama_cpp_refuses_trees_batches_eagle_and_draft_sections():
+    with pytest.raises(ConfigError, match="spec.tree"):
+        recipe = _recipe()
+        recipe.spec.tree = True
+        plan(recipe)
+    with pytest.raises(ConfigError, match="batch_size"):
+        plan(_recipe(batch_size=2))
+    with pytest.raises(ConfigError, match="spec.drafter"):
+        plan(_recipe(drafter="eagle", draft=ModelSpec(source="embedded", precision="fp32")))
+    with pytest.raises(ConfigError, match="draft.backend"):
+        plan(_recipe(drafter="draft_model", draft=ModelSpec(source="embedded", precision="native",
+                                                            backend="llama.cpp")))
+    assert plan(_recipe(drafter="draft_model", draft=ModelSpec(source="embedded", precision="int4"))).draft_spec
+    with pytest.raises(ConfigError, match="kv.type_k"):
+        plan(_recipe(kv={"policy": "ggml_types", "type_k": "q2_k"}))
+    assert plan(_recipe(kv={"policy": "ggml_types", "type_k": "q8_0", "type_v": "q4_0"})).target_policy is not None
+
+
+# ------------------------------------------------------------------------------------------------ on llama.cpp
+@pytest.fixture(scope="module")
+def generator():
+    import os
+
+    before = os.environ.get("TOOLKIT_LLAMACPP_THREADS")
+    os.environ["TOOLKIT_LLAMACPP_THREADS"] = "1"  # a loaded 2-core machine: ggml's spinning barriers and a second
+    try:                                          # thread that is not scheduled cost 10x (what is tested is not speed)
+        yield toolkit.build(_recipe())
+    finally:
+        if before is None:
+            os.environ.pop("TOOLKIT_LLAMACPP_THREADS")
+        else:
+            os.environ["TOOLKIT_LLAMACPP_THREADS"] = before
+
+
+def _llama_ar(target, ids: list[int], n: int) -> list[int]:
+    """llama.cpp's own greedy decoding (``Llama.generate``, temperature 0: argmax, one token per step) on a context
+    of its own over the same file."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(target.gguf_path), n_ctx=1024, n_threads=target.threads,
+                n_threads_batch=target.threads, verbose=False)
+    out = []
+    for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+        out.append(int(token))
+        if len(out) == n:
+            return out
+    return out
+
+
+@NEEDS_LLAMACPP
+@pytest.mark.slow
+def test_greedy_output_equals_llama_cpps_own_greedy_ar_with_drafts_accepted(generator):
+    first = generator.generate(PROMPT, max_new_tokens=40)
+    again = generator.generate(PROMPT, max_new_tokens=40)  # the lookup drafter remembers the first request
+    reference = _llama_ar(generator.target, first.prompt_ids, 40)
+    assert first.token_ids == reference and again.token_ids == reference
+    assert again.stats.tokens_per_round > 1.5 and again.stats.accepted > 10
+    assert generator.weight_bytes["target"] == generator.target.gguf_path.stat().st_size
+
+
+@NEEDS_LLAMACPP
+@pytest.mark.slow
+def test_verify_cost_curve_is_measured_through_llama_cpp_and_cached(generator, tmp_path):
+    from toolkit.engine.cost import load_or_measure
+
+    curve = load_or_measure(generator.target, 3, cache_dir=tmp_path, forward=generator.engine)
+    assert curve.source == "measured" and len(curve.step_ms) == 3 and min(curve.step_ms) > 0
+    (path,) = tmp_path.iterdir()
+    assert load_or_measure(generator.target, 3, cache_dir=tmp_path, forward=generator.engine).source == "cache"
+    other = toolkit.build(_recipe(kv={"policy": "ggml_types", "type_k": "q8_0", "type_v": "f16"}),
+                          target=generator.target, tokenizer=generator.tokenizer)
+    assert other.engine.cost_tag != generator.engine.cost_tag  # other KV types: a curve of their own
+
+
+@NEEDS_LLAMACPP
+@pytest.mark.slow
+def test_rollback_is_exact(generator):
+    forward = generator.engine
+    prompt = generator.encode(PROMPT)
+
+    widths = {}
+
+    def logits_after(drafts: list[int]) -> torch.Tensor:
+        cache = forward.cache_for(None, 1, 256, 8)
+        _, kwargs = cache.begin_row(prompt.shape[1])
+        forward.prefill(prompt, kwargs)
+        cache.add_row(None, prompt.shape[1])
+        widths[len(drafts) + 1] = forward(cache, torch.tensor([[7] + drafts]))[0, 0]
+        cache.accept(None, [1])  # the drafts are rejected
+        assert cache.held == prompt.shape[1] + 1
+        out = forward(cache, torch.tensor([[11, 12, 13]]))
+        cache.keep_rows([])
+        return out
+
+    first = logits_after([100, 200, 300])
+    assert torch.equal(first, logits_after([5, 6, 7]))  # the rejected entries left no trace
+    assert torch.equal(first, logits_after([100, 200, 300]))
+    logits_after([])  # a one-token step: on this file the batch width changes no position's logits (Q4_1 rows are
+    assert torch.equal(widths[1], widths[4])  # dotted one by one by ggml), so verify = AR bit for bit
+
+
+@NEEDS_LLAMACPP
+@pytest.mark.slow
+def test_perplexity_equals_llama_cpps_own(generator):
+    from llama_cpp import Llama
+
+    from eval.metrics import perplexity_sliding_window, perplexity_through_cache
+
+    ids = generator.encode(TEXT)[0].tolist()
+    target = generator.target
+    llm = Llama(model_path=str(target.gguf_path), n_ctx=1024, n_threads=target.threads,
+                n_threads_batch=target.threads, logits_all=True,
+                verbose=False)
+    llm.eval(ids)
+    logp = torch.log_softmax(torch.from_numpy(llm.scores[: len(ids) - 1]).double(), dim=-1)
+    nll = float(-logp.gather(1, torch.tensor(ids[1:]).view(-1, 1)).sum())
+    whole = perplexity_sliding_window(target, ids, window=len(ids), stride=len(ids))
+    assert whole["nll_sum"] == nll and whole["tokens"] == len(ids) - 1
+    chunked = perplexity_through_cache(target, ids, None, chunk=9)  # 9-token forwards: other batch shapes
+    assert math.isclose(chunked["value"], whole["value"], rel_tol=1e-3)
+    per_token = 30 * 192 * 2 * 2  # f16 keys + values of 30 layers x 3 KV heads x 64 channels
+    assert chunked["peak_kv_bytes"] in ((len(ids) - 1) * per_token, len(ids) * per_token)
+
+
+@NEEDS_LLAMACPP
+@pytest.mark.slow
+def test_quantized_kv_and_context_shift_run_and_count_exact_bytes(generator):
+    models = {"target": generator.target, "tokenizer": generator.tokenizer}
+    q8 = toolkit.build(_recipe(kv={"policy": "ggml_types", "type_k": "q8_0", "type_v": "q8_0"}), **models)
+    out = q8.generate(PROMPT, max_new_tokens=16)
+    held = len(out.prompt_ids) + len(out.token_ids) - 1
+    assert out.stats.kv_bytes_target == held * 30 * (192 // 32 * 34) * 2  # q8_0 blocks: 34 bytes per 32 values
+    shift = toolkit.build(_recipe(kv={"policy": "streaming", "sink_tokens": 4, "window": 32, "compress_interval": 8,
+                                      "position_mode": "reindex", "exact_window": False}), **models)
+    out = shift.generate(PROMPT, max_new_tokens=24)
+    assert out.stats.compressions_target > 0 and len(out.token_ids) == 24
+    assert out.stats.peak_kv_bytes_target <= (4 + 32 + 8 + 9) * 30 * 192 * 2 * 2
+
+
+def test_compare_rows_and_the_search_offer_llama_cpp_only_where_it_is_installed():
+    from eval.runners import baseline_methods, llamacpp_variant
+    from eval.space import load_space
+    from toolkit.resources import resolve
+
+    short = Recipe.load(resolve("short", "", "recipe"))
+    variant = llamacpp_variant(short)
+    assert (variant is not None) == installed()
+    if variant is not None:
+        assert variant.target.backend == "llama.cpp" and variant.spec.drafter == short.spec.drafter
+        assert baseline_methods(variant) == []  # no HF model to run HF baselines on
+    dim = next(d for d in load_space("short").dimensions if d.name == "target_backend_gguf")
+    assert ("llama.cpp" in dim.searched) == installed() and dim.when == {"target_precision": ["native"]}

@@ -1,0 +1,189 @@
+"""A GGUF target on llama.cpp (``target.backend: llama.cpp``): the file's own weights on ggml's CPU kernels, driven by
+the toolkit's decoder through :mod:`toolkit.engine.llamacpp_forward`.
+
+What is loaded, and why so little on the torch side:
+
+* **llama.cpp** (llama-cpp-python, the optional extra ``[llamacpp]``, ``make llamacpp``) loads the GGUF file itself,
+  memory-mapped, and holds the KV cache; every target forward runs there.
+* **torch / transformers** load no weights at all: the config, the generation config and the tokenizer are read from
+  the GGUF's metadata (transformers' GGUF reader, ``gguf_file=``) once and cached as a metadata-only directory
+  (``<cache_dir>/<name>-meta``: ``config.json``, ``generation_config.json``, tokenizer files; no weights), through
+  the same locked, manifest-checked conversion as the dequantized copies (:func:`toolkit.models.embedded.
+  convert_gguf`). The tokenizer is the one the torch path uses for the same file (identical vocabulary and chat
+  template), so prompts encode to the same ids on both backends.
+
+:class:`LlamaCppTarget` stands where the decoder, the request checks and the reports expect the target model: it is
+a :class:`torch.nn.Module` with the HF ``config`` and ``generation_config``, one empty CPU parameter (the device the
+decoder's tensors live on) and ``toolkit_weight_bytes`` (the GGUF file's size). It has no torch forward: calling it
+raises, so nothing can silently run a torch path on it (the HF baselines, EAGLE heads reading hidden states).
+
+llama.cpp contexts (KV cache types and flash attention are fixed when a context is created) are made on demand per
+setting (:meth:`LlamaCppTarget.context`): the weights are memory-mapped once and shared by every context.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from toolkit.errors import ConfigError, ModelLoadError
+
+log = logging.getLogger("toolkit.models")
+
+#: the ``target.backend`` value of this backend (``toolkit.quant.llamacpp`` registers it)
+LLAMACPP = "llama.cpp"
+#: the Python package of the optional extra ``[llamacpp]``
+PACKAGE = "llama_cpp"
+#: the version the extra pins (``pyproject.toml``), built natively (``make llamacpp``)
+VERSION = "0.3.36"
+#: tokens of a llama.cpp context: the model's context, at most this (KV bytes grow with it: 8192 positions of the
+#: embedded model at f16 are 180 MiB)
+N_CTX_MAX = 8192
+#: positions past the model's context a llama.cpp context holds: a request may fill the context, and the last verify
+#: forward then writes up to K (<= 64) draft positions past it, which are never kept
+VERIFY_HEADROOM = 64
+#: tokens per ``llama_decode`` of a prompt (and the widest verify forward)
+N_BATCH = 512
+#: what a metadata-only copy holds (``convert_gguf``'s log line)
+META_LAYOUT = "config, generation config and tokenizer only (no weights)"
+
+
+def installed() -> bool:
+    """Whether llama-cpp-python is importable (not imported)."""
+    return importlib.util.find_spec(PACKAGE) is not None
+
+
+def require(field: str = "target.backend"):
+    """The ``llama_cpp`` module. Raises :class:`ModelLoadError` naming ``field`` and the install command."""
+    if not installed():
+        raise ModelLoadError(f"{field}: llama.cpp needs llama-cpp-python=={VERSION} (the optional extra "
+                             "[llamacpp]); install it with `make llamacpp` (a native build, once)")
+    import llama_cpp
+
+    return llama_cpp
+
+
+def is_llamacpp(model) -> bool:
+    """Whether ``model`` is a llama.cpp target (:class:`LlamaCppTarget`)."""
+    return getattr(model, "toolkit_backend", None) == LLAMACPP
+
+
+def _write_metadata(gguf_path: Path, out: Path, dtype=None) -> None:
+    """Write ``config.json``, ``generation_config.json`` and the tokenizer of ``gguf_path`` (its metadata, read by
+    transformers' GGUF reader) into ``out``; no weights."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(out)
+
+
+_write_metadata.layout = META_LAYOUT
+
+
+def metadata_dir(source: str, field: str = "target.source") -> tuple[Path, Path]:
+    """``(GGUF path, metadata directory)`` of a GGUF source (see the module docstring; written once, cached).
+
+    Raises:
+        ConfigError: ``source`` is not a GGUF source (named ``target.backend``).
+        ModelLoadError: a missing or unreadable file (named ``field``).
+    """
+    from toolkit.models.embedded import convert_gguf, gguf_source
+    from toolkit.resources import cache_dir
+
+    found = gguf_source(source, field)
+    if found is None:
+        raise ConfigError("target.backend", f"llama.cpp runs GGUF files; source {source!r} is not one (embedded or "
+                          "a .gguf path)", ["auto", "bitsandbytes", "torchao"])
+    path, name = found
+    return path, convert_gguf(path, cache_dir() / f"{name}-meta", field, convert=_write_metadata)
+
+
+class LlamaCppTarget(torch.nn.Module):
+    """The target of ``target.backend: llama.cpp`` (see the module docstring).
+
+    Args:
+        gguf_path: the GGUF file llama.cpp runs.
+        meta: the metadata directory (:func:`metadata_dir`).
+        spec: the recipe's :class:`~toolkit.models.spec.ModelSpec` (``toolkit_spec``).
+        threads: llama.cpp's threads (decode and batch); default torch's (one per physical core).
+
+    Attributes:
+        config / generation_config: the HF configs of the file.
+        gguf_path, threads: the file and llama.cpp's threads.
+        n_ctx: tokens per context: the model's context (at most :data:`N_CTX_MAX`) + :data:`VERIFY_HEADROOM`.
+        toolkit_weight_bytes: the GGUF file's bytes (what llama.cpp maps).
+    """
+
+    def __init__(self, gguf_path: Path, meta: Path, spec=None, threads: int | None = None):
+        super().__init__()
+        from transformers import AutoConfig, GenerationConfig
+
+        self.llama_cpp = require()
+        self.gguf_path = Path(gguf_path)
+        self.config = AutoConfig.from_pretrained(meta)
+        self.generation_config = GenerationConfig.from_pretrained(meta)
+        self.anchor = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # the decoder's device: the CPU
+        self.threads = threads or torch.get_num_threads()
+        limit = getattr(self.config, "max_position_embeddings", None) or N_CTX_MAX
+        self.n_ctx = min(limit, N_CTX_MAX) + VERIFY_HEADROOM
+        self.toolkit_spec, self.toolkit_backend = spec, LLAMACPP
+        self.toolkit_weight_bytes = self.gguf_path.stat().st_size
+        self._contexts: dict[tuple, object] = {}
+
+    def context(self, type_k: str = "f16", type_v: str = "f16"):
+        """The ``llama_cpp.Llama`` (model + context) whose KV cache stores keys as ``type_k`` and values as
+        ``type_v`` (``f16``, ``q8_0``, ``q4_0``): made on first use, then kept. Flash attention is on where values
+        are quantized (llama.cpp quantizes V only inside flash attention), else off (llama-cpp-python's default,
+        which the AR baselines run too)."""
+        key = (type_k, type_v)
+        if key not in self._contexts:
+            from llama_cpp import Llama
+
+            types = {name: getattr(self.llama_cpp, f"GGML_TYPE_{name.upper()}") for name in {type_k, type_v}}
+            self._contexts[key] = Llama(
+                model_path=str(self.gguf_path), n_ctx=self.n_ctx, n_batch=N_BATCH, n_ubatch=N_BATCH,
+                n_threads=self.threads, n_threads_batch=self.threads, type_k=types[type_k], type_v=types[type_v],
+                flash_attn=type_v != "f16", verbose=False)
+        return self._contexts[key]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.context().n_vocab())
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("a llama.cpp target has no torch forward: it runs through toolkit.engine.llamacpp_forward "
+                        "(the decoder, the verify cost curve and the evaluator's perplexity use it)")
+
+    def set_attn_implementation(self, name: str) -> None:
+        """Nothing to switch: llama.cpp runs its own attention (a KV policy's hook has no torch layers here)."""
+
+    def describe(self) -> str:
+        """One line for logs and reports: file, version, threads."""
+        return (f"llama.cpp {self.llama_cpp.__version__} on {self.gguf_path.name} "
+                f"({self.toolkit_weight_bytes / 2**20:.0f} MiB), {self.threads} threads")
+
+
+def load_llamacpp(spec, field: str = "target"):
+    """``(LlamaCppTarget, tokenizer)`` of a GGUF ``spec`` (``backend: llama.cpp``); the tokenizer is the HF one of
+    the file's metadata.
+
+    Raises:
+        ConfigError: a non-GGUF source or a CUDA device (named ``{field}.backend``).
+        ModelLoadError: llama-cpp-python is not installed, or the file cannot be read.
+    """
+    from transformers import AutoTokenizer
+
+    from toolkit.quant.llamacpp import check_llamacpp_spec
+
+    check_llamacpp_spec(spec, field)
+    require(f"{field}.backend")
+    path, meta = metadata_dir(spec.source, f"{field}.source")
+    target = LlamaCppTarget(path, meta, spec, threads=int(os.environ.get("TOOLKIT_LLAMACPP_THREADS", 0)) or None)
+    log.info("target on %s", target.describe())
+    return target, AutoTokenizer.from_pretrained(meta)
