@@ -82,7 +82,10 @@ def plan(recipe: Recipe) -> Plan:
             if recipe.spec.tree:
                 policy.check_tree(recipe.spec.tree_depth, section)
         policies[section] = policy
-    return Plan(recipe, policies["kv"], policies["draft_kv"], draft_spec(recipe), widest)
+    draft = draft_spec(recipe)
+    if draft is not None and recipe.spec.config.draft == DRAFT_TARGET:
+        draft.validate("draft")  # the target's source at draft.precision (e.g. a re-quantization of its weights)
+    return Plan(recipe, policies["kv"], policies["draft_kv"], draft, widest)
 
 
 class ModelPool:
