@@ -7,7 +7,7 @@ RECIPE ?= recipes/short.yaml
 SCENARIO ?= short
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-native-gguf bench-gpu bench-cpu-engines bench-llamacpp bench-model-drafters test test-system test-all test-fast upgrade-check distill clean
+.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-native-gguf bench-prequantized bench-gpu bench-cpu-engines bench-llamacpp bench-model-drafters test test-system test-all test-fast upgrade-check distill clean
 
 setup: $(STAMP)
 
@@ -95,6 +95,11 @@ bench-model-drafters: $(STAMP)
 ## speed of the main recipe, peak RSS of a first load, an 8B-shaped Q4_K_M file -> bench/reports/native-gguf/.
 bench-native-gguf: $(STAMP)
 	$(BIN)/python bench/native_gguf.py
+
+## A checkpoint saved by transformers with torchao / bitsandbytes quantization, on its own weights (precision native)
+## against the toolkit's re-quantization of the same fp32 model: quality and speed of the main recipe.
+bench-prequantized: $(STAMP)
+	$(BIN)/python bench/prequantized.py
 
 ## Peak memory of converting a 0.5B GGUF (Qwen2.5-0.5B's shape, written locally) at each cache dtype.
 bench-gguf: $(STAMP)

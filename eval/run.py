@@ -258,7 +258,8 @@ def markdown_table(results: RunResult | dict) -> str:
     kinds = results.get("weights") or {}  # which weights each model ran, in words
     target_kind = f" ({kinds['target']})" if kinds.get("target") else ""
     draft_kind = f" ({kinds['draft']})" if kinds.get("draft") else ""
-    lines += ["", f"weights: target {fmt_bytes(wb['target'])}{target_kind}, draft {fmt_bytes(wb['draft'])}{draft_kind}; "
+    lines += ["", f"weights: target {fmt_bytes(wb['target'])}{target_kind}, draft "
+              f"{fmt_bytes(wb['draft'])}{draft_kind}; "
               f"device: {results['environment']['hardware']} ({results['environment']['torch_threads']} torch "
               f"threads); {results.get('repeats_done', 1)} timed repetition(s)"]
     return "\n".join(lines) + "\n"

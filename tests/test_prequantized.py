@@ -133,8 +133,8 @@ def test_other_precisions_dequantize_and_never_requantize(checkpoints):
                                      "symmetric)")
     for precision in ("int4", "int8"):
         with pytest.raises(ConfigError, match=rf"target\.precision: .*already quantized \(torchao int4 weight-only.*"
-                                              rf"{precision} would dequantize and re-quantize.*\(allowed: native, fp32, "
-                                              "fp16, bf16\\)"):
+                                              rf"{precision} would dequantize and re-quantize.*"
+                                              r"\(allowed: native, fp32, fp16, bf16\)"):
             ModelSpec(source=directory, precision=precision).validate("target")
     self_draft = _recipe(directory, draft=ModelSpec(precision="int4"), drafter="self")
     with pytest.raises(ConfigError, match=r"draft\.precision: .*int4 would dequantize and re-quantize"):

@@ -12,8 +12,8 @@ Sources (:mod:`toolkit.models.embedded`):
 Precisions: fp32 / fp16 / bf16 (plain dtypes); int8 / int4 through a quantization backend (:mod:`toolkit.quant`:
 bitsandbytes or torchao, ``auto`` = measured fastest here); ``native``: a GGUF's own blocks
 (:mod:`toolkit.models.gguf_native`) or a checkpoint's own torchao / bitsandbytes weights
-(:mod:`toolkit.models.prequantized`). :func:`weights_note` says which weights a loaded model runs. Weight bytes are exact for every backend
-(:func:`weight_bytes`).
+(:mod:`toolkit.models.prequantized`). :func:`weights_note` says which weights a loaded model runs. Weight bytes are
+exact for every backend (:func:`weight_bytes`).
 """
 
 from toolkit.models.embedded import (

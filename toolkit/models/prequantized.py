@@ -203,6 +203,10 @@ def load_prequantized(spec, quant: CheckpointQuantization, device, field: str, r
     model, tokenizer = read(spec.source, {"dtype": "auto", "device_map": {"": place}})
     if spec.precision == "native":
         model.toolkit_weights = f"native ({quant.describe()}, from the checkpoint)"
+        if quant.library == "bitsandbytes" and quant.bits in (4, 8):
+            from toolkit.quant.bitsandbytes import say_kernel_path_once
+
+            say_kernel_path_once(f"int{quant.bits}", device)  # which of its kernels runs here, once
     else:
         dtype = torch_dtype(spec.precision)
         dequantize(model, quant, dtype)
