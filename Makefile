@@ -7,7 +7,7 @@ RECIPE ?= recipes/short.yaml
 SCENARIO ?= short
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-native-gguf bench-long-context bench-gpu bench-cpu-engines bench-llamacpp llamacpp bench-llamacpp-backend bench-model-drafters test test-system test-all test-fast upgrade-check distill clean
+.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-native-gguf bench-long-context bench-prequantized bench-gpu bench-cpu-engines bench-llamacpp llamacpp bench-llamacpp-backend bench-model-drafters test test-system test-all test-fast upgrade-check distill clean
 
 setup: $(STAMP)
 
@@ -121,6 +121,11 @@ bench-native-gguf: $(STAMP)
 ## (compiled, and L2 eager) vs HF AR, static compiled AR and prompt lookup on the same native weights.
 bench-long-context: $(STAMP)
 	PYTHONPATH=. $(BIN)/python bench/long_context.py
+
+## A checkpoint saved by transformers with torchao / bitsandbytes quantization, on its own weights (precision native)
+## against the toolkit's re-quantization of the same fp32 model: quality and speed of the main recipe.
+bench-prequantized: $(STAMP)
+	$(BIN)/python bench/prequantized.py
 
 ## Peak memory of converting a 0.5B GGUF (Qwen2.5-0.5B's shape, written locally) at each cache dtype.
 bench-gguf: $(STAMP)

@@ -526,7 +526,8 @@ def _document(run: _Run, measured, reused: dict, perplexity: dict, started: floa
     trajectories = [c.trajectory for c in measured.first(OURS)]
     return {
         "schema_version": SCHEMA_VERSION,
-        "recipe": {"name": recipe.name, "config_hash": recipe.config_hash(), "config": recipe.to_dict()},
+        "recipe": {"name": recipe.name, "config_hash": recipe.config_hash(), "config": recipe.to_dict(),
+                   "weights": dict(run.generator.weights)},
         "settings": run.requested.to_dict(),
         **({"budget": run.budget.to_dict() | {"repeats_done": len(measured.calls[OURS])}} if run.budget else {}),
         "environment": environment(),

@@ -95,7 +95,9 @@ def markdown(m: dict) -> str:
     lines = [f"# Evaluation: {r['name']} ({r['config_hash']})", ""]
     cfg = r["config"]
     uses_draft = config_type(cfg["spec"]["drafter"]).draft != DRAFT_UNUSED
-    lines += [f"target {cfg['target']['source']} @ {cfg['target']['precision']}, drafter {cfg['spec']['drafter']}"
+    weights = r.get("weights") or {}  # which weights the target ran, in words (older documents: the precision)
+    lines += [f"target {cfg['target']['source']} @ {weights.get('target') or cfg['target']['precision']}, drafter "
+              f"{cfg['spec']['drafter']}"
               + (f" ({cfg['draft']['precision']})" if cfg.get("draft") and uses_draft else "")
               + f", K={cfg['spec']['num_draft_tokens']} ({cfg['spec']['adaptive']}), KV {cfg['kv']}", "",
               f"Hardware: {env['hardware']} · torch {env['torch']} · transformers {env['transformers']} · "

@@ -90,6 +90,7 @@ class RunResult:
     environment: dict = field(default_factory=environment)
     repeats_done: int = 1  # timed repetitions that ran (fewer than asked when a time budget ended them)
     engine: dict = field(default_factory=dict)  # {"path": the decoding path and why, "compile_s": seconds}
+    weights: dict = field(default_factory=dict)  # {"target": which weights it runs, in words, "draft": ...}
 
     def speedup(self, baseline: str) -> float | None:
         """Our throughput over ``baseline``'s (tokens over the sum of per-prompt median times)."""
@@ -99,7 +100,7 @@ class RunResult:
         return {"recipe": self.recipe.to_dict(), "config_hash": self.recipe.config_hash(), "compare": self.compare,
                 "weight_bytes": self.weight_bytes, "summary": self.summary,
                 "rows": [r.to_dict() for r in self.rows], "repeats_done": self.repeats_done, "engine": self.engine,
-                "environment": self.environment}
+                "weights": self.weights, "environment": self.environment}
 
 
 def run_recipe(recipe: Recipe, compare: bool = False, repeats: int = 3, prompts: list[SuitePrompt] | None = None,
@@ -215,7 +216,7 @@ def _result(recipe: Recipe, generator: SpeculativeLM, measured: Measurement, com
         summary[OURS]["agreement"] = agreement([{"identical": r.identical_to_ar, "divergence": r.divergence}
                                                  for r in mine])
     return RunResult(recipe, compare, generator.weight_bytes, rows, summary,
-                     repeats_done=len(measured.calls[measured.methods[0]]))
+                     repeats_done=len(measured.calls[measured.methods[0]]), weights=dict(generator.weights))
 
 
 def markdown_table(results: RunResult | dict) -> str:
@@ -264,7 +265,11 @@ def markdown_table(results: RunResult | dict) -> str:
     if results.get("engine"):
         lines += ["", f"decoding path: {results['engine']['path']} (graphs compiled before timing: "
                   f"{results['engine']['compile_s']:.0f} s)"]
-    lines += ["", f"weights: target {fmt_bytes(wb['target'])}, draft {fmt_bytes(wb['draft'])}; "
+    kinds = results.get("weights") or {}  # which weights each model ran, in words
+    target_kind = f" ({kinds['target']})" if kinds.get("target") else ""
+    draft_kind = f" ({kinds['draft']})" if kinds.get("draft") else ""
+    lines += ["", f"weights: target {fmt_bytes(wb['target'])}{target_kind}, draft "
+              f"{fmt_bytes(wb['draft'])}{draft_kind}; "
               f"device: {results['environment']['hardware']} ({results['environment']['torch_threads']} torch "
               f"threads); {results.get('repeats_done', 1)} timed repetition(s)"]
     return "\n".join(lines) + "\n"

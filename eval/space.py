@@ -44,6 +44,8 @@ from pathlib import Path
 
 from toolkit.checks import check_float, check_int, check_str_list
 from toolkit.errors import ConfigError
+from toolkit.models.prequantized import checkpoint_quantization
+from toolkit.models.spec import NATIVE
 from toolkit.recipe import Recipe, check_name
 from toolkit.resources import shipped, shipped_name
 from toolkit.session import plan
@@ -187,17 +189,24 @@ class SearchSpace:
         """
         if target is None and draft is None:
             return
+        quantized = None
         if target is not None:
             self.base.setdefault("target", {})["source"] = target
             self.target = target
             head_dim = _head_dim(target)
-            if target.endswith(".gguf"):  # a GGUF starts from its own blocks, not a re-quantized copy
-                self.base["target"]["precision"] = "native"
+            quantized = checkpoint_quantization(target)
+            # a GGUF, or a checkpoint quantized by torchao / bitsandbytes, starts from its own weights, not a
+            # re-quantized copy
+            if target.endswith(".gguf") or (quantized is not None and quantized.native):
+                self.base["target"]["precision"] = NATIVE
         else:
             head_dim = None
         for dim in self.dimensions:
-            if target is not None and not target.endswith(".gguf") and dim.path == "target.precision":
-                dim.disabled = [*dim.disabled, "native"]  # native needs a GGUF source
+            if target is not None and dim.path == "target.precision":
+                if quantized is not None:  # int8 / int4 would re-quantize the checkpoint's weights (refused)
+                    dim.disabled = [*dim.disabled, "int8", "int4", *([] if quantized.native else [NATIVE])]
+                elif not target.endswith(".gguf"):
+                    dim.disabled = [*dim.disabled, NATIVE]  # native needs a GGUF or a quantized checkpoint
             if dim.fragments is not None:
                 for label, fragment in dim.fragments.items():
                     if _drafts_with(fragment, DRAFT_EAGLE_HEAD) and target is not None:

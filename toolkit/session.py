@@ -84,7 +84,10 @@ def plan(recipe: Recipe) -> Plan:
                 policy.check_tree(recipe.spec.tree_depth, section)
         policies[section] = policy
     _check_backend(recipe, policies)
-    return Plan(recipe, policies["kv"], policies["draft_kv"], draft_spec(recipe), widest)
+    draft = draft_spec(recipe)
+    if draft is not None and recipe.spec.config.draft == DRAFT_TARGET:
+        draft.validate("draft")  # the target's source at draft.precision (e.g. a re-quantization of its weights)
+    return Plan(recipe, policies["kv"], policies["draft_kv"], draft, widest)
 
 
 def _check_backend(recipe: Recipe, policies: dict) -> None:

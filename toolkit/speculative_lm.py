@@ -25,7 +25,7 @@ from toolkit.engine.decoder import SpeculativeDecoder
 from toolkit.engine.forward import TargetForward, forward_for
 from toolkit.engine.planner import ForwardCost, make_controller
 from toolkit.errors import ConfigError
-from toolkit.models import model_vocab_size, weight_bytes
+from toolkit.models import model_vocab_size, weight_bytes, weights_note
 from toolkit.models.llamacpp import is_llamacpp
 from toolkit.models.capabilities import check_tree_support
 from toolkit.recipe import GenerationSpec, Recipe
@@ -49,6 +49,8 @@ class SpeculativeLM:
         draft_tokenizer: the draft's tokenizer when it is not the target's (cross-tokenizer drafting), else ``None``.
         target_policy / draft_policy: the plan's KV policies (``None`` = uncompressed).
         weight_bytes: ``{"target": bytes, "draft": bytes}``.
+        weights: ``{"target": words, "draft": words}``: which weights each runs (:func:`toolkit.models.weights_note`:
+            ``native (torchao int4 weight-only, group 32, symmetric, from the checkpoint)``, ...; draft ``""`` if none).
     """
 
     def __init__(self, plan: Plan, target, tokenizer, draft_model=None, draft_tokenizer=None):
@@ -58,6 +60,8 @@ class SpeculativeLM:
         self.target_policy, self.draft_policy = plan.target_policy, plan.draft_policy
         self.weight_bytes = {"target": weight_bytes(target),
                              "draft": weight_bytes(draft_model) if draft_model is not None else 0}
+        self.weights = {"target": weights_note(target),
+                        "draft": weights_note(draft_model) if draft_model is not None else ""}
         if plan.recipe.spec.tree:  # fail at build time, not at the first tree round
             check_tree_support(target, "target")
             if plan.recipe.spec.config.uses_draft_model:

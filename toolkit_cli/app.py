@@ -47,7 +47,8 @@ def _check_out(out: Path) -> Path:
 
 
 TARGET_HELP = ("your model instead of the recipe's target: a local HF directory or a .gguf file (on CPU a .gguf runs on "
-               "its own quantized blocks: precision native)")
+               "its own quantized blocks, a directory quantized by torchao / bitsandbytes on its own weights: "
+               "precision native)")
 DRAFT_HELP = "your draft LM instead of the recipe's draft (another tokenizer is fine: drafted across tokenizers)"
 
 
@@ -59,11 +60,9 @@ def _retarget(recipe, target: Optional[str], draft: Optional[str]):
 
     config = recipe.spec.config
     if target is not None:
-        # a GGUF runs on its own quantized blocks (precision native), not re-quantized; on CUDA the recipe's own
-        # precision, since the native blocks run on the CPU kernel
-        native = target.endswith(".gguf") and recipe.target.device != "cuda" and not _cuda()
-        recipe = recipe.replace(target=dataclasses.replace(recipe.target, source=target, **(
-            {"precision": "native", "backend": "auto"} if native else {})))
+        # a GGUF (on CPU) or a checkpoint quantized by torchao / bitsandbytes runs on its own quantized weights
+        # (precision native), not re-quantized
+        recipe = recipe.with_target(target)
         if config.draft == DRAFT_TARGET:
             recipe = recipe.replace(draft=dataclasses.replace(recipe.draft, source=target))
         elif config.draft == DRAFT_EAGLE_HEAD and recipe.draft.source == "embedded" and draft is None:
@@ -75,12 +74,6 @@ def _retarget(recipe, target: Optional[str], draft: Optional[str]):
         base = recipe.draft or recipe.target
         recipe = recipe.replace(draft=dataclasses.replace(base, source=draft))
     return recipe
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _load(recipe: str):

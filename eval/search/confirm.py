@@ -51,7 +51,7 @@ def shipped_recipes(sp: SearchSpace) -> list:
         if sp.target is not None:
             if recipe.spec.config.draft == DRAFT_EAGLE_HEAD:
                 continue
-            recipe = recipe.replace(target=dataclasses.replace(recipe.target, source=sp.target))
+            recipe = recipe.with_target(sp.target)  # its own weights where it has them (precision native)
             if recipe.spec.config.draft == DRAFT_TARGET:
                 recipe = recipe.replace(draft=dataclasses.replace(recipe.draft, source=sp.target))
         out.append(recipe)

@@ -354,13 +354,14 @@ def forward_for(recipe, target, plan) -> tuple[TargetForward, str]:
     with :data:`TUNED_CPU_OPTIONS` on CPU."""
     from toolkit.kv.rows import supports_static
     from toolkit.kv.static import static_form
+    from toolkit.models.loading import weights_note
 
     mode = recipe.compile
     if mode == "off":
         return TargetForward(target), "eager (compile: off)"
     if mode == "auto" and not compile_pays(target):
-        return TargetForward(target), (f"eager (compile: auto; {recipe.target.precision} weights on CPU are "
-                                       "bytes-bound: compiling was measured to gain nothing there)")
+        return TargetForward(target), (f"eager (compile: auto; {weights_note(target)} weights on CPU are "
+                                       "bytes-bound or opaque kernels: compiling was measured to gain nothing there)")
     why = static_form(plan.target_policy) or ("token trees" if recipe.spec.tree else None) or supports_static(target)
     if why:
         return TargetForward(target), f"eager (compile: {mode}, but the static cache does not hold {why})"
@@ -368,4 +369,4 @@ def forward_for(recipe, target, plan) -> tuple[TargetForward, str]:
     shapes = "bucketed widths and batch sizes, CUDA graphs" if engine.buckets else "dynamic widths and spans"
     if mode == "max" and not engine.buckets:
         shapes += ", frozen weights, C++ wrapper"
-    return engine, f"compiled static engine (compile: {mode}; {shapes})"
+    return engine, f"compiled static engine (compile: {mode}; {shapes}; {weights_note(target)} weights)"

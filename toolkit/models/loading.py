@@ -12,7 +12,8 @@ from toolkit.dtypes import torch_dtype
 from toolkit.errors import ConfigError, ModelLoadError
 from toolkit.models.embedded import resolve_source
 from toolkit.models.llamacpp import LLAMACPP
-from toolkit.models.spec import NATIVE, ModelSpec
+from toolkit.models.prequantized import checkpoint_quantization, load_prequantized
+from toolkit.models.spec import NATIVE, ModelSpec, is_gguf_source
 from toolkit.quant import AUTO, NONE, choose_backend, fallback_after, weight_backend
 
 #: ``model.toolkit_backend`` of a native GGUF model
@@ -71,11 +72,14 @@ def load_model(spec: ModelSpec, field: str = "model"):
         ModelLoadError: the source cannot be read (missing path, hub unreachable offline, backend not installed).
     """
     spec.validate(field)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     device = resolve_device(spec.device, f"{field}.device")
-    if spec.precision == NATIVE:
+    if spec.precision == NATIVE and is_gguf_source(spec.source):
         return _load_native(spec, device, field)
+    quant = checkpoint_quantization(spec.source)
+    if quant is not None and quant.native:  # validate() refused int8 / int4: they would re-quantize
+        model, tokenizer = load_prequantized(spec, quant, device, field,
+                                             lambda location, kwargs: _read(spec, location, kwargs, field))
+        return _finish(model, spec, quant.library), tokenizer
     name = choose_backend(spec, device, field)
     backend = None if name == NONE else weight_backend(name, f"{field}.backend")
     kwargs: dict = {}
@@ -85,18 +89,7 @@ def load_model(spec: ModelSpec, field: str = "model"):
         kwargs["dtype"] = torch_dtype(spec.precision)
     # a GGUF source is cached at the dtype the weights load at (bf16 for int4, ...): no fp32 copy of a bf16 model
     location = resolve_source(spec.source, f"{field}.source", kwargs.get("dtype"))
-    kwargs["attn_implementation"] = attention_implementation(location, spec.attn_implementation)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(location)
-        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
-    except OSError as exc:
-        if location == spec.source and not Path(spec.source).exists():
-            raise ModelLoadError(
-                f"{field}.source={spec.source!r} is neither a local directory nor a .gguf file, and it could not be "
-                f"fetched from the model hub (offline?). Pass a local model directory, a .gguf file, or use "
-                f"source: embedded. ({exc.__class__.__name__}: {str(exc).splitlines()[0]})"
-            ) from exc
-        raise ModelLoadError(f"{field}.source={spec.source!r}: {exc}") from exc
+    model, tokenizer = _read(spec, location, kwargs, field)
     if backend is None or not backend.places_weights:
         model.to(device)
     if backend is not None and spec.backend == AUTO:
@@ -111,11 +104,48 @@ def load_model(spec: ModelSpec, field: str = "model"):
             return load_model(dataclasses.replace(spec, backend=fallback), field)
     if backend is not None:
         backend.quantize(model, spec, device, field)
+    model.toolkit_weights = spec.precision if backend is None else f"{spec.precision} ({name})"
+    return _finish(model, spec, name), tokenizer
+
+
+def weights_note(model) -> str:
+    """Which weights ``model`` runs, in words: ``model.toolkit_weights`` as :func:`load_model` set it (``native
+    (torchao int4 weight-only, group 32, symmetric, from the checkpoint)``, ``int4 (torchao)``, ``fp32 (dequantized
+    from the checkpoint's bitsandbytes NF4 4-bit)``, ...), else the precision of its spec, else its dtype."""
+    note = getattr(model, "toolkit_weights", None)
+    if note:
+        return note
+    spec = getattr(model, "toolkit_spec", None)
+    return spec.precision if spec is not None else str(next(model.parameters()).dtype).replace("torch.", "")
+
+
+def _read(spec: ModelSpec, location: str, kwargs: dict, field: str) -> tuple:
+    """``(model, tokenizer)`` from ``from_pretrained(location, **kwargs)`` (attention implementation added).
+    Raises :class:`ModelLoadError` naming ``{field}.source`` when it cannot be read."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {**kwargs, "attn_implementation": attention_implementation(location, spec.attn_implementation)}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location)
+        model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+    except OSError as exc:
+        if location == spec.source and not Path(spec.source).exists():
+            raise ModelLoadError(
+                f"{field}.source={spec.source!r} is neither a local directory nor a .gguf file, and it could not be "
+                f"fetched from the model hub (offline?). Pass a local model directory, a .gguf file, or use "
+                f"source: embedded. ({exc.__class__.__name__}: {str(exc).splitlines()[0]})"
+            ) from exc
+        raise ModelLoadError(f"{field}.source={spec.source!r}: {exc}") from exc
+    return model, tokenizer
+
+
+def _finish(model, spec: ModelSpec, backend: str):
+    """``model`` in eval mode, without gradients, with its spec and backend recorded (reports, ``self`` drafts)."""
     model.eval()
     model.requires_grad_(False)
-    model.toolkit_spec = spec  # remembered for reports and for deriving `self` drafts
-    model.toolkit_backend = name
-    return model, tokenizer
+    model.toolkit_spec = spec
+    model.toolkit_backend = backend
+    return model
 
 
 def _load_native(spec: ModelSpec, device: torch.device, field: str):
@@ -145,11 +175,8 @@ def _load_native(spec: ModelSpec, device: torch.device, field: str):
                  "; kept dequantized at bf16 (no int4 kernel holds their format): " + ", ".join(
                      f"{name} ({entry['gguf_type']})" for name, entry in report["dequantized"].items())
                  if report["dequantized"] else "")
-    model.eval()
-    model.requires_grad_(False)
-    model.toolkit_spec = spec
-    model.toolkit_backend = NATIVE_BACKEND
-    return model, tokenizer
+    model.toolkit_weights = f"native (the GGUF's own {'/'.join(kinds)} blocks from the file)"
+    return _finish(model, spec, NATIVE_BACKEND), tokenizer
 
 
 _SAID_NATIVE: set[str] = set()

