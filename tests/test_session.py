@@ -70,8 +70,9 @@ def _fingerprint(model) -> tuple:
 
 
 def test_nothing_leaves_a_shared_model_changed():
-    """Head-aware target cache and L2 (per-layer lengths) draft cache install attention hooks for one generation;
-    HF assisted generation sets the assistant's schedule for one call. Afterwards both models are as before."""
+    """Head-aware target cache (static tiers) and L2 (per-layer lengths) draft cache install attention functions for
+    one generation; HF assisted generation sets the assistant's schedule for one call. Afterwards both models are as
+    before."""
     target = tiny_llama()
     draft = perturbed_copy(target, scale=0.3)
     before = (_fingerprint(target), _fingerprint(draft))
@@ -83,7 +84,7 @@ def test_nothing_leaves_a_shared_model_changed():
     prompt = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(0))
     stream = generator.decoder(recipe.generation).decode(prompt, recipe.generation, _stats())
     next(stream)
-    assert target.config._attn_implementation == "toolkit_kv"  # installed while generating ...
+    assert target.config._attn_implementation == "toolkit_static"  # the static tiers' attention, while generating ...
     stream.close()  # ... and removed when the caller stops early
     assert (_fingerprint(target), _fingerprint(draft)) == before
     ids = [t for chunk in generator.decoder(recipe.generation).decode(prompt, recipe.generation, _stats())
