@@ -16,6 +16,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ("short", "long", "memory")
 #: the dry run's evaluation settings (one prompt, a few tokens, one repetition)
 DRY_EVAL = {"num_prompts": 1, "max_new_tokens": 8, "repeats": 1, "warmup": 0, "ppl_tokens": 96, "ppl_window": 64,
@@ -38,7 +39,13 @@ def one_scenario(kit, scenario: str, timeout: float, out_dir: Path) -> dict:
     text (``found``) when one was written."""
     from eval.search import run_search
 
-    options = {"trials": 1, "eval_overrides": DRY_EVAL} if kit.dry_run else {"enable": ["target_precision.fp16"]}
+    options = {"enable": ["target_precision.fp16"]}
+    if kit.dry_run:  # one trial, a few tokens, the held-out confirmation of the winner alone (no shipped recipes)
+        import yaml
+
+        space = yaml.safe_load((ROOT / "recipes" / "search" / f"{scenario}.yaml").read_text())
+        space["heldout"]["compare"] = []
+        options = {"trials": 1, "eval_overrides": DRY_EVAL, "space": space}
     summary = run_search(scenario, timeout=timeout, out=out_dir, progress=False, **options)
     result = {"summary": _jsonable(summary), "timeout_s": timeout}
     found = out_dir / f"{scenario}.yaml"

@@ -84,9 +84,11 @@ def _eagle(results: dict) -> tuple[str, str]:
 
 
 def _long(results: dict) -> tuple[str, str]:
-    run = ((_result(results, "kv_long") or {}).get("runs") or {}).get(f"{SMALL}, 32768 tokens, B = 8")
+    result = _result(results, "kv_long")
+    run = ((result or {}).get("runs") or {}).get(f"{SMALL}, 32768 tokens, B = 8")
     if not run:
-        return _why_not(results, "kv_long"), "not measured"
+        why = "not measured: no 1B, 32k, B = 8 run in this call" if result else _why_not(results, "kv_long")
+        return why, "not measured"
     base = run["rows"].get("none", {})
     best = None
     for label, row in run["rows"].items():
@@ -153,8 +155,12 @@ def markdown(results: dict, table) -> list[str]:
     return lines
 
 
+def _label(verdict: str) -> str:
+    return next(v for v in ("met", "missed", "not measured") if verdict.startswith(v))
+
+
 def summary_lines(results: dict) -> list[str]:
     """One line per target for the printed summary."""
-    return [f"[{verdict.split(':')[0].split(' ')[0]}] {name}: {text}"[:200] for name, text, verdict in
+    return [f"[{_label(verdict)}] {name}: {text}"[:200] for name, text, verdict in
             targets(results) if any(k in results for k in ("accept_identity", "width_probe", "weights", "kv_long",
                                                            "drafters_real", "eagle_train", "search"))]
