@@ -137,12 +137,14 @@ bench-quant: $(STAMP)
 
 ## GPU benchmark kit (bench/README.md): every GPU stage in <= 8 minutes into $(GPU_OUT). It runs on the machine's own
 ## torch + transformers when those import (an offline GPU machine: nothing is installed), else in .venv. DRY=1: the same
-## stages on the CPU with tiny models (seconds).
+## stages on the CPU with tiny models (seconds). STAGES="..." picks stages (`new`: the second edition's, `all`: both);
+## BUDGET=S sets --budget-s (the three GPU calls of bench/README.md use both).
 GPU_OUT ?= bench/results/gpu
 bench-gpu:
 	@if $(PYTHON) -c "import torch, transformers" 2>/dev/null; then py=$(PYTHON); \
 	else $(MAKE) --no-print-directory setup && py=$(BIN)/python; fi; \
-	PYTHONPATH=. $$py bench/gpu_bench.py --out $(GPU_OUT) $(if $(filter 1,$(DRY)),--dry-run)
+	PYTHONPATH=. $$py bench/gpu_bench.py --out $(GPU_OUT) $(if $(filter 1,$(DRY)),--dry-run) \
+		$(if $(STAGES),--stages $(STAGES)) $(if $(BUDGET),--budget-s $(BUDGET))
 
 distill: $(STAMP)
 	$(BIN)/toolkit draft distill --target embedded --layers 2 --out results/distill/smollm2-2l --max-minutes 20

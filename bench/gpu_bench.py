@@ -45,10 +45,16 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import torch  # noqa: E402
 from gpu_kit import carry  # noqa: E402
+from gpu_kit.context import StageSkipped  # noqa: E402
 
 #: in priority order: what the GPU issue's targets need first, the rest in the time left
 STAGES = ("environment", "greedy", "verify_cost", "speed", "speed_real", "sampling", "kv", "projection",
           "verify_cost_more")
+#: the second edition's stages (bench/README.md): not in the default run, named with --stages (or --stages new)
+NEW_STAGES = ("accept_identity", "width_probe", "kivi_device", "weights", "kv_long", "drafters_real", "eagle_train",
+              "search")
+#: --stages shorthands: ``new`` = every second-edition stage in priority order, ``all`` = both editions
+GROUPS = {"new": NEW_STAGES, "all": STAGES + NEW_STAGES}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -60,9 +66,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                         help="auto: cuda when available (the dry run always uses the CPU)")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the speed stages")
-    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES, metavar="STAGE",
-                        help=f"stages to run, in the order given (default: all of {', '.join(STAGES)}; speed and "
-                             "projection read the curve of a verify_cost that ran before them)")
+    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=[*STAGES, *NEW_STAGES, *GROUPS],
+                        metavar="STAGE",
+                        help=f"stages to run, in the order given (default: the first edition's {', '.join(STAGES)}; "
+                             f"the second edition's: {', '.join(NEW_STAGES)}; 'new' = all of those, 'all' = both; "
+                             "speed and projection read the curve of a verify_cost that ran before them)")
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="seconds after which remaining work is skipped and said so (default 450)")
     parser.add_argument("--carry", type=Path, default=ROOT / ".gpu-carry",
@@ -73,6 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile-mode", default=None,
                         help="torch.compile mode (default: reduce-overhead on CUDA, i.e. CUDA graphs; none on CPU)")
     args = parser.parse_args(argv)
+    args.stages = [name for item in args.stages for name in GROUPS.get(item, (item,))]
     if args.budget_s <= 0:
         parser.error(f"--budget-s: must be > 0, got {args.budget_s}")
     return args
@@ -103,6 +112,8 @@ def environment(kit, wheels: dict) -> dict:
            "tokenizer": "embedded SmolLM2" if kit.tokenizer is not None else "none (token-id prompts)",
            "compile": {"backend": kit.compile_backend, "mode": kit.compile_mode},
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    env["imports"] = _imports(wheels)
+    env["versions"] = {d: carry._version(d) for d in ("pyarrow", "fsspec", "huggingface_hub", "numpy", "triton")}
     if kit.device.type == "cuda":
         props = torch.cuda.get_device_properties(kit.device)
         env.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda,
@@ -110,6 +121,23 @@ def environment(kit, wheels: dict) -> dict:
     else:
         env.update(gpu=None, cpu_count=torch.get_num_threads(), machine=platform.machine())
     return env
+
+
+def _imports(wheels: dict) -> dict:
+    """``{name: "ok" | "ImportError: ..."}`` for each optional package that is installed or carried: a version
+    mismatch with the machine's packages shows here, before a stage needs it."""
+    import importlib
+
+    out = {}
+    for name, state in wheels.items():
+        if state.startswith("missing"):
+            continue
+        try:
+            importlib.import_module(name)
+            out[name] = "ok"
+        except Exception as exc:  # noqa: BLE001 - reported, the stages that need it fail with their own error
+            out[name] = f"{type(exc).__name__}: {exc}"[:200]
+    return out
 
 
 def run_stage(kit, name: str, fn) -> None:
@@ -123,6 +151,11 @@ def run_stage(kit, name: str, fn) -> None:
     try:
         result = fn()
         kit.results[name] = {"status": "ok", "seconds": time.perf_counter() - began, "result": result}
+    except StageSkipped as exc:  # the stage cannot run here (e.g. it needs CUDA): said, not failed
+        kit.results[name] = {"status": "skipped", "seconds": time.perf_counter() - began, "error": str(exc)}
+        partial = kit_partial_result(kit, name)
+        if partial is not None:
+            kit.results[name]["result"] = partial
     except Exception as exc:  # noqa: BLE001 - a failing stage is recorded, the next one runs
         kit.log(traceback.format_exc())
         kit.results[name] = {"status": "failed", "seconds": time.perf_counter() - began,
@@ -150,7 +183,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     logger = _logger(args.out / "gpu_bench.log")
     wheels = carry.load_wheels(args.carry / "wheels", log=logger.info)
-    from gpu_kit import checks, real, speed
+    from gpu_kit import checks, real, second, speed
     from gpu_kit.report import summary
 
     kit = make_kit(args, logger.info)
@@ -158,7 +191,8 @@ def main(argv=None) -> int:
               "sampling": lambda: checks.sampling(kit), "kv": lambda: checks.kv_policies(kit),
               "verify_cost": lambda: speed.verify_cost(kit), "speed": lambda: speed.speed(kit),
               "projection": lambda: speed.projection(kit, ROOT),
-              "speed_real": lambda: real.speed_real(kit), "verify_cost_more": lambda: speed.verify_cost_more(kit)}
+              "speed_real": lambda: real.speed_real(kit), "verify_cost_more": lambda: speed.verify_cost_more(kit),
+              **second.stages(kit)}
     for name in dict.fromkeys(args.stages):  # the order given (a budget spent skips the later ones), each once
         run_stage(kit, name, stages[name])
         kit.save()  # after every stage: a run stopped from outside keeps what it measured

@@ -29,6 +29,10 @@ DRY = {"speed_shapes": ["tiny"], "draft_shape": "tiny-draft", "batch_sizes": [1,
        "sampling_draws": 200}
 
 
+class StageSkipped(Exception):
+    """Raised by a stage that cannot run on this machine (the message says why): recorded as ``skipped``."""
+
+
 @dataclass
 class Kit:
     """One run of the kit. ``budget_s``: seconds after which stages that have not started are skipped."""
@@ -53,6 +57,9 @@ class Kit:
         for key, value in profile.items():
             setattr(self, key, value)
         self.tokenizer = shapes.tokenizer(self.carry_dir)
+        if self.tokenizer is None and (self.carry_dir / "gguf" / carry.MANIFEST).is_file():
+            real = self.embedded  # the relayed GGUF holds the tokenizer (None until every part has arrived)
+            self.tokenizer = real[1] if real is not None else None
 
     # ------------------------------------------------------------------------------------------------ time
     def elapsed(self) -> float:
@@ -130,6 +137,7 @@ class Kit:
             except (FileNotFoundError, ValueError) as exc:
                 self.log(f"skip the embedded model: {exc}")
                 return None
+            carry.install_embedded(Path(source))  # `source: embedded` resolves to it too (search, recipes)
         try:
             return load_model(ModelSpec(source=source, precision="fp32", device=self.device.type), "target")
         except Exception as exc:  # noqa: BLE001 - no embedded model here: the checks say so and go on

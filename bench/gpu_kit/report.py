@@ -35,6 +35,9 @@ def markdown(results: dict) -> str:
         result = results.get(name, {}).get("result")
         if result is not None:
             lines += render(result) + [""]
+    from gpu_kit.targets import markdown as second_edition
+
+    lines += second_edition(results, _table)
     return "\n".join(lines) + "\n"
 
 
@@ -131,4 +134,6 @@ def summary(results: dict) -> str:
     for shape, data in (results.get("speed", {}).get("result") or {}).items():
         cells = [f"{m} {r['tok_s']:.1f}" for m, r in data["rows"].items() if r.get("tok_s")]
         lines.append(f"{shape} tok/s: " + ", ".join(cells))
-    return "\n".join(lines)
+    from gpu_kit.targets import summary_lines
+
+    return "\n".join(lines + summary_lines(results))

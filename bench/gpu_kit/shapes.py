@@ -51,9 +51,10 @@ SHAPES = {
 }
 
 
-def build(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
+def build(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0, max_positions: int = 4096):
     """A random-weight ``AutoModelForCausalLM`` of shape ``name`` (:data:`SHAPES`), materialized directly on
-    ``device`` in ``dtype``, eval mode, SDPA attention. Raises ``KeyError`` for an unknown shape."""
+    ``device`` in ``dtype``, eval mode, SDPA attention, ``max_positions`` positions of context. Raises ``KeyError``
+    for an unknown shape."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     shape = SHAPES[name]
@@ -61,7 +62,7 @@ def build(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
         shape.model_type, vocab_size=VOCAB, hidden_size=shape.hidden_size, num_hidden_layers=shape.num_hidden_layers,
         num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_key_value_heads,
         intermediate_size=shape.intermediate_size, tie_word_embeddings=shape.tie_word_embeddings,
-        max_position_embeddings=4096, head_dim=shape.hidden_size // shape.num_attention_heads, **shape.extra)
+        max_position_embeddings=max_positions, head_dim=shape.hidden_size // shape.num_attention_heads, **shape.extra)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")

@@ -69,8 +69,9 @@ def _target_argmax(cache: dict, full_lm_head: torch.Tensor) -> torch.Tensor:
     if "target_next" not in cache:
         rows = []
         with torch.inference_mode():
-            for i in range(0, cache["features"].shape[0], 8):
-                rows.append((cache["features"][i:i + 8, 1:].float() @ full_lm_head.T).argmax(-1))
+            for i in range(0, cache["features"].shape[0], 8):  # on the LM head's device, kept on the CPU
+                features = cache["features"][i:i + 8, 1:].to(full_lm_head.device).float()
+                rows.append((features @ full_lm_head.T).argmax(-1).cpu())
         cache["target_next"] = torch.cat(rows)
     return cache["target_next"]
 
@@ -80,13 +81,14 @@ def alpha_curve(head, cache: dict, k: int, full_lm_head: torch.Tensor, kinds=(1,
     "tau": expected tokens per round with K=k (accepted + bonus), "chains": n}``."""
     sel = torch.isin(cache["kind"], torch.tensor(list(kinds)))
     feats, toks, mask = cache[input_key(head)][sel], cache["tokens"][sel], cache["mask"][sel]
+    device = head.draft_to_target.device  # the head's device: batches move there (the caches stay on the CPU)
     reached = torch.zeros(k + 1)
     with torch.inference_mode():
         for i in range(0, feats.shape[0], batch):
-            f = feats[i:i + batch].float()
-            t, m = toks[i:i + batch], mask[i:i + batch]
+            f = feats[i:i + batch].to(device).float()
+            t, m = toks[i:i + batch].to(device), mask[i:i + batch].to(device)
             outs = unroll(head, f, t, k)
-            target_next = _target_argmax(cache, full_lm_head)[sel][i:i + batch]  # (b, L-1)
+            target_next = _target_argmax(cache, full_lm_head)[sel][i:i + batch].to(device)  # (b, L-1)
             ok = []
             for s, out in enumerate(outs, start=1):
                 draft = head.draft_to_target[head.logits(out).argmax(-1)]
@@ -97,14 +99,14 @@ def alpha_curve(head, cache: dict, k: int, full_lm_head: torch.Tensor, kinds=(1,
             # chain starting at m0 (true pair at m0): step s correct = ok[s-1][:, m0 + s - 1]
             alive = m[:, 1:] & torch.cat([m[:, 2:], torch.zeros_like(m[:, :1])], dim=1)
             # chains start where drafting starts at inference: at the last prompt position or later
-            start = cache["answer_start"][sel][i:i + batch]
-            alive &= torch.arange(length)[None, :] >= (start[:, None] - 1)
-            reached[0] += alive.sum()
+            start = cache["answer_start"][sel][i:i + batch].to(device)
+            alive &= torch.arange(length, device=device)[None, :] >= (start[:, None] - 1)
+            reached[0] += alive.sum().item()
             for s in range(1, k + 1):
                 shifted = torch.zeros_like(alive)
                 shifted[:, :length - s + 1] = ok[s - 1][:, s - 1:]
                 alive = alive & shifted
-                reached[s] += alive.sum()
+                reached[s] += alive.sum().item()
     alpha = [(reached[s] / reached[s - 1]).item() if reached[s - 1] > 0 else 0.0 for s in range(1, k + 1)]
     tau = 1.0 + sum((reached[s] / reached[0]).item() for s in range(1, k + 1))
     return {"alpha": alpha, "tau": tau, "chains": int(reached[0])}
@@ -124,7 +126,7 @@ def head_loss(head, features: torch.Tensor, tokens: torch.Tensor, valid: torch.T
         goal = features[:, 1:]  # outputs at position t predict the feature of token t+1 (its next-token law)
         p_log = target_log_probs(head, goal, target_lm)
         p = p_log.exp()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=autocast):
         outs = unroll(head, features if inputs is None else inputs, tokens, len(weights))
     loss = 0.0
     parts = []

@@ -180,11 +180,13 @@ class _HeadRun:
         counts = torch.bincount(train["tokens"][train["mask"]], minlength=vocab).double()
         chat = train["kind"] == 1
         counts += 3 * torch.bincount(train["tokens"][chat][train["mask"][chat]], minlength=vocab).double()
-        self.head = build_head(target, config.draft_vocab, counts, config.seed, config.variant)
-        self.full_lm = target.get_output_embeddings().weight.detach().float().cpu()
+        self.device = next(target.parameters()).device  # the head trains where the target runs (a GPU: there)
+        self.head = build_head(target, config.draft_vocab, counts, config.seed, config.variant).to(self.device)
+        self.head.draft_to_target = self.head.draft_to_target.to(self.device)
+        self.full_lm = target.get_output_embeddings().weight.detach().float().to(self.device)
         self.target_lm = self.full_lm[self.head.draft_to_target]  # the target's law over the draft vocabulary
         self.inputs = input_key(self.head)
-        self.std = train["features"][:64][train["mask"][:64]].float().std(0).clamp_min(1e-3)
+        self.std = train["features"][:64][train["mask"][:64]].float().std(0).clamp_min(1e-3).to(self.device)
         self.trainable = [p for p in self.head.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.state = {"step": 0, "elapsed_s": 0.0, "tokens": 0, "curve": [], "best_tau": 0.0}
@@ -200,7 +202,7 @@ class _HeadRun:
             saved = load_state(checkpoint)
             try:
                 self.head.load_state_dict(saved["head"])
-                self.head.draft_to_target = saved["draft_to_target"]
+                self.head.draft_to_target = saved["draft_to_target"].to(self.device)
                 self.optimizer.load_state_dict(saved["optimizer"])
                 self.state = saved["state"]
             except (KeyError, RuntimeError, ValueError, TypeError) as exc:
@@ -261,8 +263,9 @@ class _HeadRun:
         config, state, train = self.config, self.state, self.data["train"]
         t0 = time.perf_counter()
         idx = torch.randint(0, train["tokens"].shape[0], (config.batch_size,), generator=generator)
-        f, t, m = train["features"][idx].float(), train["tokens"][idx], train["mask"][idx]
-        inputs = train[self.inputs][idx].float() if self.inputs != "features" else None
+        f, t, m = (train[k][idx].to(self.device) for k in ("features", "tokens", "mask"))
+        f = f.float()
+        inputs = train[self.inputs][idx].to(self.device).float() if self.inputs != "features" else None
         valid = m[:, 1:].float()
         progress_frac = state["elapsed_s"] / (config.minutes * 60)
         lr = config.lr * min(1.0, (state["step"] + 1) / config.warmup_steps) * (

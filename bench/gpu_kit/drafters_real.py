@@ -1,0 +1,160 @@
+"""Stage ``drafters_real``: drafters that run a network, on the real embedded model (the relayed GGUF, bf16 on the
+GPU), on prompts no head saw in training (the shipped head's held-out prompts, ``data_files.json``), through the
+toolkit's own recipes (``toolkit.build``, ``compile: auto``: CUDA graphs where the engine can run them; the path line
+of each recipe is reported, with the per-round split: draft / verify / host overhead ms).
+
+Rows: HF static-cache compiled AR (the baseline), HF assisted generation with the draft model, ours AR, the draft
+model (the embedded model at int4, torchao on CUDA) as a K = 4 chain and as a token tree, the shipped trained EAGLE-1
+head (``toolkit/heads/smollm2-135m-instruct``) as a K = 3 chain and as a tree. Per row: tok/s over the prompts
+(after one untimed pass), α, τ, the per-round split, and tokens identical to ours AR (bf16: a near-tie may flip).
+:func:`measure_head` runs the same rows for any head directory (the ``eagle_train`` stage's head).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from toolkit.measure.timing import synchronize
+from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec, Recipe, SpeculationSpec
+from toolkit.speculative.stats import round_summary
+
+SHIPPED = Path(__file__).resolve().parents[2] / "toolkit" / "heads" / "smollm2-135m-instruct"
+
+
+def heldout_prompts(head_dir: Path, count: int) -> list[list[dict]]:
+    """The first ``count`` held-out prompts of a head's training data (never trained on), as one-message chats."""
+    data = json.loads((head_dir / "data_files.json").read_text()) if (head_dir / "data_files.json").is_file() \
+        else json.loads((head_dir / "data" / "eagle_manifest.json").read_text())
+    return [[{"role": "user", "content": text}] for text in data["heldout_prompts"][:count]]
+
+
+def _recipe(drafter: str, k: int, tree: bool, draft: ModelSpec | None, new: int) -> Recipe:
+    tree_fields = {"tree": True, "tree_budget": 16, "tree_depth": 5, "tree_topk": 4} if tree else {}
+    return Recipe(name=f"real-{drafter}", target=ModelSpec(source="embedded", precision="bf16"), draft=draft,
+                  kv=KVSpec("none", {}), draft_kv=KVSpec("none", {}),
+                  spec=SpeculationSpec(drafter, k, "constant", **tree_fields),
+                  generation=GenerationSpec(max_new_tokens=new, ignore_eos=True), compile="auto")
+
+
+def ours_pass(lm, prompts: list, device) -> dict:
+    """One untimed pass over ``prompts`` then one timed: tok/s of the pass, α, τ, the mean round split and the ids."""
+    for prompt in prompts:
+        lm.generate(prompt)
+    synchronize(device)
+    results = [lm.generate(prompt) for prompt in prompts]
+    stats = [r.stats for r in results]
+    seconds = sum(s.total_ms for s in stats) / 1000.0
+    return {"tok_s": sum(len(r.token_ids) for r in results) / seconds, "path": lm.engine_note,
+            "alpha": statistics.mean(s.acceptance_rate for s in stats),
+            "tau": statistics.mean(s.tokens_per_round for s in stats), "round_ms": round_summary(stats),
+            "ids": [r.token_ids for r in results]}
+
+
+def hf_pass(model, tok, prompts: list, new: int, method: str, kit, **kwargs) -> dict:
+    """HF ``generate`` (``method`` of :func:`toolkit.measure.baselines.hf_generate`) over ``prompts``, one untimed
+    pass first (the compile of ``ar_static``)."""
+    from toolkit.measure.baselines import hf_generate
+    from toolkit.requests import encode
+
+    gen = GenerationSpec(max_new_tokens=new, ignore_eos=True)
+    ids = [encode(tok, "embedded", p).to(kit.device) for p in prompts]
+    options = dict(compile_backend=kit.compile_backend, compile_mode=kit.compile_mode, **kwargs)
+    for x in ids:
+        hf_generate(model, x, gen, [], method=method, **options)
+    runs = [hf_generate(model, x, gen, [], method=method, **options) for x in ids]
+    return {"tok_s": sum(len(r[0]) for r in runs) / (sum(r[1].total_ms for r in runs) / 1000.0),
+            "path": f"HF generate ({method})"}
+
+
+def _rows(kit, target, tok, draft, head, new: int) -> dict:
+    """``{label: () -> row}`` in the order they run."""
+    import toolkit
+
+    def ours(recipe, draft_model=None):
+        return lambda prompts: ours_pass(toolkit.build(recipe, target=target, tokenizer=tok,
+                                                       draft_model=draft_model), prompts, kit.device)
+
+    rows = {"HF static cache + compiled AR": lambda p: hf_pass(target, tok, p, new, "ar_static", kit),
+            "ours AR": ours(_recipe("none", 4, False, None, new))}
+    if draft is not None:
+        spec = ModelSpec(source="embedded", precision="int4" if kit.device.type == "cuda" else "bf16")
+        rows["HF assisted (draft model, K=4)"] = lambda p: hf_pass(target, tok, p, new, "assisted", kit,
+                                                                    assistant_model=draft, num_draft_tokens=4)
+        rows["ours draft model, K=4"] = ours(_recipe("draft_model", 4, False, spec, new), draft)
+        rows["ours draft model, tree (16, depth 5, top-4)"] = ours(_recipe("draft_model", 4, True, spec, new), draft)
+    if head is not None:
+        spec = ModelSpec(source=str(head[0]), precision="bf16")
+        rows[f"ours EAGLE ({head[2]}), K=3"] = ours(_recipe("eagle", 3, False, spec, new), head[1])
+        rows[f"ours EAGLE ({head[2]}), tree (16, depth 5, top-4)"] = ours(_recipe("eagle", 3, True, spec, new),
+                                                                        head[1])
+    return rows
+
+
+def real_target(kit):
+    """``(bf16 copy of the relayed embedded model on the device, tokenizer)`` (fp32 in the dry run: bf16 matmuls
+    are slow on CPUs); raises ``RuntimeError`` when the model was not relayed."""
+    real = kit.embedded
+    if real is None:
+        raise RuntimeError("the embedded model was not relayed (bench/README.md): no real-weight drafters")
+    dtype = torch.float32 if kit.dry_run else torch.bfloat16
+    return copy.deepcopy(real[0]).to(dtype), real[1]
+
+
+def draft_model(kit, dtype: torch.dtype):
+    """The draft model: the relayed embedded model at int4 (the toolkit's torchao path) on CUDA; a copy at
+    ``dtype`` on a CPU (the dry run)."""
+    model = copy.deepcopy(kit.embedded[0]).to(dtype)
+    if kit.device.type == "cuda":
+        from toolkit.models.spec import ModelSpec as Spec
+        from toolkit.quant.torchao import quantize
+
+        quantize(model, Spec(source="embedded", precision="int4", backend="torchao", torchao_group_size=64),
+                 kit.device, "draft")
+    return model
+
+
+def measure_head(kit, head_dir: Path, label: str, stage: str, with_draft: bool = True,
+                 prompts_dir: Path | None = None) -> dict:
+    """Every row of :func:`_rows` with the head in ``head_dir`` (``label`` names it), on the held-out prompts of
+    ``prompts_dir`` (default ``head_dir``); saved under ``stage`` after each row. ``identical_to_ours_ar``: how many
+    prompts' tokens equal ours AR's. The dry run: one prompt, 4 tokens, no draft model (a 135M model on a CPU)."""
+    from toolkit.eagle.checkpoint import load_head
+
+    target, tok = real_target(kit)
+    new = 128 if not kit.dry_run else 4
+    prompts = heldout_prompts(prompts_dir or head_dir, 8 if not kit.dry_run else 1)
+    with_draft = with_draft and not kit.dry_run
+    head = (head_dir, load_head(head_dir, target, dtype=torch.bfloat16 if not kit.dry_run else torch.float32),
+            label)
+    draft = draft_model(kit, target.dtype) if with_draft else None
+    out = {"model": "embedded SmolLM2-135M-Instruct (relayed GGUF)", "dtype": str(target.dtype),
+           "prompts": len(prompts), "new_tokens": new, "head": str(head_dir), "rows": {}}
+    for name, run in _rows(kit, target, tok, draft, head, new).items():
+        if kit.out_of_time(f"{stage or label}: {name}"):
+            break
+        try:
+            out["rows"][name] = run(prompts)
+        except Exception as exc:  # noqa: BLE001 - one row failing must not stop the others
+            out["rows"][name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+        if stage:
+            kit.partial(stage, out)
+    base = out["rows"].get("ours AR", {}).get("ids")
+    for row in out["rows"].values():
+        if base and row.get("ids") is not None:
+            row["identical_to_ours_ar"] = sum(a == b for a, b in zip(row["ids"], base))
+        row.pop("ids", None)
+    hf = out["rows"].get("HF static cache + compiled AR", {}).get("tok_s")
+    for row in out["rows"].values():
+        if hf and row.get("tok_s"):
+            row["x_hf_static"] = row["tok_s"] / hf
+    return out
+
+
+def drafters_real(kit) -> dict:
+    """:func:`measure_head` with the shipped trained head."""
+    return measure_head(kit, SHIPPED, "shipped head, trained on CPU", "drafters_real")

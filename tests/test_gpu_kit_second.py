@@ -1,0 +1,70 @@
+"""The GPU kit's second edition, the parts of its logic that decide a verdict: the τ > 1.5 check of the identity stage
+fails a draft that does not agree with the target and passes one that does; the cycle target is what the stage says;
+the width probe's rounding bound; the xz relay of the GGUF in parts sized for a call."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from gpu_kit import accept_identity as ai  # noqa: E402
+from gpu_kit import carry  # noqa: E402
+from gpu_kit.checks import hf_greedy, ours  # noqa: E402
+from gpu_kit.width_probe import bf16_ulp  # noqa: E402
+
+
+def test_cycle_successor_is_a_permutation_of_cycles():
+    succ = ai.cycle_successor(100, 8, seed=3)
+    assert sorted(succ.tolist()) == list(range(100))
+    lengths = set()
+    for start in range(100):  # every token returns to itself after its cycle's length (8, the last one 4)
+        x, n = succ[start].item(), 1
+        while x != start:
+            x, n = succ[x].item(), n + 1
+        lengths.add(n)
+    assert lengths == {8, 4}
+
+
+def test_tau_check_fails_a_disagreeing_draft_and_passes_the_target_itself():
+    from gpu_kit import shapes
+    from toolkit.speculative.drafters import DraftModel
+
+    torch.manual_seed(0)
+    base = shapes.build("tiny", torch.device("cpu"), torch.float32)
+    succ = ai.cycle_successor(base.config.vocab_size)
+    prompt = ai.cycle_prompts(succ, 1, 12)[0]
+    target = ai._cycle_copy(base, succ, 0.0)  # layers off: the greedy output follows the cycle exactly
+    assert ai.deviation(target, succ, prompt, 8) == 0.0
+    stranger = shapes.build("tiny", torch.device("cpu"), torch.float32, seed=7)  # random: proposes other tokens
+    want = hf_greedy(target, prompt, 8)
+    rows = []
+    for name, draft in (("itself", target), ("stranger", stranger)):
+        got, stats = ours(target, DraftModel(draft), prompt, 8)
+        rows.append(ai._row(name, got, want, stats, name))
+    assert [r["ok"] for r in rows] == [True, True]  # lossless either way ...
+    failed = ai.failures(rows)
+    assert len(failed) == 1 and failed[0].startswith("stranger: tau 1.0 <= 1.5")  # ... but only one is accepted
+    assert rows[0]["tau"] > 1.5
+    assert ai.failures([{"path": "p", "ok": False, "first_divergence": 3, "tau": 4.0}]) == [
+        "p: differs from HF greedy at token 3"]
+
+
+def test_bf16_ulp():
+    assert bf16_ulp(1.0) == 2 ** -7 and bf16_ulp(-3.0) == 2 ** -6 and bf16_ulp(20.0) == 2 ** -3
+    assert bf16_ulp(0.0) == 0.0
+
+
+def test_xz_parts_sized_for_a_call_restore_the_file(tmp_path):
+    src = tmp_path / "model.gguf"
+    src.write_bytes(os.urandom(50_000) + b"\0" * 150_000)  # compresses to ~50 kB
+    parts = carry.split_file(src, tmp_path / "parts", 1, first_bytes=10_000, max_bytes=30_000, compress=True)
+    sizes = [p.stat().st_size for p in parts]
+    assert sizes[0] == 10_000 and all(s <= 30_000 for s in sizes[1:]) and len(parts) == 3
+    joined = carry.join_parts(tmp_path / "parts", tmp_path / "joined")
+    assert joined.read_bytes() == src.read_bytes()
