@@ -86,6 +86,10 @@ def static_attention(module, query, key, value, attention_mask, scaling=None, dr
     dtype = query.dtype
     if query.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
         query = query.float()
+        if attention_mask is not None and attention_mask.dtype.is_floating_point:
+            # an additive mask of a cache that is not the static one (a `self` draft sharing the target's modules
+            # runs inside the target's attention switch) follows the query to float32
+            attention_mask = attention_mask.to(query.dtype)
     if hasattr(key, "attend"):  # tiers of an evicting static cache, each with its own mask (toolkit.kv.static_evict)
         out = key.attend(query, scaling)
     else:
