@@ -93,13 +93,12 @@ def test_drafts_only_from_the_draft_vocabulary(target, trained_head):
     allowed = set(trained_head.draft_to_target.tolist())
     prompt = make_prompt(3)
     seen = []
-    original = drafter.propose
+    original = drafter.propose_rows
 
-    def spy(ids, k):
-        tokens, logits = original(ids, k)
-        seen.extend(tokens[0].tolist())
-        return tokens, logits
-    drafter.propose = spy
+    def spy(rows, num_draft_tokens):
+        original(rows, num_draft_tokens)
+        seen.extend(t for row in rows for t in row.proposal)
+    drafter.propose_rows = spy
     speculate(target, drafter, prompt, ConstantK(4))
     assert seen and set(seen) <= allowed
 
@@ -195,13 +194,12 @@ def test_sampling_reproduces_target_joint_law(target, trained_head):
 
 @pytest.mark.slow
 def test_batched_eagle_sampling_reproduces_target_joint_law(target, trained_head):
-    """The same law with the head drafting for batches of 8 (toolkit/speculative/drafters/eagle_rows.py): every row its
+    """The same law with the head drafting for batches of 8 (toolkit/speculative/drafters/eagle.py): every row its
     own generators, the head's q (zero outside its draft vocabulary) in each row's rejection sampling."""
     from toolkit.recipe import GenerationSpec
-    from toolkit.speculative.drafters.eagle_rows import BatchEagle
-    from toolkit.speculative.cost_model import VerifyCost
+        from toolkit.speculative.cost_model import VerifyCost
 
-    class FreeSteps(BatchEagle):
+    class FreeSteps(EagleDrafter):
         def step_ms(self, rows: int) -> float:
             return 0.0
 
@@ -471,15 +469,14 @@ def test_eagle3_head_trains_decodes_as_ar_and_serves_in_the_speculators_layout(t
 
 
 def test_batched_eagle_rows_equal_each_prompt_alone_and_draft_as_one_sequence(target, trained_head):
-    """An EAGLE head drafting for a whole batch (toolkit/speculative/drafters/eagle_rows.py): every row's greedy output
+    """An EAGLE head drafting for a whole batch (toolkit/speculative/drafters/eagle.py): every row's greedy output
     is its prompt's output alone, and — drafting free, verifying every draft (K = 4, a flat verify curve) — each row
     drafts and accepts exactly what the single-sequence EAGLE drafter does with K = 4 (stale or misplaced true pairs
     in the ragged head cache would change the proposals)."""
     from toolkit.recipe import GenerationSpec
-    from toolkit.speculative.drafters.eagle_rows import BatchEagle
-    from toolkit.speculative.cost_model import VerifyCost
+        from toolkit.speculative.cost_model import VerifyCost
 
-    class FreeSteps(BatchEagle):
+    class FreeSteps(EagleDrafter):
         def step_ms(self, rows: int) -> float:
             return 0.0
 
