@@ -134,6 +134,6 @@ def batch_decoder(target, drafter, curve, calibrator=None, num_draft_tokens: int
     from toolkit.speculative.drafters import RowDrafter, RowDrafters
 
     controller = CostAwareK(ForwardCost(curve), calibrator or Calibrator(), num_draft_tokens, num_draft_tokens + 1)
-    if drafter is not None and not isinstance(drafter, RowDrafter):  # a maker of single-sequence drafters
+    if drafter is not None and (isinstance(drafter, type) or not isinstance(drafter, RowDrafter)):  # a maker
         drafter = RowDrafters(drafter)
     return SpeculativeDecoder(target, drafter, controller, policy, forward=forward, batch_size=batch_size)

@@ -106,14 +106,19 @@ def test_draft_cache_rolls_back_to_each_rows_committed_prefix(setup):
         assert drafter.cache.lengths[:3].tolist() == [len(r.ids) + 1 for r in rows]
 
 
-def test_sampling_per_row_with_a_draft_model_follows_the_target():
+def test_sampling_per_row_with_a_compiled_draft_model_follows_the_target():
     """Rows' tokens follow the target, and the draft's q enters the rejection sampling: a draft token is accepted
     with probability sum_x min(p(x), q(x)) (Leviathan et al.), not the sum_x p(x) q(x) of a one-hot verification
-    (which is lossless too, so only the acceptance tells them apart)."""
+    (which is lossless too, so only the acceptance tells them apart). Target and draft both compiled on their static
+    caches (dynamo's eager backend: the graphs the CPU compiles, without code generation)."""
     from scipy.stats import binomtest, chisquare
+
+    from toolkit.engine.forward import TargetForward
 
     target = tiny_llama(seed=4, vocab=12, initializer_range=0.3)
     draft = tiny_llama(seed=9, vocab=12, initializer_range=0.3)
+    forward = TargetForward(target, compile=True, backend="eager")
+    draft_forward = TargetForward(draft, compile=True, backend="eager", name="draft")
     prompt = make_prompt(2, vocab=12, length=6)
     with torch.no_grad():  # the law of the 2nd token (the 1st from the prefill, the 2nd from a drafted round)
         p1 = target(prompt).logits[0, -1].softmax(-1).double()
@@ -125,15 +130,16 @@ def test_sampling_per_row_with_a_draft_model_follows_the_target():
     counts, accepted = np.zeros(12), 0
     for chunk in range(50):  # 400 rows, 8 per forward, every row its own seeds
         gen = GenerationSpec(max_new_tokens=3, do_sample=True, ignore_eos=True, seed=chunk * 8)  # room for 1 draft
-        drafter = DraftModel(draft, do_sample=True, seed=gen.seed)
+        drafter = DraftModel(draft, do_sample=True, seed=gen.seed, forward=draft_forward)
         decoder = batch_decoder(target, drafter, VerifyCost(list(SLOW_VERIFY), learn=False), num_draft_tokens=1,
-                                batch_size=8)
+                                batch_size=8, forward=forward)
         for ids, stats in decoder.decode_batch([prompt] * 8, gen):
             counts[ids[1]] += 1
             accepted += stats.accepted
             assert stats.drafted == 1
     assert chisquare(counts, p2 / p2.sum() * counts.sum()).pvalue > 0.01
     assert binomtest(accepted, 400, alpha).pvalue > 0.001
+    assert draft_forward.compile_s and forward.compile_s  # the compiled graphs ran
 
 
 def test_generate_batch_runs_draft_model_recipes_batched(setup):

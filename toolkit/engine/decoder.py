@@ -80,7 +80,7 @@ class SpeculativeDecoder:
         from toolkit.models.capabilities import check_tree_support
 
         self.target, self.target_policy, self.batch_size = target, target_policy, batch_size
-        if drafter is not None and not isinstance(drafter, RowDrafter):
+        if drafter is not None and (isinstance(drafter, type) or not isinstance(drafter, RowDrafter)):
             raise TypeError(f"drafter: {type(drafter).__name__} is not a row drafter (toolkit.speculative.drafters."
                             "rows.RowDrafter); a maker of single-sequence drafters is RowDrafters(maker)")
         if tree is not None and drafter is not None and not drafter.trees:
@@ -150,21 +150,24 @@ class SpeculativeDecoder:
             widest = max(widest, self.tree.budget + 1)
         return self.forward.width_for(widest) if self.forward.compiled else widest
 
-    def _new_cache(self, prompts: list[torch.Tensor], gen):
-        """The target's cache of this call and the drafter, started for the call."""
-        rows = min(self.batch_size, len(prompts))
+    def _call_shape(self, prompts: list[torch.Tensor], gen) -> tuple[int, int, int]:
+        """``(rows, capacity, widest)`` of a call: rows at once, positions per request (rounded up to the static
+        cache's step), tokens per row of the widest forward after the prefill."""
         widest = self._widest()
-        capacity = capacity_for(max(p.shape[-1] for p in prompts) + gen.max_new_tokens + widest)
+        longest = max(p.shape[-1] for p in prompts) + gen.max_new_tokens + widest
+        return min(self.batch_size, len(prompts)), capacity_for(longest), widest
+
+    def _new_cache(self, prompts: list[torch.Tensor], gen):
+        rows, capacity, widest = self._call_shape(prompts, gen)
         if self.tree is not None:
-            cache = SingleRowCache(self.target_policy, self.target)
-        else:
-            cache = self.forward.cache_for(self.target_policy, rows, capacity, widest)
-        return cache, self._drafting(gen, rows, capacity, widest)
+            return SingleRowCache(self.target_policy, self.target)
+        return self.forward.cache_for(self.target_policy, rows, capacity, widest)
 
     # ------------------------------------------------------------------------------------------------ the loop
     @torch.inference_mode()  # cheaper than no_grad: no version counters or view tracking (~5% on CPU here)
     def _run(self, prompts, gen, eos_token_ids, should_stop, stats: list[GenerationStats]):
-        self.cache, drafting = self._new_cache(prompts, gen)
+        self.cache = self._new_cache(prompts, gen)
+        drafting = self._drafting(gen, *self._call_shape(prompts, gen))
         self._drafting_now = drafting
         attention = self.forward.attached() if isinstance(self.cache, StaticKV) else \
             policy_attached(self.target_policy, self.target)
@@ -252,18 +255,19 @@ class SpeculativeDecoder:
         draft_limits = [limit - len(r.new_ids) - 1 for r in rows]  # draft tokens that can still be committed
         num_draft_tokens = self.controller.next_k() if self.drafter is not None else 0
         compiled = drafting.compile_ms
-        drafting.propose_rows(rows, self._draft_steps(rows, draft_limits, drafting, num_draft_tokens, draining))
+        drafting.propose_rows(rows, self._draft_steps(rows, draft_limits, drafting, num_draft_tokens, draining),
+                              read=self.controller.uses_confidence)  # else a draft network's tokens stay on device
         drafted_at = time.perf_counter()
         draft_compile_ms = drafting.compile_ms - compiled  # the drafter's own graphs compiling: not drafting
         n, width = self.controller.plan(rows, batch_weights(draft_limits, draining)) if self.drafter is not None else (0, 1)
         drafted = [min(len(r.proposal), n) for r in rows]
-        inputs, counts = self._stage([[r.ids[-1]] + r.proposal[:d] + [r.ids[-1]] * (width - 1 - d)
-                                      for r, d in zip(rows, drafted)], drafted)  # the round's one upload
+        on_device = drafting.device_proposals
+        inputs, counts = self._verify_inputs(rows, drafted, width, on_device)
         compiled = self.forward.compile_ms
         logits = self.forward(self.cache, inputs, drafting.features)
         logits, features = logits if drafting.features else (logits, None)
         result = accept(logits, inputs, counts, drafted, gen, rows)
-        accepted, next_ids = zip(*result.tolist())  # the round's one device-to-host transfer
+        accepted, next_ids = self._read(result, rows, on_device)
         verified_at = time.perf_counter()
         compile_ms = self.forward.compile_ms - compiled  # a first call compiled: not the forward's cost
         self.cache.accept(result[:, 0] + 1, [a + 1 for a in accepted])
@@ -284,6 +288,32 @@ class SpeculativeDecoder:
                                   ((ended - started) * 1000 - compile_ms) * share, width)
         self.controller.timed(len(rows), width, verify_ms, (ended - verified_at) * 1000)
         return chunks
+
+    def _verify_inputs(self, rows: list[Row], drafted: list[int], width: int, on_device: torch.Tensor | None):
+        """The verify forward's inputs ``(B, width)`` (row r: its last committed token, its first ``drafted[r]``
+        draft tokens, then padding with the last token) and the draft counts ``(B,)``, on the device: from the
+        rows' host proposals (the round's one upload), or, where a draft network left its tokens on the device
+        (``on_device`` ``(B, steps)``), assembled there from them and the uploaded last tokens."""
+        if on_device is None:
+            return self._stage([[r.ids[-1]] + r.proposal[:d] + [r.ids[-1]] * (width - 1 - d)
+                                for r, d in zip(rows, drafted)], drafted)  # the round's one upload
+        last, counts = self._stage([[r.ids[-1]] for r in rows], drafted)
+        drafts = on_device[:, : width - 1]
+        if drafts.shape[1] < width - 1:
+            drafts = torch.cat([drafts, last.expand(-1, width - 1 - drafts.shape[1])], 1)
+        keep = torch.arange(width - 1, device=drafts.device)[None, :] < counts[:, None]
+        return torch.cat([last, torch.where(keep, drafts, last)], 1), counts
+
+    @staticmethod
+    def _read(result: torch.Tensor, rows: list[Row], on_device: torch.Tensor | None) -> tuple[tuple, tuple]:
+        """The round's one device-to-host transfer: each row's accepted count and next token (``result`` ``(B, 2)``),
+        and the draft tokens left on the device, which become the rows' proposals."""
+        if on_device is None:
+            return tuple(zip(*result.tolist()))
+        values = torch.cat([result, on_device], 1).tolist()
+        for row, v in zip(rows, values):
+            row.proposal = v[2: 2 + len(row.proposal)]
+        return tuple(zip(*[v[:2] for v in values]))
 
     def _stage(self, inputs: list[list[int]], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The round's inputs ``(B, W)`` and draft counts ``(B,)`` as long tensors on the target's device, in one

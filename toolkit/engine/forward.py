@@ -282,8 +282,8 @@ class TargetForward:
                  self.name, self._shape(key), expected, os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default"))
 
     def _hooked(self) -> bool:
-        """Whether a forward hook is on the model (an EAGLE drafter's feature hook): such forwards run eager. A
-        graph traced without the hook would not call it (and the guards that notice are the ones skipped)."""
+        """Whether a forward hook is on the model (a user's: drafters read features without any): such forwards run
+        eager. A graph traced without the hook would not call it (and the guards that notice are the ones skipped)."""
         if self._modules is None:
             self._modules = list(self.model.modules())
         from torch.nn.modules import module as nn_module
@@ -294,7 +294,7 @@ class TargetForward:
                      for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))
         if hooked and not self._said_hooked:
             self._said_hooked = True
-            log.info("forward hooks on the target (a drafter reading its features): its forwards run eager")
+            log.info("forward hooks on the target: its forwards run eager")
         return hooked
 
     def _run(self, args: tuple, first: bool) -> torch.Tensor:

@@ -85,6 +85,7 @@ class Drafter:
     compile_ms = 0.0
     #: an instance serves one row (a batch gives each row its own: RowDrafters)
     batches = False
+    device_proposals = None
 
     @property
     def trees(self) -> bool:
@@ -125,7 +126,7 @@ class Drafter:
     def draft_cache(self, row):
         return self.cache
 
-    def propose_rows(self, rows: list, num_draft_tokens: list[int]) -> None:
+    def propose_rows(self, rows: list, num_draft_tokens: list[int], read: bool = True) -> None:
         self._rows.propose_rows(rows, num_draft_tokens)
 
     def commit_rows(self, rows: list, accepted: list[int], features=None) -> None:

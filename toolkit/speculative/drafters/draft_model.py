@@ -146,7 +146,7 @@ class DraftModel(ModelDrafter):
             self.cache = SingleRowCache(self.policy, self.model)
         else:
             self.cache = self.forward.cache_for(self.policy, rows, capacity, widest)
-        static = isinstance(self.cache, StaticKV)
+        static, self._chunk = isinstance(self.cache, StaticKV), CATCH_UP_CHUNK
         if not static and rows > 1:
             raise ValueError("batch_size: a draft cache without a static form holds one sequence; decode one at a time")
         if static and self.cache.window is not None:
@@ -185,11 +185,11 @@ class DraftModel(ModelDrafter):
 
     # ------------------------------------------------------------------------------------------------ a round
     @torch.inference_mode()
-    def propose_rows(self, rows: list, num_draft_tokens: list[int]) -> None:
+    def propose_rows(self, rows: list, num_draft_tokens: list[int], read: bool = True) -> None:
         """Draft ``max(num_draft_tokens)`` steps for every row (row ``i`` keeps at most ``num_draft_tokens[i]``)."""
         num_draft_tokens = list(num_draft_tokens)
         steps = max(num_draft_tokens, default=0)  # most draft steps (forwards) of the batch
-        self._steps = 0
+        self._steps, self.device_proposals = 0, None
         for row in rows:
             row.proposal, row.confidence, row.q = [], None, None
         if steps == 0:
@@ -217,7 +217,8 @@ class DraftModel(ModelDrafter):
         compile_ms = self.forward.compile_ms - compiled
         self.compile_ms += compile_ms
         self._observe_time(len(rows), ((time.perf_counter() - started) * 1000 - compile_ms) / len(drafted))
-        self._hand_over(rows, num_draft_tokens, drafted, confidences, probs)
+        self._hand_over(rows, num_draft_tokens, drafted, confidences, probs,
+                        read or self.confidence_threshold is not None)
 
     def commit_rows(self, rows: list, accepted: list[int], features=None) -> None:
         """Keep each row's committed prefix in the draft cache (see the module docstring)."""

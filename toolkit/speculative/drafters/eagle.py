@@ -138,10 +138,10 @@ class EagleDrafter(ModelDrafter):
 
     # ------------------------------------------------------------------------------------------------ a round
     @torch.inference_mode()
-    def propose_rows(self, rows: list, num_draft_tokens: list[int]) -> None:
+    def propose_rows(self, rows: list, num_draft_tokens: list[int], read: bool = True) -> None:
         """Draft ``max(num_draft_tokens)`` steps for every row (row ``i`` keeps at most ``num_draft_tokens[i]``)."""
         steps = max(num_draft_tokens, default=0)  # draft steps (head steps) of the batch
-        self._steps = 0
+        self._steps, self.device_proposals = 0, None
         for row in rows:
             row.proposal, row.confidence, row.q = [], None, None
         if steps == 0:
@@ -163,7 +163,7 @@ class EagleDrafter(ModelDrafter):
         compile_ms = self.step.compile_ms - compiled
         self.compile_ms += compile_ms
         self._observe_time(len(rows), ((time.perf_counter() - started) * 1000 - compile_ms) / steps)
-        self._hand_over(rows, num_draft_tokens, drafted, confidences, probs)
+        self._hand_over(rows, num_draft_tokens, drafted, confidences, probs, read)
 
     def commit_rows(self, rows: list, accepted: list[int], features: torch.Tensor | None = None) -> None:
         """Back to the true pairs; the verify forward's features of each row's committed tokens become pending."""

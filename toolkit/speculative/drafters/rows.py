@@ -12,9 +12,13 @@ A call::
                                          ``features`` ``(1, n, F)``: the target's hidden states of the prompt's
                                          prefill when the drafter asks for any (:attr:`RowDrafter.features`), else
                                          ``None``
-    propose_rows(rows, num_draft_tokens) each row's ``proposal`` (at most ``num_draft_tokens[i]`` tokens),
+    propose_rows(rows, num_draft_tokens, read)  each row's ``proposal`` (at most ``num_draft_tokens[i]`` tokens),
                                          ``confidence`` (per token, or ``None``) and ``q`` (``(len(proposal), vocab)``
-                                         draft probabilities of sampled drafts, else ``None``: a one-hot q)
+                                         draft probabilities of sampled drafts, else ``None``: a one-hot q); with
+                                         ``read=False`` a drafter whose tokens are on the device may leave them there
+                                         (``device_proposals`` ``(B, steps)``; the proposals then are placeholders of
+                                         the right lengths, and no confidence), and the decoder reads them with the
+                                         round's one transfer
     commit_rows(rows, accepted, features) after verification: row ``i`` kept the first ``accepted[i]`` of its
                                          proposal; ``features`` ``(B, W, F)`` of the verify forward (or ``None``)
     remove(keep)                         only the rows ``keep`` (indices, in the new order) stay
@@ -74,7 +78,7 @@ class RowDrafter(Protocol):
 
     def remove(self, keep: list[int]) -> None: ...
 
-    def propose_rows(self, rows: list, num_draft_tokens: list[int]) -> None: ...
+    def propose_rows(self, rows: list, num_draft_tokens: list[int], read: bool = True) -> None: ...
 
     def commit_rows(self, rows: list, accepted: list[int], features: torch.Tensor | None) -> None: ...
 
@@ -102,6 +106,7 @@ class RowDrafters:
     features: tuple[int, ...] = ()
     compile_ms = 0.0
     batches = True
+    device_proposals = None  # host-side drafters: proposals are host lists
 
     def __init__(self, make: Callable, trees: bool | None = None):
         self.make, self.gen, self._trees = make, None, trees
@@ -138,7 +143,7 @@ class RowDrafters:
     def draft_cache(self, row):
         return getattr(row.drafter, "cache", None)
 
-    def propose_rows(self, rows: list, num_draft_tokens: list[int]) -> None:
+    def propose_rows(self, rows: list, num_draft_tokens: list[int], read: bool = True) -> None:
         gen = self.gen
         for row, n in zip(rows, num_draft_tokens):
             row.proposal, row.confidence, row.q = [], None, None
@@ -194,6 +199,7 @@ class ModelDrafter:
         self.seed, self.generator = seed, generator
         self.acceptance = acceptance if acceptance is not None else Calibrator()
         self.compile_ms = 0.0
+        self.device_proposals: torch.Tensor | None = None  # (B, steps): this round's tokens, left on the device
         self._step_ms: dict[int, float] = {}  # rows -> ms of one draft forward, moving average
         self._generators: list[torch.Generator | None] = []
 
@@ -251,15 +257,21 @@ class ModelDrafter:
                 self.acceptance.observe(None, len(row.proposal), a)
 
     def _hand_over(self, rows: list, num_draft_tokens: list[int], drafted: list, confidences: list,
-                   probs: list) -> None:
+                   probs: list, read: bool = True) -> None:
         """Give each row its proposal from the round's steps (``drafted`` / ``confidences``: ``(B,)`` per step,
-        ``probs``: ``(B, vocab)`` per step under sampling): ONE device-to-host read of every token and confidence."""
+        ``probs``: ``(B, vocab)`` per step under sampling): ONE device-to-host read of every token and confidence,
+        or (``read=False``) none: the tokens stay on the device (:attr:`device_proposals`) and the rows get
+        placeholders of their proposals' lengths, which the decoder's round read replaces."""
         steps = len(drafted)
-        both = torch.stack([torch.stack(drafted, 1).to(torch.float64), torch.stack(confidences, 1).double()])
-        tokens, conf = both.tolist()  # the drafter's one read of the round
         q = torch.stack(probs, 1) if self.do_sample else None  # (B, steps, vocab)
+        if read:
+            both = torch.stack([torch.stack(drafted, 1).to(torch.float64), torch.stack(confidences, 1).double()])
+            tokens, conf = both.tolist()  # the drafter's one read of the round
+        else:
+            self.device_proposals = torch.stack(drafted, 1)
+            tokens, conf = [[0] * steps] * len(rows), None
         for i, row in enumerate(rows):
             n = min(num_draft_tokens[i], steps)
-            row.proposal, row.confidence = [int(t) for t in tokens[i][:n]], conf[i][:n]
+            row.proposal, row.confidence = [int(t) for t in tokens[i][:n]], None if conf is None else conf[i][:n]
             row.q = None if q is None else q[i, :n]
             row.stats.draft_forwards += steps
