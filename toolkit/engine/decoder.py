@@ -332,10 +332,12 @@ class SpeculativeDecoder:
 
     def _draft_steps(self, rows: list[Row], draft_limits: list[int], drafting, num_draft_tokens: int,
                      draining: bool) -> list[int]:
-        """Draft tokens to ask per row: K for free drafters; for a draft model or EAGLE head over the batch, what
-        pays given its measured step (:meth:`toolkit.engine.planner.CostAwareK.draft_steps`; 0: plain)."""
-        step_ms = drafting.step_ms(len(rows)) if num_draft_tokens else None
-        if step_ms is not None and isinstance(self.controller, CostAwareK):
+        """Draft tokens to ask per row: K for free drafters (and under planners that do not weigh costs); for a draft
+        model or EAGLE head under the cost-aware planner, what pays given its measured step
+        (:meth:`toolkit.engine.planner.CostAwareK.draft_steps`; 0: plain)."""
+        costed = num_draft_tokens and isinstance(self.controller, CostAwareK)
+        step_ms = drafting.step_ms(len(rows)) if costed else None
+        if step_ms is not None:
             num_draft_tokens = self.controller.draft_steps(batch_weights(draft_limits, draining), draft_limits,
                                                            step_ms, drafting.acceptance)
         return [max(0, min(num_draft_tokens, limit)) for limit in draft_limits]

@@ -180,8 +180,8 @@ class DraftModel(ModelDrafter):
         self._remove_generators(keep)
 
     def _probe(self, rows: int) -> None:
-        self.model(input_ids=torch.zeros(rows, 1, dtype=torch.long, device=self.device), use_cache=False,
-                   logits_to_keep=1)
+        zeros = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        self.model(input_ids=zeros, position_ids=zeros, use_cache=False, logits_to_keep=1)
 
     # ------------------------------------------------------------------------------------------------ a round
     @torch.inference_mode()
