@@ -279,8 +279,8 @@ def test_the_sampling_test_catches_a_verify_length_that_peeks_at_the_drafted_tok
     favourite: dict = {}  # prefix -> the target's argmax after it (the draws share their prefixes)
     original = DraftModel.propose_rows
 
-    def spy(self, rows, num_draft_tokens):  # remember the drafted token and the target's favourite for the peek
-        original(self, rows, num_draft_tokens)
+    def spy(self, rows, num_draft_tokens, read=True):  # remember the drafted token and the target's favourite
+        original(self, rows, num_draft_tokens, read)
         prefix = tuple(rows[0].ids)
         if prefix not in favourite:
             with torch.no_grad():
