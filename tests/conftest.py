@@ -125,10 +125,15 @@ def batch_decoder(target, drafter, curve, calibrator=None, num_draft_tokens: int
                   policy=None, forward=None):
     """The one decoder (:class:`toolkit.engine.decoder.SpeculativeDecoder`) over ``batch_size`` rows, verifying what
     pays by the cost curve ``curve`` (a :class:`~toolkit.speculative.cost_model.VerifyCost`) with K =
-    ``num_draft_tokens``; ``decode_batch(prompts, gen)`` runs it."""
+    ``num_draft_tokens``; ``decode_batch(prompts, gen)`` runs it. ``drafter``: a row drafter, or a maker of
+    single-sequence drafters (one per row)."""
     from toolkit.engine.decoder import SpeculativeDecoder
     from toolkit.engine.planner import CostAwareK, ForwardCost
     from toolkit.speculative.verify_length import Calibrator
 
+    from toolkit.speculative.drafters import RowDrafter, RowDrafters
+
     controller = CostAwareK(ForwardCost(curve), calibrator or Calibrator(), num_draft_tokens, num_draft_tokens + 1)
+    if drafter is not None and (isinstance(drafter, type) or not isinstance(drafter, RowDrafter)):  # a maker
+        drafter = RowDrafters(drafter)
     return SpeculativeDecoder(target, drafter, controller, policy, forward=forward, batch_size=batch_size)

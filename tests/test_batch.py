@@ -16,7 +16,7 @@ import toolkit
 from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec, Recipe, SpeculationSpec
 from toolkit.kv.ragged import BatchCache
 from toolkit.speculative.cost_model import VerifyCost
-from toolkit.speculative.drafters import LookupDrafter, NGramDrafter, SuffixDrafter
+from toolkit.speculative.drafters import LookupDrafter, NGramDrafter, RowDrafters, SuffixDrafter
 
 FLAT = [1.0] * 256                          # drafts are free: every row verifies what it has
 STEEP = [float(n) for n in range(1, 257)]   # a token costs a step: batched plain steps
@@ -211,7 +211,8 @@ def test_streaming_llm_per_row_equals_each_prompt_alone_under_the_policy():
 
     policy = generator.target_policy
     for prompt, ids in zip(batch, alone):
-        decoder = SpeculativeDecoder(target, lambda: LookupDrafter(max_cached_requests=0), target_policy=policy)
+        decoder = SpeculativeDecoder(target, RowDrafters(lambda: LookupDrafter(max_cached_requests=0)),
+                                     target_policy=policy)
         decoder._new_cache = lambda prompts, gen: SingleRowCache(policy, target)
         stats = GenerationStats()
         assert [t for chunk in decoder.decode(prompt, recipe.generation, stats) for t in chunk] == ids

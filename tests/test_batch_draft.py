@@ -1,4 +1,4 @@
-"""A draft model drafting for a whole batch (toolkit/speculative/drafters/draft_model_rows.py): every row's greedy
+"""A draft model drafting for a whole batch (toolkit/speculative/drafters/draft_model.py): every row's greedy
 output is its prompt's output alone, the draft cache keeps exactly each row's committed prefix after ragged
 acceptance, and sampling per row stays lossless with the draft's q."""
 
@@ -15,7 +15,7 @@ from transformers import DynamicCache
 import toolkit
 from toolkit.recipe import GenerationSpec
 from toolkit.engine.rows import Row
-from toolkit.speculative.drafters.draft_model_rows import BatchDraftModel
+from toolkit.speculative.drafters import DraftModel
 from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.stats import GenerationStats
 
@@ -33,7 +33,7 @@ def test_every_row_equals_its_prompt_alone_with_a_draft_model(setup):
     target, draft, batch, alone = setup
     per_round = {}
     for threshold in (None, 0.6):
-        decoder = batch_decoder(target, BatchDraftModel(draft, confidence_threshold=threshold),
+        decoder = batch_decoder(target, DraftModel(draft, confidence_threshold=threshold),
                                 VerifyCost(list(SLOW_VERIFY), learn=False), num_draft_tokens=5, batch_size=3)
         rows = decoder.decode_batch(batch, GenerationSpec(max_new_tokens=24, ignore_eos=True))
         for (ids, stats), ref in zip(rows, alone):  # 7 prompts through 3 slots: rows leave and join
@@ -51,9 +51,8 @@ def test_each_row_drafts_as_the_single_sequence_draft_model(setup):
     from test_decoder import speculate
 
     from toolkit.engine.planner import ConstantK
-    from toolkit.speculative.drafters import DraftModel
 
-    class FreeSteps(BatchDraftModel):
+    class FreeSteps(DraftModel):
         def step_ms(self, rows: int) -> float:
             return 0.0
 
@@ -71,7 +70,7 @@ def test_the_target_as_its_own_draft_is_always_accepted(setup):
     """The draft cache after ragged rounds holds exactly each row's committed tokens: with the target's own weights
     as draft, every drafted token is the target's (one stale or missing entry would change a proposal)."""
     target, _, batch, alone = setup
-    decoder = batch_decoder(target, BatchDraftModel(target), VerifyCost(list(SLOW_VERIFY), learn=False),
+    decoder = batch_decoder(target, DraftModel(target), VerifyCost(list(SLOW_VERIFY), learn=False),
                             num_draft_tokens=4, batch_size=4)
     rows = decoder.decode_batch(batch, GenerationSpec(max_new_tokens=24, ignore_eos=True))
     for (ids, stats), ref in zip(rows, alone):
@@ -80,39 +79,46 @@ def test_the_target_as_its_own_draft_is_always_accepted(setup):
 
 def test_draft_cache_rolls_back_to_each_rows_committed_prefix(setup):
     _, draft, batch, _ = setup
-    drafter = BatchDraftModel(draft)
+    drafter = DraftModel(draft)
+    drafter.start(3, 256, 8, GenerationSpec())
     rows = []
-    for i, p in enumerate(batch[:3]):
-        ids = p[0].tolist()
-        rows.append(Row(i, len(ids), ids + [7], GenerationStats(), None, 0.0, [7]))
-        drafter.join(rows[-1])
-    drafter.propose(rows, [4, 2, 4])  # row 1 keeps 2 proposals of the 4 steps drafted
-    assert [len(r.proposal) for r in rows] == [4, 2, 4]
-    accepted = [3, 2, 0]
-    drafter.commit(rows, accepted)
-    for row, a in zip(rows, accepted):
-        row.ids += row.proposal[:a] + [5]  # the target's correction / bonus token
-    # held: the old ids, plus the accepted drafts that were fed back (at most steps - 1 = 3)
-    held = [len(r.ids) - 1 - a + min(a, 3) for r, a in zip(rows, accepted)]
-    assert drafter.cache.lengths.tolist() == held
-    layer = drafter.cache.cache.layers[0]
-    for r, row in enumerate(rows):
-        fresh = DynamicCache()
-        with torch.no_grad():
-            draft(input_ids=torch.tensor([row.ids[:held[r]]]), past_key_values=fresh, use_cache=True)
-        torch.testing.assert_close(layer.keys[r, :, :held[r]], fresh.layers[0].keys[0], rtol=1e-4, atol=1e-5)
-    drafter.propose(rows, [2, 2, 2])  # the catch-up feeds each row its missing 1 or 2 tokens
-    assert drafter.cache.lengths.tolist() == [len(r.ids) + 1 for r in rows]
+    with drafter.attached():
+        for i, p in enumerate(batch[:3]):
+            ids = p[0].tolist()
+            rows.append(Row(i, len(ids), ids + [7], GenerationStats(), None, 0.0, [7]))
+            drafter.join(rows[-1])  # its prompt prefilled into the draft's static cache
+        drafter.propose_rows(rows, [4, 2, 4])  # row 1 keeps 2 proposals of the 4 steps drafted
+        assert [len(r.proposal) for r in rows] == [4, 2, 4]
+        accepted = [3, 2, 0]
+        drafter.commit_rows(rows, accepted)
+        for row, a in zip(rows, accepted):
+            row.ids += row.proposal[:a] + [5]  # the target's correction / bonus token
+        # held: the old ids, plus the accepted drafts that were fed back (at most steps - 1 = 3)
+        held = [len(r.ids) - 1 - a + min(a, 3) for r, a in zip(rows, accepted)]
+        assert drafter.cache.lengths[:3].tolist() == held == drafter.cache.held
+        layer = drafter.cache.layers[0]
+        for r, row in enumerate(rows):
+            fresh = DynamicCache()
+            with torch.no_grad():
+                draft(input_ids=torch.tensor([row.ids[:held[r]]]), past_key_values=fresh, use_cache=True)
+            torch.testing.assert_close(layer.keys[r, :, :held[r]], fresh.layers[0].keys[0], rtol=1e-4, atol=1e-5)
+        drafter.propose_rows(rows, [2, 2, 2])  # the catch-up feeds each row its missing 1 or 2 tokens
+        assert drafter.cache.lengths[:3].tolist() == [len(r.ids) + 1 for r in rows]
 
 
-def test_sampling_per_row_with_a_draft_model_follows_the_target():
+def test_sampling_per_row_with_a_compiled_draft_model_follows_the_target():
     """Rows' tokens follow the target, and the draft's q enters the rejection sampling: a draft token is accepted
     with probability sum_x min(p(x), q(x)) (Leviathan et al.), not the sum_x p(x) q(x) of a one-hot verification
-    (which is lossless too, so only the acceptance tells them apart)."""
+    (which is lossless too, so only the acceptance tells them apart). Target and draft both compiled on their static
+    caches (dynamo's eager backend: the graphs the CPU compiles, without code generation)."""
     from scipy.stats import binomtest, chisquare
+
+    from toolkit.engine.forward import TargetForward
 
     target = tiny_llama(seed=4, vocab=12, initializer_range=0.3)
     draft = tiny_llama(seed=9, vocab=12, initializer_range=0.3)
+    forward = TargetForward(target, compile=True, backend="eager")
+    draft_forward = TargetForward(draft, compile=True, backend="eager", name="draft")
     prompt = make_prompt(2, vocab=12, length=6)
     with torch.no_grad():  # the law of the 2nd token (the 1st from the prefill, the 2nd from a drafted round)
         p1 = target(prompt).logits[0, -1].softmax(-1).double()
@@ -124,15 +130,16 @@ def test_sampling_per_row_with_a_draft_model_follows_the_target():
     counts, accepted = np.zeros(12), 0
     for chunk in range(50):  # 400 rows, 8 per forward, every row its own seeds
         gen = GenerationSpec(max_new_tokens=3, do_sample=True, ignore_eos=True, seed=chunk * 8)  # room for 1 draft
-        drafter = BatchDraftModel(draft, do_sample=True, seed=gen.seed)
+        drafter = DraftModel(draft, do_sample=True, seed=gen.seed, forward=draft_forward)
         decoder = batch_decoder(target, drafter, VerifyCost(list(SLOW_VERIFY), learn=False), num_draft_tokens=1,
-                                batch_size=8)
+                                batch_size=8, forward=forward)
         for ids, stats in decoder.decode_batch([prompt] * 8, gen):
             counts[ids[1]] += 1
             accepted += stats.accepted
             assert stats.drafted == 1
     assert chisquare(counts, p2 / p2.sum() * counts.sum()).pvalue > 0.01
     assert binomtest(accepted, 400, alpha).pvalue > 0.001
+    assert draft_forward.compile_s and forward.compile_s  # the compiled graphs ran
 
 
 def test_generate_batch_runs_draft_model_recipes_batched(setup):

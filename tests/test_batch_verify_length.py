@@ -29,7 +29,7 @@ from test_decoder import make_prompt
 
 from toolkit.recipe import GenerationSpec
 from toolkit.speculative.cost_model import VerifyCost
-from toolkit.speculative.drafters.draft_model_rows import BatchDraftModel
+from toolkit.speculative.drafters import DraftModel
 
 V = 12
 #: ms of a verify forward over n = 1, 2, 3, ... tokens: width 2 (one draft) never pays, width 3 pays only when the
@@ -46,7 +46,7 @@ FLAT_MS = [100.0 + 8.0 * (n - 1) / 3 for n in range(1, 17)]
 DRAFT_STEP_MS = 60.0
 
 
-class FixedStepDraft(BatchDraftModel):
+class FixedStepDraft(DraftModel):
     """A batch draft model whose step costs :data:`DRAFT_STEP_MS` whatever the machine does."""
 
     def step_ms(self, rows: int) -> float:

@@ -1,4 +1,5 @@
-"""Every registered drafter honours the declared contract (DrafterProtocol / TreeDrafterProtocol), decodes greedily
+"""Every registered drafter honours the decoder's one row-drafter protocol (and single-sequence drafters the
+DrafterProtocol / TreeDrafterProtocol), decodes greedily
 token-identical to AR through the loop, and reports its cache; the recipe format round-trips through the registry."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from toolkit.speculative.drafters import (
     DrafterContext,
     DrafterProtocol,
     NgramConfig,
+    RowDrafter,
     TreeDrafterProtocol,
     build_drafter,
     config_type,
@@ -61,8 +63,10 @@ def test_registered_drafter_keeps_the_contract_and_is_greedy_exact(name, target)
     if not config.speculates:
         assert drafter is None
         return
-    assert isinstance(drafter, DrafterProtocol)
-    assert config.tree == isinstance(drafter, TreeDrafterProtocol)
+    assert isinstance(drafter, RowDrafter)  # the decoder's one protocol, whatever the config
+    assert config.tree == drafter.trees
+    if not drafter.batches:  # a single-sequence drafter also keeps the per-sequence contract
+        assert isinstance(drafter, DrafterProtocol) and config.tree == isinstance(drafter, TreeDrafterProtocol)
     reference = hf_greedy(target, make_prompt(1), 24)
     ids, stats = _decode(target, drafter)
     assert ids == reference

@@ -32,25 +32,29 @@ def test_greedy_eagle_tree_matches_ar(target, trained_head, shape):  # noqa: F81
     assert ids == reference
     assert stats.accepted > 0 and stats.rounds >= 2
     assert stats.drafted > stats.accepted
-    assert not target.model.layers[-1]._forward_hooks
+    from test_eagle import _foreign_hooks
+
+    assert not _foreign_hooks(target)  # features come with the forward's outputs, not from hooks
 
 
 def test_tree_and_linear_agree_on_the_first_path(target, trained_head):  # noqa: F811
-    """A topk-1 tree is the linear greedy draft: same tokens as ``propose`` from the same state."""
+    """A topk-1 tree is the linear greedy draft: same tokens as a chain proposal from the same state."""
+    from toolkit.engine.forward import select_hidden
+    from toolkit.engine.rows import Row
+    from toolkit.recipe import GenerationSpec
+    from toolkit.speculative.stats import GenerationStats
+
     prompt = make_prompt(2)
-    with torch.inference_mode():
-        target(prompt)  # warm nothing; the drafter needs the prefill features from its own hook
-    linear = EagleDrafter(target, trained_head)
-    linear.reset()
-    with torch.inference_mode():
-        target(prompt)
-    tokens, _ = linear.propose(torch.cat([prompt, torch.tensor([[5]])], 1), 4)
-    linear.close()
-    tree_drafter = EagleDrafter(target, trained_head)
-    tree_drafter.reset()
-    with torch.inference_mode():
-        target(prompt)
-    tree = tree_drafter.propose_tree(torch.cat([prompt, torch.tensor([[5]])], 1), budget=4, depth=4, topk=1)
-    tree_drafter.close()
-    assert tree.token_list() == tokens[0].tolist()
+    ids = prompt[0].tolist() + [5]
+    drafters = {tree: EagleDrafter(target, trained_head) for tree in (False, True)}
+    with torch.inference_mode():  # the prompt's features, as the decoder's prefill returns them
+        features = select_hidden(target(prompt, output_hidden_states=True), drafters[False].features)
+    rows = {}
+    for tree, drafter in drafters.items():
+        drafter.start(1, 256, 8, GenerationSpec(), tree=tree)
+        rows[tree] = Row(0, len(ids) - 1, list(ids), GenerationStats(), None, 0.0, [5])
+        drafter.join(rows[tree], features)
+    drafters[False].propose_rows([rows[False]], [4])
+    tree = drafters[True].propose_tree_row(rows[True], 4, 4, 1)
+    assert tree.token_list() == rows[False].proposal
     assert tree.parent_list() == [-1, 0, 1, 2]

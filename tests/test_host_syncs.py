@@ -6,7 +6,9 @@ Every way a tensor reaches the host (``tolist``, ``item``, ``int()``, ``float()`
 caches (``toolkit.kv``). On a CPU every tensor is already on the host, so the count is of the calls that would be
 device-to-host transfers on a GPU, plus one per request that is not: the prompt's ids, read once from the caller's
 host tensor. Drafters (``toolkit.speculative.drafters``) are not counted: model-free ones keep their state on the host
-by design (the main recipe's lookup drafter), and a draft model reads its own tokens back to hand them over.
+by design (the main recipe's lookup drafter) — except in the network drafters' test, which watches the draft model
+and the EAGLE head too (``toolkit.speculative.drafters``, ``toolkit.eagle``): under a planner that does not read draft
+confidences they leave their tokens on the device, and the decoder reads them with the round's one transfer.
 """
 
 from __future__ import annotations
@@ -30,18 +32,20 @@ from toolkit.speculative.verify_length import Calibrator
 
 READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy")
 WATCHED = ("toolkit.engine", "toolkit.kv")
+#: the network drafters' modules, watched too where they draft
+NETWORK = ("toolkit.speculative.drafters", "toolkit.eagle")
 
 
 @contextlib.contextmanager
-def counted_reads():
-    """Count device-to-host reads made from :data:`WATCHED` modules inside the block (``counts["n"]``)."""
+def counted_reads(watched: tuple[str, ...] = WATCHED):
+    """Count device-to-host reads made from ``watched`` modules inside the block (``counts["n"]``)."""
     counts = {"n": 0, "where": []}
     originals = {name: getattr(torch.Tensor, name) for name in READS}
 
     def wrap(name, original):
         def read(self, *args, **kwargs):
             caller = sys._getframe(1).f_globals.get("__name__", "")
-            if caller.startswith(WATCHED):
+            if caller.startswith(watched):
                 counts["n"] += 1
                 counts["where"].append(f"{caller}:{sys._getframe(1).f_lineno} {name}")
             return original(self, *args, **kwargs)
@@ -89,3 +93,32 @@ def test_a_batch_reads_the_device_once_per_round_for_all_its_rows():
         rows = decoder.decode_batch(prompts, gen)
     rounds = max(stats.rounds for _, stats in rows)  # every round serves every row still in flight
     assert counts["n"] <= rounds + 2 * len(prompts), counts["where"]
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "eagle"])
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+def test_compiled_network_drafters_read_the_device_once_per_round(eagle_pair, drafter, do_sample):
+    """A compiled draft model and a compiled EAGLE head (constant K): the drafter's round (catch-up, steps,
+    rollback) reads nothing back; its tokens come to the host with the round's accepted counts, in one transfer."""
+    from conftest import perturbed_copy
+
+    from toolkit.engine.planner import ConstantK
+    from toolkit.speculative.drafters import DraftModel
+    from toolkit.speculative.drafters.eagle import EagleDrafter
+
+    target, head = eagle_pair
+    forward = TargetForward(target, compile=True, backend="eager")
+    if drafter == "eagle":
+        make = lambda: EagleDrafter(target, head, do_sample=do_sample, top_k=5, compile=True, backend="eager")  # noqa: E731
+    else:
+        draft_forward = TargetForward(perturbed_copy(target, scale=0.05), compile=True, backend="eager", name="draft")
+        make = lambda: DraftModel(draft_forward.model, do_sample=do_sample, top_k=5, forward=draft_forward)  # noqa: E731
+    gen = GenerationSpec(max_new_tokens=24, ignore_eos=True, do_sample=do_sample, temperature=0.3, top_k=5, seed=3)
+    list(SpeculativeDecoder(target, make(), ConstantK(3), forward=forward).decode(make_prompt(100, length=8), gen,
+                                                                                   GenerationStats()))  # warm
+    stats = GenerationStats()
+    decoder = SpeculativeDecoder(target, make(), ConstantK(3), forward=forward)
+    with counted_reads(WATCHED + NETWORK) as counts:
+        list(decoder.decode(make_prompt(101, length=8), gen, stats))
+    assert stats.rounds >= 4 and stats.drafted > 0 and stats.tokens_per_round > 1
+    assert counts["n"] == stats.rounds + 2, counts["where"]

@@ -58,7 +58,8 @@ def test_speculative_equals_ar_under_window(make):
     draft = DraftModel(draft_model, streaming())  # the draft cache has its own policy
     spec, stats = run(target, draft, streaming(), prompt, 90)  # the target on the ring
     assert spec == ar
-    assert stats.compressions_draft >= 3 and stats.compressions_target == ar_stats.compressions_target == 0
+    assert draft.cache.window is not None  # the draft on a static ring of its own: it drops by overwriting
+    assert stats.compressions_draft == stats.compressions_target == ar_stats.compressions_target == 0
     assert 1.0 < stats.tokens_per_round  # some drafts were accepted: the K+1 verify path really ran
     assert ar == banded_greedy(target, prompt, 90)  # and the window semantics are the banded full forward's
     # the same on the policy's own cache, which compresses

@@ -298,14 +298,13 @@ def test_draft_cache_holds_the_committed_prefix_after_every_tree_round():
     checked = 0
     for chunk in decoder.decode(prompt, GenerationSpec(max_new_tokens=NEW, ignore_eos=True), GenerationStats(), []):
         sequence += chunk
-        cache = drafter.cache
-        if cache is None or drafter.cached == 0:
+        cache, held = drafter.cache.cache, drafter.cache.length  # trees: the draft's single-sequence cache
+        if cache is None or held == 0:
             continue
-        assert cache.get_seq_length() == drafter.cached <= len(sequence) - 1
+        assert cache.get_seq_length() == held <= len(sequence) - 1
         ref = new_cache(None, draft_lm)
         with torch.no_grad():
-            forward(draft_lm, ref, torch.tensor([sequence[: drafter.cached]]),
-                    torch.arange(drafter.cached).unsqueeze(0))
+            forward(draft_lm, ref, torch.tensor([sequence[:held]]), torch.arange(held).unsqueeze(0))
         for a, b in zip(layer_tensors(cache), layer_tensors(ref)):
             assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
         checked += 1

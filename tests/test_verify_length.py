@@ -163,7 +163,12 @@ def test_greedy_output_is_ar_whatever_the_curve(make, curve):
     draft = perturbed_copy(target, scale=0.1, seed=1)
     prompt = make_prompt(0)
     reference = hf_greedy(target, prompt, 40)
-    ids, stats, _ = speculate(target, DraftModel(draft), prompt, controller(curve, k=6, widest=7))
+
+    class FreeSteps(DraftModel):  # the verify curve alone decides (a draft step's cost would be charged too)
+        def step_ms(self, rows: int) -> float:
+            return 0.0
+
+    ids, stats, _ = speculate(target, FreeSteps(draft), prompt, controller(curve, k=6, widest=7))
     assert ids == reference
     assert stats.target_forwards == stats.rounds + 1
     if curve is STEEP:
@@ -272,26 +277,25 @@ def test_the_sampling_test_catches_a_verify_length_that_peeks_at_the_drafted_tok
     prompt = make_prompt(2, vocab=12, length=6)
     seen: dict = {}
     favourite: dict = {}  # prefix -> the target's argmax after it (the draws share their prefixes)
-    original = DraftModel.propose
+    original = DraftModel.propose_rows
 
-    def spy(self, input_ids, k):  # remember the drafted token and the target's favourite for the planted peek
-        tokens, logits = original(self, input_ids, k)
-        prefix = tuple(input_ids[0].tolist())
+    def spy(self, rows, num_draft_tokens, read=True):  # remember the drafted token and the target's favourite
+        original(self, rows, num_draft_tokens, read)
+        prefix = tuple(rows[0].ids)
         if prefix not in favourite:
             with torch.no_grad():
-                favourite[prefix] = int(target(input_ids).logits[0, -1].argmax())
+                favourite[prefix] = int(target(torch.tensor([prefix])).logits[0, -1].argmax())
         seen["best"] = favourite[prefix]
-        seen["first"] = int(tokens[0, 0])
-        return tokens, logits
+        seen["first"] = rows[0].proposal[0] if rows[0].proposal else -1
 
     def make():
         ctl = _PeekingController(VerifyCost([10.0] * 4, learn=False), Calibrator(), 2, 3)
         ctl.peek = lambda: seen["first"] == seen["best"]
         return ctl
 
-    DraftModel.propose = spy
+    DraftModel.propose_rows = spy
     try:
         counts, exact = _marginals(target, prompt, draft, make, 1000)
     finally:
-        DraftModel.propose = original
+        DraftModel.propose_rows = original
     assert chisquare(counts[0], exact[0] * counts[0].sum()).pvalue < 1e-6

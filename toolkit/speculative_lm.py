@@ -31,7 +31,7 @@ from toolkit.models.capabilities import check_tree_support
 from toolkit.recipe import GenerationSpec, Recipe
 from toolkit.session import ModelPool, Plan, load_models, plan
 from toolkit.speculative.cost_model import VerifyCost
-from toolkit.speculative.drafters import DrafterContext, build_drafter
+from toolkit.speculative.drafters import DrafterContext, RowDrafters, build_drafter
 from toolkit.speculative.stats import GenerationResult, GenerationStats
 from toolkit.speculative.tree import TreeShape
 from toolkit.speculative.verify_length import Calibrator
@@ -69,6 +69,7 @@ class SpeculativeLM:
         self._persistent_drafter = None  # a drafter whose config is `persistent` (memory across requests): ONE
         self._verify_cost = None  # the target's verify cost curve (adaptive: cost), measured or read once
         self._engine = None  # the target's forward (recipe.compile: compiled static engine or eager), at first use
+        self._draft_engine = None  # the draft LM's forward, likewise
         self.engine_note = ""  # which path decoding takes, and why (reports, the run log)
         self._forward_cost = None  # what forwards cost, one row or a batch (ForwardCost), learned online
         self.calibrator = Calibrator()  # acceptance calibration (adaptive: cost), learned across calls
@@ -111,18 +112,49 @@ class SpeculativeLM:
         gen.validate("generation")
         return gen
 
-    def _drafter(self, gen: GenerationSpec):
-        """The recipe's drafter for one call (``None`` = autoregressive), built through the drafter registry."""
+    def _drafter(self, gen: GenerationSpec, batch_size: int = 1):
+        """The recipe's drafter for one call of ``batch_size`` rows (``None`` = autoregressive), built through the
+        drafter registry: a row drafter for every config. A persistent drafter (memory across requests) is ONE per
+        SpeculativeLM, forked per row in batches; a drafter serving one row (``batches`` false) is made per row of a
+        batch."""
         config = self.recipe.spec.config
-        if config.persistent and self._persistent_drafter is not None:
-            return self._persistent_drafter
-        context = DrafterContext(self.target, self.draft_model, self.draft_policy, do_sample=gen.do_sample,
-                                 temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,
-                                 tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer)
-        drafter = build_drafter(config, context)
+        if not config.speculates:
+            return None
         if config.persistent:
-            self._persistent_drafter = drafter
+            if self._persistent_drafter is None:
+                self._persistent_drafter = build_drafter(config, self._context(gen))
+            root = self._persistent_drafter
+            return root if batch_size == 1 else RowDrafters(root.fork, trees=root.trees)
+        drafter = build_drafter(config, self._context(gen))
+        if batch_size > 1 and not drafter.batches:
+            return RowDrafters(lambda: build_drafter(config, self._context(gen)), trees=drafter.trees)
         return drafter
+
+    def _context(self, gen: GenerationSpec) -> DrafterContext:
+        """What a drafter of one call is built from (the draft network's forward engine and head compile follow the
+        target's: compiled where the target's forward is)."""
+        engine = self.engine
+        return DrafterContext(self.target, self.draft_model, self.draft_policy, do_sample=gen.do_sample,
+                              temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,
+                              tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer,
+                              acceptance=self.draft_acceptance, draft_forward=self.draft_engine,
+                              compile=engine.compiled, backend=engine.backend)
+
+    @property
+    def draft_engine(self) -> TargetForward | None:
+        """The draft LM's forward (``None`` without one): compiled on its own static cache where the target's forward
+        is compiled, the draft cache has a static form and (``compile: auto``) compiling pays for its weights."""
+        if self._draft_engine is None and self.draft_model is not None and self.recipe.spec.config.uses_draft_model:
+            from toolkit.engine.forward import compile_pays
+            from toolkit.kv.rows import supports_static
+            from toolkit.kv.static import static_form
+
+            engine, draft = self.engine, self.draft_model
+            compiled = engine.compiled and static_form(self.draft_policy) is None and supports_static(draft) is None \
+                and (self.recipe.compile != "auto" or compile_pays(draft))
+            self._draft_engine = TargetForward(draft, compile=compiled, backend=engine.backend, tuned=engine.tuned,
+                                               name="draft")
+        return self._draft_engine
 
     def forget(self) -> None:
         """Drop what earlier calls taught this SpeculativeLM: the drafter's memory of earlier requests and the
@@ -191,10 +223,23 @@ class SpeculativeLM:
         capacity = capacity_for(tokens + widest)
         widths = tuple(w for w in engine.widths if w <= widest) if engine.buckets else (1, 2)
         rows = (1,) if batch_size == 1 else (1, batch_size)
-        seconds = engine.warm_up(lambda r: engine.cache_for(self.target_policy, r, capacity, widest), widths, rows)
+        seconds = engine.warm_up(lambda r: engine.cache_for(self.target_policy, r, capacity, widest), widths, rows,
+                                 self._features())
+        draft = self.draft_engine
+        if draft is not None and draft.compiled:  # the draft network's graphs on its own static cache
+            seconds += draft.warm_up(lambda r: draft.cache_for(self.draft_policy, r, capacity, widest), widths, rows)
         if self.recipe.spec.adaptive == "cost":
             self.verify_cost_for(max(16, self.plan.max_query_tokens))
         return seconds
+
+    def _features(self) -> tuple[int, ...]:
+        """The target's hidden states the recipe's drafter reads (an EAGLE head's feature layers; else none)."""
+        from toolkit.eagle.features import hidden_indices
+        from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD
+
+        if self.recipe.spec.config.draft != DRAFT_EAGLE_HEAD or self.draft_model is None:
+            return ()
+        return hidden_indices(self.target, self.draft_model.config.feature_layers)
 
     def decoder(self, gen: GenerationSpec, batch_size: int = 1) -> SpeculativeDecoder:
         """A fresh decode loop for one call of ``batch_size`` rows per forward (the drafter is per call unless its
@@ -205,7 +250,7 @@ class SpeculativeLM:
         cost = self.forward_cost(max(16, self.plan.max_query_tokens, batch_size * (k + 1))) \
             if spec.adaptive == "cost" else None
         controller = make_controller(spec, cost, self.calibrator, self.plan.max_query_tokens)
-        drafter = self._drafter(gen) if batch_size == 1 else self._batch_drafter(gen)
+        drafter = self._drafter(gen, batch_size)
         return SpeculativeDecoder(self.target, drafter, controller, self.target_policy, tree, self.engine,
                                   batch_size)
 
@@ -326,27 +371,6 @@ class SpeculativeLM:
             stats.compile_ms += measured
         return [GenerationResult(self._text(ids, gen), ids, x[0].tolist(), stats)
                 for (ids, stats), x in zip(rows, inputs)]
-
-    def _batch_drafter(self, gen: GenerationSpec):
-        """What drafts for a batch (:mod:`toolkit.speculative.drafters.rows`): the draft model or EAGLE head over
-        all rows at once, or a model-free drafter per row (persistent ones forked from the SpeculativeLM's, sharing its
-        memory)."""
-        from toolkit.speculative.drafters.draft_model_rows import BatchDraftModel
-        from toolkit.speculative.drafters.eagle_rows import BatchEagle
-        from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD
-
-        config = self.recipe.spec.config
-        if not config.speculates:
-            return lambda: None
-        if config.draft == DRAFT_EAGLE_HEAD:
-            return BatchEagle(self.target, self.draft_model, do_sample=gen.do_sample, temperature=gen.temperature,
-                              top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed, acceptance=self.draft_acceptance)
-        if config.uses_draft_model:
-            return BatchDraftModel(self.draft_model, do_sample=gen.do_sample, temperature=gen.temperature,
-                                   top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,
-                                   confidence_threshold=config.confidence_threshold, acceptance=self.draft_acceptance)
-        root = self._drafter(gen)
-        return (lambda: root.fork()) if config.persistent else (lambda: self._drafter(gen))
 
 
 def _is_prompt_list(prompt) -> bool:

@@ -44,9 +44,14 @@ def ours(target, drafter, ids: torch.Tensor, new: int, controller=None, policy=N
 
 
 def ours_batch(target, drafter_maker, prompts: list, new: int, controller=None, forward=None, batch_size: int = 8):
-    """Our decoder over ``batch_size`` rows (continuous batching); returns ``[(new ids, stats)]`` in input order."""
+    """Our decoder over ``batch_size`` rows (continuous batching), a drafter from ``drafter_maker()`` per row (or a
+    row drafter serving every row); returns ``[(new ids, stats)]`` in input order."""
+    from toolkit.speculative.drafters import RowDrafter, RowDrafters
+
     controller = controller or CostAwareK(VerifyCost([1.0] * 64, learn=False), Calibrator(), 4, 5)
-    loop = SpeculativeDecoder(target, drafter_maker, controller, forward=forward, batch_size=batch_size)
+    drafter = drafter_maker if isinstance(drafter_maker, RowDrafter) and not isinstance(drafter_maker, type) \
+        else RowDrafters(drafter_maker)
+    loop = SpeculativeDecoder(target, drafter, controller, forward=forward, batch_size=batch_size)
     with torch.no_grad():
         return loop.decode_batch(prompts, GenerationSpec(max_new_tokens=new, ignore_eos=True))
 

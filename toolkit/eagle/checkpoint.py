@@ -127,12 +127,15 @@ def _read_state(directory: Path, field: str) -> dict[str, torch.Tensor]:
 def _dense_weight(module: torch.nn.Module) -> torch.Tensor:
     """The weight of ``module`` as a plain ``(out, in)`` tensor. A quantized linear (a torchao tensor subclass such
     as ``Int4OpaqueTensor``, which supports neither row indexing nor ``dequantize``) is read through its own kernel:
-    ``module(I) = I @ W.T`` on an identity batch gives ``W.T`` at the compute dtype."""
-    weight = module.weight.detach()
-    if type(weight) is torch.Tensor or not isinstance(module, torch.nn.Linear):
+    ``module(I) = I @ W.T`` on an identity batch gives ``W.T`` at the compute dtype; so is a linear that keeps no
+    ``weight`` at all (a GGUF's native int4 blocks, :class:`~toolkit.quant.int4_linear.PackedInt4Linear`)."""
+    weight = getattr(module, "weight", None)
+    weight = None if weight is None else weight.detach()
+    if weight is not None and (type(weight) is torch.Tensor or not isinstance(module, torch.nn.Linear)):
         return weight
-    eye = torch.eye(module.in_features, dtype=torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32,
-                    device=weight.device)
+    bf16 = weight is None or weight.dtype == torch.bfloat16  # a packed int4 kernel takes bf16 activations
+    device = weight.device if weight is not None else next(module.buffers()).device
+    eye = torch.eye(module.in_features, dtype=torch.bfloat16 if bf16 else torch.float32, device=device)
     with torch.no_grad():
         try:
             out = module(eye)

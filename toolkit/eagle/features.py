@@ -85,3 +85,27 @@ class FeatureHook:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def hidden_indices(model, layers: list[int]) -> tuple[int, ...]:
+    """Where a head's features are in HF's ``hidden_states`` of ``model``'s forward (``output_hidden_states``; index
+    ``i + 1`` is decoder layer ``i``'s output, the last index the final norm's output): one layer (EAGLE-1) must be the
+    last, read after the final norm (index ``-1``); several (EAGLE-3) are read as they leave their layers and must
+    not include the last (whose entry in ``hidden_states`` is normed). What :class:`FeatureHook` captures, without
+    hooks: the compiled target graph returns these tensors with its logits
+    (:func:`toolkit.engine.forward.select_hidden`).
+
+    Raises:
+        ValueError: a layer the hidden states cannot give that way.
+    """
+    count = model.config.get_text_config().num_hidden_layers
+    indices = [i % count for i in layers]
+    if len(indices) == 1:
+        if indices[0] != count - 1:
+            raise ValueError(f"feature_layers {layers}: a single feature layer is read after the final norm, so it "
+                             f"must be the last of the target's {count} layers")
+        return (-1,)
+    if count - 1 in indices:
+        raise ValueError(f"feature_layers {layers}: the last of the target's {count} layers is read after the final "
+                         "norm in hidden_states; EAGLE-3 layers are read before it")
+    return tuple(i + 1 for i in indices)

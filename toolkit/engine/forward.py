@@ -94,10 +94,23 @@ def _takes_cache(model_class) -> bool:
     return "cache" in inspect.signature(model_class.forward).parameters
 
 
-def _step(model, input_ids, position_ids, attention_mask, cache_kwargs: dict):
-    """One forward (the compiled region): logits ``(B, W, vocab)``."""
-    return model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=True,
-                 **cache_kwargs).logits
+def _step(model, input_ids, position_ids, attention_mask, cache_kwargs: dict, hidden: tuple[int, ...] = ()):
+    """One forward (the compiled region): logits ``(B, W, vocab)``, or with ``hidden`` (indices into HF's
+    ``hidden_states``, see :func:`select_hidden`) ``(logits, features (B, W, F))``."""
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=True,
+                output_hidden_states=bool(hidden), **cache_kwargs)
+    return (out.logits, select_hidden(out, hidden)) if hidden else out.logits
+
+
+# ---------------------------------------------------------------------------------- the target's hidden states
+def select_hidden(out, hidden: tuple[int, ...]) -> torch.Tensor:
+    """The hidden states a drafter reads from a forward's output (``output_hidden_states=True``): HF's
+    ``hidden_states`` at the indices ``hidden`` (0 = the embeddings, ``i + 1`` = decoder layer ``i``'s output, the last
+    = the final norm's output), concatenated on the last dimension: ``(B, W, len(hidden) * H)``. Inside the compiled
+    graph the unused layers' outputs are dead code: returning features costs no extra compute. transformers collects
+    them with hooks of its own, installed at the first forward that asks (the eager prefill: never inside a trace)."""
+    states = out.hidden_states
+    return states[hidden[0]] if len(hidden) == 1 else torch.cat([states[i] for i in hidden], dim=-1)
 
 
 def _foreign(hook) -> bool:
@@ -123,6 +136,8 @@ class TargetForward:
             to :data:`MODES` for the model's device.
         buckets: pad to static shapes (default: on CUDA); ``False``: dynamic sizes (CPU).
         tuned: on CPU, compile with :data:`TUNED_CPU_OPTIONS` (the recipe's ``compile: max``).
+        name: what the model is in log lines (``target``; ``draft`` for a draft model's forward, the same engine over
+            the draft's own static cache).
 
     Attributes:
         compile_s: first-call seconds (compile + run) per graph key.
@@ -132,8 +147,8 @@ class TargetForward:
     """
 
     def __init__(self, model, compile: bool = False, backend: str = "inductor", mode: str | None = None,
-                 buckets: bool | None = None, tuned: bool = False):
-        self.model = model
+                 buckets: bool | None = None, tuned: bool = False, name: str = "target"):
+        self.model, self.name = model, name
         self.device = next(model.parameters()).device
         self.buckets = (self.device.type == "cuda") if buckets is None else buckets
         self.widths, self.batch_sizes = CUDA_WIDTHS, CUDA_BATCH_SIZES
@@ -199,20 +214,24 @@ class TargetForward:
         :func:`toolkit.kv.attention.static_attention`)."""
         return attached(self.model, STATIC_NAME)
 
-    def prefill(self, input_ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, kwargs: dict, hidden: tuple[int, ...] = ()):
         """Eager forward of a prompt ``(1, n)`` on ``kwargs`` (a cache's ``begin_row``); logits ``(vocab,)`` of the
-        last position."""
-        return self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1,
-                          **model_kwargs(self.model, kwargs)).logits[0, -1]
+        last position, or with ``hidden`` ``(logits, features (1, n, F))`` (:func:`select_hidden`)."""
+        out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, output_hidden_states=bool(hidden),
+                         **model_kwargs(self.model, kwargs))
+        return (out.logits[0, -1], select_hidden(out, hidden)) if hidden else out.logits[0, -1]
 
-    def __call__(self, cache, input_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, cache, input_ids: torch.Tensor, hidden: tuple[int, ...] = ()):
         """Forward over ``input_ids`` ``(B, W)`` appending ``W`` tokens to each of the cache's ``B`` rows; returns
-        logits ``(B, W, vocab)``. Compiled where the cache is static and compiling is on (padded to buckets where
-        shapes are bucketed; the padding is cut from the logits), else eager."""
+        logits ``(B, W, vocab)``, or with ``hidden`` (indices into HF's ``hidden_states``: what a drafter reading the
+        target's features asked for, :func:`select_hidden`) ``(logits, features (B, W, F))`` from the same graph.
+        Compiled where the cache is static and compiling is on (padded to buckets where shapes are bucketed; the
+        padding is cut from the outputs), else eager."""
         rows, width = input_ids.shape
         if not (self.compiled and getattr(cache, "static", False)) or self._hooked():
-            return self.model(input_ids=input_ids, use_cache=True,
-                              **model_kwargs(self.model, cache.prepare(width))).logits
+            out = self.model(input_ids=input_ids, use_cache=True, output_hidden_states=bool(hidden),
+                             **model_kwargs(self.model, cache.prepare(width)))
+            return (out.logits, select_hidden(out, hidden)) if hidden else out.logits
         run_rows, run_width = self.rows_for(rows, cache.allocated), self.width_for(width)
         if (run_rows, run_width) != (rows, width):
             padded = input_ids.new_zeros(run_rows, run_width)
@@ -222,6 +241,7 @@ class TargetForward:
         kwargs = cache.prepare(run_width, range(run_rows))
         self._mark_dynamic(input_ids, kwargs, cache, span=not self.buckets)
         key = (run_rows if self.buckets else min(run_rows, 2), run_width if self.buckets else min(run_width, 2))
+        key += (hidden,) if hidden else ()  # a graph returning features is a graph of its own
         first = key not in self._checked.get(cache, ())  # this graph on this cache: guards not yet run in full
         new_key, graphs = key not in self.compile_s, _graphs()
         if new_key:
@@ -230,8 +250,8 @@ class TargetForward:
         if self.device.type == "cuda" and self.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # the previous round's outputs were consumed
         args = (self.model, input_ids, kwargs["position_ids"], kwargs["attention_mask"],
-                model_kwargs(self.model, {"past_key_values": kwargs["past_key_values"]}))
-        logits = self._run(args, first)
+                model_kwargs(self.model, {"past_key_values": kwargs["past_key_values"]}), hidden)
+        out = self._run(args, first)
         self._checked.setdefault(cache, set()).add(key)
         if new_key or _graphs() != graphs:
             if self.device.type == "cuda":
@@ -240,12 +260,15 @@ class TargetForward:
             self.compile_ms += seconds * 1000
             self.compile_s.setdefault(key, seconds)
             what = "compiled" if new_key else "recompiled (a new cache shape)"
-            log.info("%s the target's %s forward in %.1f s", what, self._shape(key), seconds)
-        return logits[:rows, :width]
+            log.info("%s the %s's %s forward in %.1f s", what, self.name, self._shape(key), seconds)
+        if hidden:
+            return out[0][:rows, :width], out[1][:rows, :width]
+        return out[:rows, :width]
 
     def _shape(self, key: tuple) -> str:
         """A graph key in words: rows x width, ``2+`` where the size is dynamic past 1 (unbucketed shapes)."""
-        return "x".join(str(n) if self.buckets or n == 1 else "2+" for n in key) + " (rows x tokens)"
+        shape = "x".join(str(n) if self.buckets or n == 1 else "2+" for n in key[:2]) + " (rows x tokens)"
+        return shape + (" with hidden states" if len(key) > 2 else "")
 
     def _announce(self, key: tuple) -> None:
         """The INFO line before a graph's first call: what is compiled and what it may take."""
@@ -254,13 +277,13 @@ class TargetForward:
         else:
             kind = "cpu-tuned" if self.tuned and self.device.type == "cpu" else self.device.type
             expected = COLD_COMPILE.get(kind, "minutes")
-        log.info("compiling the target's %s forward with torch.compile: %s the first time on this machine, seconds "
+        log.info("compiling the %s's %s forward with torch.compile: %s the first time on this machine, seconds "
                  "once inductor's on-disk cache (%s) holds it; SpeculativeLM.warm_up() compiles before timing",
-                 self._shape(key), expected, os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default"))
+                 self.name, self._shape(key), expected, os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default"))
 
     def _hooked(self) -> bool:
-        """Whether a forward hook is on the model (an EAGLE drafter's feature hook): such forwards run eager. A
-        graph traced without the hook would not call it (and the guards that notice are the ones skipped)."""
+        """Whether a forward hook is on the model (a user's: drafters read features without any): such forwards run
+        eager. A graph traced without the hook would not call it (and the guards that notice are the ones skipped)."""
         if self._modules is None:
             self._modules = list(self.model.modules())
         from torch.nn.modules import module as nn_module
@@ -271,7 +294,7 @@ class TargetForward:
                      for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))
         if hooked and not self._said_hooked:
             self._said_hooked = True
-            log.info("forward hooks on the target (a drafter reading its features): its forwards run eager")
+            log.info("forward hooks on the target: its forwards run eager")
         return hooked
 
     def _run(self, args: tuple, first: bool) -> torch.Tensor:
@@ -316,9 +339,11 @@ class TargetForward:
             if rows > 1:
                 torch._dynamo.mark_dynamic(mask, 0)
 
-    def warm_up(self, cache_factory, widths: tuple[int, ...] = (1, 2), rows: tuple[int, ...] = (1,)) -> float:
-        """Compile now the graphs forwards of ``widths`` x ``rows`` use, on a scratch cache from
-        ``cache_factory(rows)``; returns the seconds it took (seconds from inductor's cache, minutes cold)."""
+    def warm_up(self, cache_factory, widths: tuple[int, ...] = (1, 2), rows: tuple[int, ...] = (1,),
+                hidden: tuple[int, ...] = ()) -> float:
+        """Compile now the graphs forwards of ``widths`` x ``rows`` use (returning the hidden states ``hidden`` too:
+        an EAGLE drafter's), on a scratch cache from ``cache_factory(rows)``; returns the seconds it took (seconds
+        from inductor's cache, minutes cold)."""
         began = time.perf_counter()
         with torch.inference_mode(), self.attached():
             for r in rows:
@@ -326,10 +351,10 @@ class TargetForward:
                 prompt = torch.zeros(1, 8, dtype=torch.long, device=self.device)
                 for _ in range(r):
                     prefilled, kwargs = cache.begin_row(8)
-                    self.prefill(prompt, kwargs)
+                    self.prefill(prompt, kwargs, hidden)
                     cache.add_row(prefilled, 8)
                 for w in widths:
-                    self(cache, torch.zeros(r, w, dtype=torch.long, device=self.device))
+                    self(cache, torch.zeros(r, w, dtype=torch.long, device=self.device), hidden)
         return time.perf_counter() - began
 
 

@@ -9,7 +9,10 @@ this module are the registrations. To add a drafter: write one file like ``ngram
 Drafters here:
 
 * :class:`DraftModel` — any HF causal LM at any precision (also the target's own weights at int8/int4, the
-  ``self`` drafter), with a persistent KV cache that is rolled back with ``crop``, never rebuilt.
+  ``self`` drafter), drafting for every row at once on its own static cache, compiled where the recipe compiles;
+  rollback moves per-row lengths.
+* :class:`EagleDrafter` — an EAGLE-1 / EAGLE-3 head reading the target's hidden states, which the target's own
+  (compiled) forward returns with its logits; the head's step compiled too.
 * :class:`NGramDrafter` — prompt lookup decoding (Saxena, 2023; HF ``prompt_lookup_num_tokens``): find the most
   recent earlier occurrence of the last n tokens (n from ``max_ngram`` down to ``min_ngram``) in prompt + output
   and propose what followed it. No model.
@@ -22,6 +25,7 @@ Drafters here:
 """
 
 from toolkit.speculative.drafters.base import Drafter, DrafterProtocol, TreeDrafterProtocol
+from toolkit.speculative.drafters.rows import RowDrafter, RowDrafters
 
 # The registrations, one line per drafter (registration order = the order of the allowed names in errors).
 from toolkit.speculative.drafters.draft_model import DraftModel, DraftModelConfig, SelfDraftConfig  # noqa: E402
@@ -39,7 +43,7 @@ from toolkit.speculative.drafters.registry import (
 )
 from toolkit.speculative.drafters.suffix import SuffixConfig, SuffixDrafter  # noqa: E402
 
-__all__ = ["Drafter", "DrafterProtocol", "TreeDrafterProtocol", "DrafterConfig", "DrafterContext", "build_drafter",
+__all__ = ["Drafter", "DrafterProtocol", "TreeDrafterProtocol", "RowDrafter", "RowDrafters", "DrafterConfig", "DrafterContext", "build_drafter",
            "config_type", "drafter_names", "register_drafter", "DraftModel", "DraftModelConfig", "SelfDraftConfig",
            "NGramDrafter", "NgramConfig", "SuffixDrafter", "SuffixConfig", "EagleDrafter", "EagleConfig",
            "NoDrafterConfig", "LookupDrafter", "LookupConfig"]

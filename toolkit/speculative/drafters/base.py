@@ -16,6 +16,11 @@ The decode loop calls, per generation::
 
 and reads ``forwards`` (draft model forwards since ``reset``) and ``cache`` (the drafter's KV cache, whose bytes are
 reported, or ``None``). ``tests/test_drafter_contract.py`` checks every registered drafter against these protocols.
+
+A :class:`Drafter` is also the decoder's row drafter (:class:`~toolkit.speculative.drafters.rows.RowDrafter`) of one
+row: its base class serves the row protocol through :class:`~toolkit.speculative.drafters.rows.RowDrafters` over
+itself, so one instance decodes one request at a time; a batch gives every row its own instance (``RowDrafters``
+with a maker).
 """
 
 from __future__ import annotations
@@ -74,3 +79,64 @@ class Drafter:
 
     def close(self) -> None:
         """Release what ``reset`` set up on shared objects (e.g. hooks on the target); called once per generation."""
+
+    # ---------------------------------------------------------------------- the row protocol, for one row
+    features: tuple[int, ...] = ()
+    compile_ms = 0.0
+    #: an instance serves one row (a batch gives each row its own: RowDrafters)
+    batches = False
+    device_proposals = None
+
+    @property
+    def trees(self) -> bool:
+        return isinstance(self, TreeDrafterProtocol)
+
+    @property
+    def _rows(self):
+        rows = self.__dict__.get("_row_protocol")
+        if rows is None:
+            from toolkit.speculative.drafters.rows import RowDrafters
+
+            rows = self.__dict__["_row_protocol"] = RowDrafters(lambda: self)
+        return rows
+
+    def start(self, rows: int, capacity: int, widest: int, gen, tree: bool = False) -> None:
+        """A call of at most ``rows`` rows. Raises ValueError for more than one: an instance drafts one request at a
+        time (a batch takes ``RowDrafters(maker)``)."""
+        if rows > 1:
+            raise ValueError("batch_size: a single drafter instance decodes one sequence at a time (pass "
+                             "RowDrafters(lambda: drafter) with a maker for batches)")
+        self._rows.start(rows, capacity, widest, gen)
+
+    def begin(self, row) -> None:
+        self._rows.begin(row)
+
+    def join(self, row, features=None) -> None:
+        pass
+
+    def remove(self, keep: list[int]) -> None:
+        pass
+
+    def step_ms(self, rows: int) -> float | None:
+        return None
+
+    def attached(self):
+        return self._rows.attached()
+
+    def draft_cache(self, row):
+        return self.cache
+
+    def propose_rows(self, rows: list, num_draft_tokens: list[int], read: bool = True) -> None:
+        self._rows.propose_rows(rows, num_draft_tokens)
+
+    def commit_rows(self, rows: list, accepted: list[int], features=None) -> None:
+        self._rows.commit_rows(rows, accepted)
+
+    def propose_tree_row(self, row, budget: int, depth: int, topk: int):
+        return self._rows.propose_tree_row(row, budget, depth, topk)
+
+    def commit_tree_row(self, row, path: list[int], features=None) -> None:
+        self._rows.commit_tree_row(row, path)
+
+    def close_row(self, row) -> None:
+        self._rows.close_row(row)

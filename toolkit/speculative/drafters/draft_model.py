@@ -1,19 +1,55 @@
-"""A small causal LM as drafter (also the target's own weights at low precision: the ``self`` drafter)."""
+"""A small causal LM as drafter (also the target's own weights at low precision: the ``self`` drafter), drafting for
+every row in flight at once — one sequence is a batch of one — on its own cache, through the decoder's forward engine.
+
+The draft network runs on the same engine as the target (:class:`~toolkit.engine.forward.TargetForward`): on its
+own static cache (:class:`~toolkit.kv.static.StaticKV`, gpt-fast's layout) its forwards are compiled where the
+recipe compiles (CPU: a graph for one-token steps and one for wider forwards; CUDA: CUDA graphs over buckets), and
+rollback is moving per-row lengths. A draft KV policy without a static form drafts one request at a time on the
+policy's single-sequence cache (:class:`~toolkit.kv.rows.SingleRowCache`), eager, as token trees do.
+
+A round (the row protocol of :mod:`toolkit.speculative.drafters.rows`)::
+
+    join       a request's prompt is prefilled alone into the next row of the draft cache
+    catch up   ONE forward over (B, c): row r feeds the committed tokens its draft cache has not seen (1 or 2 after
+               a speculative round, more after plain steps), padded to the widest c; its next-token logits are read
+               at its own last real input
+    draft      steps - 1 forwards over (B, 1), each row feeding the token it just drafted (greedy argmax, or a
+               sample from q = the processed draft distribution, with the row's own generator)
+    hand over  ONE device-to-host read of every drafted token and its confidence
+    commit     row r keeps in the draft cache its committed prefix: what it held, plus its drafted tokens the target
+               accepted that were fed (``min(accepted, steps - 1)``); the rest lies past its length and is
+               overwritten by its next forward (no copy, no recomputation)
+
+The number of steps is the decoder's: K, or under the cost-aware planner what pays given :meth:`DraftModel.step_ms`
+(a probe step, then the moving average of drafting rounds) and the acceptance per draft position (vLLM's rule that
+the draft length shrinks as the batch grows). This is HF assisted generation's draft-model path (Leviathan et al.,
+2023) over a batch.
+
+Token trees (one row, :meth:`DraftModel.propose_tree_row`): an EAGLE-2 dynamic tree
+(:mod:`toolkit.speculative.tree_dynamic`), one draft forward per level over the expanded nodes under a tree mask;
+the accepted path's entries are kept with the cache's ``keep_tail``. Tree children are the top-k of q (chosen, not
+sampled), so sampling verification treats them as one-hot drafts (lossless).
+"""
 
 from __future__ import annotations
 
-import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
 
 from toolkit.checks import check_float
-from toolkit.kv.contract import new_cache, policy_attached
-from toolkit.speculative.drafters.base import Drafter
+from toolkit.engine.forward import TargetForward
+from toolkit.kv.contract import policy_attached
+from toolkit.kv.rows import SingleRowCache
+from toolkit.kv.static import StaticKV
 from toolkit.speculative.drafters.registry import DRAFT_MODEL, DRAFT_TARGET, DrafterConfig, register_drafter
-from toolkit.speculative.tree import TokenTree, TreeShape, expansion_mask
-from toolkit.speculative.tree_dynamic import build_dynamic_tree
-from toolkit.speculative.verify import process_logits, sample_token
+from toolkit.speculative.drafters.rows import ModelDrafter
+from toolkit.speculative.verify import process_logits
+
+#: most tokens one catch-up forward feeds per row where forwards are not bounded otherwise (bucketed CUDA graphs
+#: bound it by their widest bucket, a StreamingLLM ring by the widest forward it leaves room for)
+CATCH_UP_CHUNK = 512
 
 
 @dataclass
@@ -28,7 +64,7 @@ class DraftModelConfig(DrafterConfig):
     name = "draft_model"
     draft = DRAFT_MODEL
     tree = True
-    batch = True  # in one draft forward per step over the batch (toolkit.speculative.drafters.draft_model_rows)
+    batch = True  # one draft forward per step over the batch
     hf_baseline = "assisted"
     vllm_method = "draft_model"
     sglang_algorithm = "STANDALONE"
@@ -55,41 +91,33 @@ class SelfDraftConfig(DraftModelConfig):
 
 @register_drafter(SelfDraftConfig)
 @register_drafter(DraftModelConfig)
-class DraftModel(Drafter):
-    """A small causal LM proposing tokens autoregressively from its own persistent KV cache.
+class DraftModel(ModelDrafter):
+    """A causal LM sharing the target's vocabulary, drafting for every row (see the module docstring).
 
     Args:
-        model: HF causal LM sharing the target's vocabulary (any precision, any device).
-        policy: KV compression policy of the draft cache (``None`` = uncompressed).
-        do_sample / temperature / top_k / top_p: how draft tokens are chosen (greedy argmax or a sample from the
-            processed distribution q).
-        confidence_threshold: stop the round early once the draft's top probability falls below it (HF dynamic
-            speculation); ``None`` drafts all K.
-        generator: ``torch.Generator`` on the draft's device used for sampling.
-
-    Tree proposals (:meth:`propose_tree`): an EAGLE-2 dynamic tree (:mod:`toolkit.speculative.tree_dynamic`), one
-    draft forward per level over the expanded nodes under a tree attention mask; :meth:`commit_tree` keeps the
-    accepted path's draft entries with ``cache.keep_tail``. Tree children are the top-k of q (chosen,
-    not sampled), so sampling verification treats them as one-hot drafts (lossless).
-
-    Cache bookkeeping: ``cached`` is the number of sequence tokens represented in the draft cache. ``propose`` feeds
-    the committed tokens the cache has not seen (one or two per round), then drafts; ``commit`` crops the cache
-    back to the committed prefix (``crop(-n)``), so a rejection costs no recomputation.
+        model: the draft LM (any precision the toolkit loads, any device).
+        policy: KV policy of the draft cache (``None`` = uncompressed; a policy without a static form drafts one
+            request at a time).
+        do_sample / temperature / top_k / top_p / seed / generator / acceptance: as
+            :class:`~toolkit.speculative.drafters.rows.ModelDrafter`.
+        confidence_threshold: a row stops drafting in a round once the draft's top probability falls below it (HF
+            dynamic speculation; one host read per step); ``None`` drafts every step.
+        forward: the draft network's :class:`~toolkit.engine.forward.TargetForward` (compiled or eager; a
+            SpeculativeLM keeps one, so its static cache and graphs serve every call); default: eager.
     """
 
-    def __init__(self, model, policy=None, *, do_sample=False, temperature=1.0, top_k=0, top_p=1.0,
-                 confidence_threshold=None, generator=None):
-        self.model = model
-        self.policy = policy
-        self.do_sample = do_sample
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.confidence_threshold = confidence_threshold
-        self.generator = generator
+    def __init__(self, model, policy=None, *, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, generator: torch.Generator | None = None,
+                 confidence_threshold: float | None = None, acceptance=None, forward: TargetForward | None = None):
+        super().__init__(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                         generator=generator, acceptance=acceptance)
+        self.model, self.policy, self.confidence_threshold = model, policy, confidence_threshold
+        self.forward = forward or TargetForward(model, name="draft")
         self.device = next(model.parameters()).device
         self.cache = None
-        self.cached = 0
-        self._proposed_until = 0
-        self._confidence: list[float] | None = None
+        self._held: list[int] = []  # per row: tokens its draft cache represents (host-side)
+        self._steps = 0  # draft forwards of the current round (the catch-up and the steps after it)
+        self._chunk = CATCH_UP_CHUNK
 
     @classmethod
     def from_config(cls, config: DraftModelConfig, context):
@@ -99,112 +127,193 @@ class DraftModel(Drafter):
 
             return CrossTokenizerDrafter(context.draft_model, context.draft_tokenizer, context.tokenizer,
                                          context.draft_policy)
-        device = next(context.draft_model.parameters()).device
-        generator = torch.Generator(device=device).manual_seed(context.seed + 1) if context.do_sample else None
         return cls(context.draft_model, context.draft_policy, do_sample=context.do_sample,
-                   temperature=context.temperature, top_k=context.top_k, top_p=context.top_p,
-                   confidence_threshold=config.confidence_threshold, generator=generator)
+                   temperature=context.temperature, top_k=context.top_k, top_p=context.top_p, seed=context.seed,
+                   confidence_threshold=config.confidence_threshold, acceptance=context.acceptance,
+                   forward=context.draft_forward)
 
-    def reset(self) -> None:
-        super().reset()
-        self.close()
-        self._scope = contextlib.ExitStack()
-        self._scope.enter_context(policy_attached(self.policy, self.model))
-        self.cache = new_cache(self.policy, self.model)
-        self.cached = 0
-        self._proposed_until = 0
+    # ------------------------------------------------------------------------------------------------ rows
+    def start(self, rows: int, capacity: int, widest: int, gen, tree: bool = False) -> None:
+        """The draft cache of this call: the engine's static cache (kept across calls) where it holds the policy,
+        else the policy's single-sequence cache (token trees, compressed draft caches: one row).
 
-    def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Run the draft over ``tokens`` ``(1, m)`` at the next positions; returns last-position logits ``(vocab,)``."""
-        positions = torch.arange(self.cached, self.cached + tokens.shape[1], device=self.device).unsqueeze(0)
-        out = self.model(input_ids=tokens, past_key_values=self.cache, use_cache=True, logits_to_keep=1,
-                         **self.cache.forward_kwargs(positions))
-        self.cached += tokens.shape[1]
-        self.forwards += 1
-        return out.logits[0, -1]
+        Raises:
+            ValueError: ``rows > 1`` where the draft cache holds one sequence.
+        """
+        self._start_rows()
+        self._held = []
+        if tree:
+            self.cache = SingleRowCache(self.policy, self.model)
+        else:
+            self.cache = self.forward.cache_for(self.policy, rows, capacity, widest)
+        static, self._chunk = isinstance(self.cache, StaticKV), CATCH_UP_CHUNK
+        if not static and rows > 1:
+            raise ValueError("batch_size: a draft cache without a static form holds one sequence; decode one at a time")
+        if static and self.cache.window is not None:
+            self._chunk = self.cache.widest
+        elif static and self.forward.compiled and self.forward.buckets:
+            self._chunk = self.forward.widths[-1]
 
-    @torch.no_grad()
-    def propose(self, input_ids: torch.Tensor, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        committed = input_ids.shape[1]
-        self._committed_before = committed
-        if num_draft_tokens == 0:
-            return input_ids.new_empty((1, 0)), None
-        logits = self._forward(input_ids[:, self.cached:].to(self.device))
-        tokens, all_logits, confidence = [], [], []
-        for step in range(num_draft_tokens):
-            all_logits.append(logits)
-            probs = process_logits(logits, self.temperature, self.top_k, self.top_p)
-            token = sample_token(probs.unsqueeze(0), self.generator)[0] if self.do_sample else logits.argmax()
-            tokens.append(token)
-            confidence.append(probs.max())  # known before the token is drawn: see CostAwareK.plan
-            if self.confidence_threshold is not None and probs.max().item() < self.confidence_threshold:
+    def attached(self):
+        """The draft's attention for the call: the static engine's, or the draft policy's."""
+        if isinstance(self.cache, StaticKV):
+            return self.forward.attached()
+        return policy_attached(self.policy, self.model)
+
+    def draft_cache(self, row):
+        return self.cache
+
+    @torch.inference_mode()
+    def join(self, row, features=None) -> None:
+        """A new row: its prompt (``row.ids`` but its first generated token) prefilled alone into the draft cache."""
+        prefilled, kwargs = self.cache.begin_row(row.prompt_len)
+        prompt = torch.tensor([row.ids[:row.prompt_len]], device=self.device)
+        self.forward.prefill(prompt, kwargs)
+        self.cache.add_row(prefilled, row.prompt_len)
+        self._held.append(row.prompt_len)
+        row.stats.draft_forwards += 1
+        self._join_generator(row, self.device)
+
+    def remove(self, keep: list[int]) -> None:
+        self.cache.keep_rows(keep)
+        self._held = [self._held[i] for i in keep]
+        self._remove_generators(keep)
+
+    def _probe(self, rows: int) -> None:
+        zeros = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        self.model(input_ids=zeros, position_ids=zeros, use_cache=False, logits_to_keep=1)
+
+    # ------------------------------------------------------------------------------------------------ a round
+    @torch.inference_mode()
+    def propose_rows(self, rows: list, num_draft_tokens: list[int], read: bool = True) -> None:
+        """Draft ``max(num_draft_tokens)`` steps for every row (row ``i`` keeps at most ``num_draft_tokens[i]``)."""
+        num_draft_tokens = list(num_draft_tokens)
+        steps = max(num_draft_tokens, default=0)  # most draft steps (forwards) of the batch
+        self._steps, self.device_proposals = 0, None
+        for row in rows:
+            row.proposal, row.confidence, row.q = [], None, None
+        if steps == 0:
+            return
+        started, compiled = time.perf_counter(), self.forward.compile_ms
+        logits = self._catch_up(rows)
+        ones = torch.ones(len(rows), dtype=torch.long, device=self.device)
+        live = [n > 0 for n in num_draft_tokens]
+        drafted, confidences, probs = [], [], []
+        for step in range(steps):
+            p = process_logits(logits, self.temperature, self.top_k, self.top_p)  # (B, vocab)
+            token = self._sample(p) if self.do_sample else logits.argmax(-1)
+            drafted.append(token)
+            confidences.append(p.max(-1).values)
+            probs.append(p)
+            if self.confidence_threshold is not None:
+                for i, c in enumerate(confidences[-1].tolist()):
+                    if c < self.confidence_threshold and live[i]:
+                        live[i] = False  # this row's proposal ends with this token
+                        num_draft_tokens[i] = min(num_draft_tokens[i], step + 1)
+            if step + 1 == steps or not any(live[i] and num_draft_tokens[i] > step + 1 for i in range(len(rows))):
                 break
-            if step + 1 < num_draft_tokens:
-                logits = self._forward(token.view(1, 1))
-        self._confidence = torch.stack(confidence)
-        return torch.stack(tokens).view(1, -1), torch.stack(all_logits)
+            logits = self._forward(token.view(-1, 1), ones, [1] * len(rows))
+        self._steps = len(drafted)
+        compile_ms = self.forward.compile_ms - compiled
+        self.compile_ms += compile_ms
+        self._observe_time(len(rows), ((time.perf_counter() - started) * 1000 - compile_ms) / len(drafted))
+        self._hand_over(rows, num_draft_tokens, drafted, confidences, probs,
+                        read or self.confidence_threshold is not None)
 
-    def confidence(self) -> list[float] | None:
-        """The draft's top probability at each drafted position (q(token) under greedy), read before the token is
-        sampled so that a verify length chosen from it keeps sampling lossless (a host sync: the loop asks only when
-        its controller uses it)."""
-        return None if self._confidence is None else self._confidence.tolist()
-
-    def close(self) -> None:
-        """Undo what :meth:`reset` installed on the draft model (the policy's attention hook, if any)."""
-        scope, self._scope = getattr(self, "_scope", None), None
-        if scope is not None:
-            scope.close()
-
-    def commit(self, num_accepted: int) -> None:
-        """Roll the draft cache back to the committed prefix: everything after ``committed - 1`` tokens goes."""
-        committed = self._committed_before + num_accepted + 1
-        keep = min(self.cached, committed - 1)
-        if keep < self.cached:
-            self.cache.crop(keep - self.cached)
-            self.cached = keep
+    def commit_rows(self, rows: list, accepted: list[int], features=None) -> None:
+        """Keep each row's committed prefix in the draft cache (see the module docstring)."""
+        fed = max(0, self._steps - 1)  # drafted tokens fed back (the last one never is)
+        self._observe_acceptance(rows, accepted)
+        if fed:
+            self._rollback([fed - min(a, fed) for a in accepted])
         self.cache.commit()
+
+    # ------------------------------------------------------------------------------------------------ forwards
+    def _catch_up(self, rows: list) -> torch.Tensor:
+        """Feed every row the committed tokens its cache lacks (in forwards of at most ``_chunk`` tokens per row,
+        right-aligned so that every row's last token is in the last one); returns next-token logits ``(B, vocab)``."""
+        pending = [row.ids[h:] for row, h in zip(rows, self._held)]
+        longest = max(len(p) for p in pending)
+        chunks = -(-longest // self._chunk)
+        end = chunks * self._chunk  # the right-aligned layout's length
+        for j in range(chunks):
+            parts = [p[max(0, j * self._chunk - end + len(p)):max(0, (j + 1) * self._chunk - end + len(p))]
+                     for p in pending]
+            width = max(len(x) for x in parts)
+            counts = [len(x) for x in parts]
+            inputs = torch.tensor([x + [x[-1] if x else 0] * (width - len(x)) for x in parts], device=self.device)
+            logits = self._forward(inputs, torch.tensor(counts, device=self.device), counts)
+        return logits
+
+    def _forward(self, inputs: torch.Tensor, counts: torch.Tensor, counts_host: list[int]) -> torch.Tensor:
+        """One draft forward over ``inputs`` ``(B, width)`` (row ``r``'s first ``counts[r]`` real, ``counts`` also on
+        the host); the cache keeps those; returns each row's logits at its last real input ``(B, vocab)``."""
+        logits = self.forward(self.cache, inputs)
+        self.cache.accept(counts, counts_host)
+        self._held = [h + c for h, c in zip(self._held, counts_host)]
+        last = (counts - 1).clamp_min(0).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
+        return logits.gather(1, last)[:, 0]
+
+    def _rollback(self, drops: list[int]) -> None:
+        """Forget the last ``drops[r]`` entries of each row: on the static cache its lengths move back (StaticKV's
+        ``accept`` adds its counts to them: negative counts are the rollback, and nothing is moved); on a
+        single-sequence cache the policy's cache is cropped."""
+        if isinstance(self.cache, StaticKV):
+            self.cache.accept(-torch.tensor(drops, device=self.device), [-d for d in drops])
+        elif drops[0]:
+            self.cache.cache.crop(-drops[0])
+            self.cache.length -= drops[0]
+        self._held = [h - d for h, d in zip(self._held, drops)]
 
     # ------------------------------------------------------------------------------------------------ trees
-    @torch.no_grad()
-    def propose_tree(self, input_ids: torch.Tensor, budget: int, depth: int, topk: int) -> TokenTree:
-        """EAGLE-2 dynamic tree after ``input_ids`` ``(1, n)``: at most ``budget`` nodes, ``depth`` levels.
-
-        Draft forwards: one over the committed tokens the cache has not seen, then one per level below the first
-        over the (at most ``topk``) expanded nodes. Expanded nodes' entries stay in the draft cache until
-        :meth:`commit_tree`.
-        """
-        committed = input_ids.shape[1]
-        self._committed_before = committed
-        fresh = input_ids[:, self.cached:].to(self.device)
-        self._fresh = fresh.shape[1]
-        root = self._forward(fresh)
-        fed: list[int] = []  # candidate indices whose entries were appended to the draft cache, in order
-        offset_of: dict[int, int] = {}
-        parent_of: dict[int, int] = {}
-
-        def expand(nodes: list[int], tokens: list[int], parents: list[int], depths: list[int]) -> torch.Tensor:
-            m = len(nodes)
-            visible = expansion_mask(parents, offset_of, parent_of, len(fed))  # over the entries fed this round
-            positions = (committed - 1 + torch.tensor(depths, device=self.device)).unsqueeze(0)
-            inputs = self.cache.forward_kwargs(positions, tree_mask=visible.to(self.device))
-            out = self.model(input_ids=torch.tensor([tokens], device=self.device), past_key_values=self.cache,
-                             use_cache=True, logits_to_keep=m, **inputs)
-            self.forwards += 1
-            for node, parent in zip(nodes, parents):
-                offset_of[node], parent_of[node] = len(fed), parent
-                fed.append(node)
-            return torch.log_softmax(out.logits[0].float(), dim=-1)
-
-        tree, kept = build_dynamic_tree(torch.log_softmax(root.float(), dim=-1), expand,
-                                        TreeShape(budget, depth, topk), depth)
-        self._tree_fed = {new: offset_of[old] for new, old in enumerate(kept) if old in offset_of}
+    @torch.inference_mode()
+    def propose_tree_row(self, row, budget: int, depth: int, topk: int):
+        """EAGLE-2 dynamic tree after the row's committed tokens: at most ``budget`` nodes, ``depth`` levels. Draft
+        forwards: the catch-up, then one per level below the first over the (at most ``topk``) expanded nodes, whose
+        entries stay in the draft cache until :meth:`commit_tree_row`."""
+        started, compiled = time.perf_counter(), self.forward.compile_ms
+        tree = _dynamic_tree(self, row, budget, depth, topk)
+        self._observe_time(1, (time.perf_counter() - started) * 1000 - (self.forward.compile_ms - compiled))
         return tree
 
-    def commit_tree(self, accepted_nodes: list[int]) -> None:
+    def commit_tree_row(self, row, path: list[int], features=None) -> None:
         """Keep the committed tokens fed this round and the accepted path's expanded nodes; drop the rest."""
-        path_fed = [self._tree_fed[node] for node in accepted_nodes if node in self._tree_fed]
-        keep = list(range(self._fresh)) + [self._fresh + off for off in path_fed]
-        self.cache.keep_tail(keep)
-        self.cached = self._committed_before + len(path_fed)
+        path_fed = [self._tree_fed[node] for node in path if node in self._tree_fed]
+        self.cache.cache.keep_tail(list(range(self._fresh)) + [self._fresh + off for off in path_fed])
+        self._held[0] = self._committed_before + len(path_fed)
+        self.cache.length = self._held[0]
         self.cache.commit()
+
+
+def _dynamic_tree(drafter: DraftModel, row, budget: int, depth: int, topk: int):
+    """The tree of :meth:`DraftModel.propose_tree_row` (one row, on the single-sequence cache)."""
+    from toolkit.engine.forward import model_kwargs
+    from toolkit.speculative.tree import TreeShape, expansion_mask
+    from toolkit.speculative.tree_dynamic import build_dynamic_tree
+
+    model, cache, device = drafter.model, drafter.cache, drafter.device
+    committed = len(row.ids)
+    drafter._committed_before, drafter._fresh = committed, committed - drafter._held[0]
+    root = drafter._catch_up([row])[0]  # the fresh tokens' entries stay past the commit point until commit_tree_row
+    row.stats.draft_forwards += 1
+    fed: list[int] = []  # candidate indices whose entries were appended to the draft cache, in order
+    offset_of: dict[int, int] = {}
+    parent_of: dict[int, int] = {}
+
+    def expand(nodes: list[int], tokens: list[int], parents: list[int], depths: list[int]) -> torch.Tensor:
+        m = len(nodes)
+        visible = expansion_mask(parents, offset_of, parent_of, len(fed))  # over the entries fed this round
+        positions = (committed - 1 + torch.tensor(depths, device=device)).unsqueeze(0)
+        inputs = cache.cache.forward_kwargs(positions, tree_mask=visible.to(device))
+        out = model(input_ids=torch.tensor([tokens], device=device), use_cache=True, logits_to_keep=m,
+                    **model_kwargs(model, {**inputs, "past_key_values": cache.cache}))
+        row.stats.draft_forwards += 1
+        for node, parent in zip(nodes, parents):
+            offset_of[node], parent_of[node] = len(fed), parent
+            fed.append(node)
+        return torch.log_softmax(out.logits[0].float(), dim=-1)
+
+    tree, kept = build_dynamic_tree(torch.log_softmax(root.float(), dim=-1), expand, TreeShape(budget, depth, topk),
+                                    depth)
+    drafter._tree_fed = {new: offset_of[old] for new, old in enumerate(kept) if old in offset_of}
+    return tree

@@ -1,40 +1,50 @@
-"""EAGLE drafter: drafts from the target's own features with a one-layer head (Li et al. 2024, EAGLE; EAGLE-3).
+"""EAGLE drafter: drafts from the target's own features with a one-layer head (Li et al. 2024, EAGLE; EAGLE-3), for
+every row in flight at once (one sequence is a batch of one).
 
-Protocol with the decode loop (unchanged loop; see :mod:`toolkit.engine.decoder`):
+The features come from the target's own forwards, compiled or eager, without hooks: the drafter asks for them
+through :attr:`EagleDrafter.features` (indices into HF's ``hidden_states``: the last layer's output after the final
+norm for EAGLE-1, three layers' outputs for EAGLE-3; :func:`toolkit.eagle.features.hidden_indices`), and the decoder's
+target forward returns them with its logits (:func:`toolkit.engine.forward.select_hidden`): the prefill's to
+:meth:`EagleDrafter.join`, each verify forward's to :meth:`EagleDrafter.commit_rows`.
 
-* ``reset()`` installs a forward hook on the target's feature layer(s) (:class:`toolkit.eagle.features.FeatureHook`)
-  and empties the head's KV cache; ``close()`` removes the hook (the loop calls it in a ``finally``).
-* The prefill forward leaves the prompt's features in the hook: positions ``0..n-1``.
-* ``propose(sequence, K)``: the head cache holds one *true pair* ``(feature_t, token_{t+1})`` per committed position
-  whose feature is known, at position ``t``. It is cropped back to those (dropping last round's draft steps), the
-  pending true pairs are appended, and K draft steps run: step 1 reads the last true pair's output, step s feeds the
-  head's own output paired with draft token s-1 at the next position.
-* Each verify forward leaves the features of ``[last committed, d_1..d_k]`` in the hook; ``commit(a)`` keeps the
-  first ``a + 1`` of them as the next pending pairs (their next tokens are ``d_1..d_a`` and the bonus token).
+The head cache of row ``r`` holds its *true pairs* ``(feature_t, token_{t+1})`` at positions ``0 .. fed - 1`` on a
+static cache (:func:`toolkit.eagle.static_head.head_cache`); the head's step is compiled where the target's forward is
+(:class:`~toolkit.eagle.static_head.HeadForward`). A round::
 
-Tree rounds (EAGLE-2 dynamic trees, Li et al. 2024; the tree decoder of ``toolkit.speculative.tree``):
-``propose_tree`` grows the tree with :func:`toolkit.speculative.tree_dynamic.build_dynamic_tree`, expanding each
-level's chosen nodes in ONE head forward under a tree mask (a node sees the true pairs, its ancestors and itself, at
-position ``last true pair + depth``); ``commit_tree(path)`` keeps the verify forward's features of the root and the
-accepted path. Trees are deterministic top-k proposals (``draft_probs = None``), which verification treats as
-one-hot drafts: lossless under sampling too.
+    catch up   ONE head step over (B, p): row r feeds its pending true pairs (the prompt's features after its
+               prefill; then the 1 + accepted features of each verify forward since it last drafted), padded to the
+               widest; its first draft token comes from its last real output
+    draft      steps - 1 head steps over (B, 1): the head's own output paired with the token it just drafted, at the
+               next position (greedy argmax over the draft vocabulary, or a sample from q = the head's distribution in
+               the target vocabulary, zero outside the draft vocabulary)
+    hand over  ONE device-to-host read of every drafted token and its confidence
+    commit     every row's head cache goes back to its true pairs (the draft steps lie past its length and are
+               overwritten); the verify forward's features of the row's last committed token and its accepted drafts
+               become its pending pairs
 
-Draft tokens come from the head's (reduced) draft vocabulary; ``draft_logits`` ``(k, vocab)`` are the head's logits
-scattered into the target vocabulary with ``-inf`` elsewhere, so q is exactly zero outside the draft vocabulary
-and speculative sampling stays lossless. Under greedy decoding ``draft_logits`` is ``None`` (not needed).
+Tree rounds (EAGLE-2 dynamic trees, one row; the tree decoder of :mod:`toolkit.engine.tree`): the head's eager cache
+(:class:`~toolkit.eagle.head.HeadCache`); ``propose_tree_row`` expands each level's chosen nodes in ONE head forward
+under a tree mask (a node sees the true pairs, its ancestors and itself, at position ``last true pair + depth``);
+``commit_tree_row`` keeps the tree verify forward's features of the root and the accepted path. Trees are
+deterministic top-k proposals (one-hot drafts to verification: lossless under sampling too).
+
+Draft tokens come from the head's (reduced) draft vocabulary; under sampling q is the head's distribution scattered
+into the target vocabulary, exactly zero outside the draft vocabulary, so speculative sampling stays lossless.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
-from toolkit.eagle.features import FeatureHook
+from toolkit.eagle.features import hidden_indices
 from toolkit.eagle.head import EagleHead, HeadCache
-from toolkit.speculative.drafters.base import Drafter
+from toolkit.eagle.static_head import HeadForward, head_cache
 from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DrafterConfig, register_drafter
-from toolkit.speculative.verify import process_logits, sample_token
+from toolkit.speculative.drafters.rows import ModelDrafter
+from toolkit.speculative.verify import process_logits
 
 
 @dataclass
@@ -45,116 +55,165 @@ class EagleConfig(DrafterConfig):
     name = "eagle"
     draft = DRAFT_EAGLE_HEAD
     tree = True
-    batch = True  # in one head forward per step over the batch (toolkit.speculative.drafters.eagle_rows)
+    batch = True  # one head step per draft step over the batch
     vllm_method = "eagle"
     sglang_algorithm = "EAGLE"
 
 
 @register_drafter(EagleConfig)
-class EagleDrafter(Drafter):
-    """Feature-level drafter over a loaded :class:`toolkit.eagle.head.EagleHead`.
+class EagleDrafter(ModelDrafter):
+    """Feature-level drafter over a loaded :class:`toolkit.eagle.head.EagleHead` (see the module docstring).
 
     Args:
-        target: the HF causal LM being decoded (its decoder layers get the hook; batch size 1).
+        target: the HF causal LM being decoded (its config gives the feature layers' indices).
         head: the head (:func:`toolkit.eagle.checkpoint.load_head`), any float dtype on the target's device.
-        do_sample / temperature / top_k / top_p / generator: how draft tokens are chosen (argmax, or a sample from q
-            processed exactly as the verifier processes it).
+        do_sample / temperature / top_k / top_p / seed / generator / acceptance: as
+            :class:`~toolkit.speculative.drafters.rows.ModelDrafter`.
+        compile / backend: compile the head's step (:class:`~toolkit.eagle.static_head.HeadForward`).
+
+    Raises:
+        ValueError: feature layers the target's hidden states cannot give (see
+            :func:`~toolkit.eagle.features.hidden_indices`).
     """
 
     def __init__(self, target, head: EagleHead, *, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, generator: torch.Generator | None = None):
-        self.target = target
-        self.head = head
-        self.do_sample = do_sample
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.generator = generator
+                 top_p: float = 1.0, seed: int = 0, generator: torch.Generator | None = None, acceptance=None,
+                 compile: bool = False, backend: str = "inductor"):
+        super().__init__(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                         generator=generator, acceptance=acceptance)
+        self.target, self.head = target, head
+        self.features = hidden_indices(target, head.config.feature_layers)
+        self.device = head.lm_head.weight.device
         self.dtype = next(head.parameters()).dtype
-        self.hook: FeatureHook | None = None
-        self.head_cache = HeadCache()
-        self.fed = 0  # true pairs in the head cache (positions 0..fed-1)
-        self.pending: torch.Tensor | None = None  # features (1, p, F) of positions fed..fed+p-1
-        self._confidence: torch.Tensor | None = None
+        self.step = HeadForward(head, compile=compile, backend=backend)
+        self.cache = None  # the head's cache: static (chains) or a HeadCache (token trees)
+        self.pending: list[torch.Tensor] = []  # per row: features (p, F) of the true pairs not yet fed
+        self._held: list[int] = []  # per row: true pairs (and, during a round, draft steps) in the head cache
+        self._steps = 0
 
     @classmethod
     def from_config(cls, config: EagleConfig, context) -> EagleDrafter:
-        device = next(context.target.parameters()).device
-        generator = torch.Generator(device=device).manual_seed(context.seed + 1) if context.do_sample else None
-        return cls(context.target, context.draft_model, do_sample=context.do_sample,
-                   temperature=context.temperature, top_k=context.top_k, top_p=context.top_p, generator=generator)
+        return cls(context.target, context.draft_model, do_sample=context.do_sample, temperature=context.temperature,
+                   top_k=context.top_k, top_p=context.top_p, seed=context.seed, acceptance=context.acceptance,
+                   compile=context.compile, backend=context.backend)
 
-    def reset(self) -> None:
-        super().reset()
-        self.close()
-        self.hook = FeatureHook(self.target, self.head.config.feature_layers)
-        self.head_cache = HeadCache()
-        self.fed = 0
-        self.pending = None
+    # ------------------------------------------------------------------------------------------------ rows
+    def start(self, rows: int, capacity: int, widest: int, gen, tree: bool = False) -> None:
+        """The head cache of this call: static rows for chains, the eager :class:`HeadCache` for token trees."""
+        self._start_rows()
+        self.pending, self._held, self._tree = [], [], tree
+        self.cache = HeadCache() if tree else head_cache(self.head, rows, capacity, widest)
 
-    def close(self) -> None:
-        if self.hook is not None:
-            self.hook.close()
-            self.hook = None
+    def draft_cache(self, row):
+        return self.cache
 
-    @property
-    def cache(self) -> HeadCache:
-        """The head's KV cache (its ``kv_bytes()`` is what the decoder reports as draft KV bytes)."""
-        return self.head_cache
+    def join(self, row, features: torch.Tensor | None = None) -> None:
+        """A new row, right after its prefill: the prompt's features ``(1, n, F)`` become its pending pairs.
 
-    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Head output logits ``(d,)`` -> (target token id (), full logits or None, the head's top probability ())."""
-        if not self.do_sample:
-            best = logits.argmax()
-            return self.head.draft_to_target[best], None, torch.softmax(logits.float(), -1)[best]
-        full = self.head.to_target_vocab(logits)
-        probs = process_logits(full, self.temperature, self.top_k, self.top_p)
-        token = sample_token(probs.unsqueeze(0), self.generator)[0]
-        return token, full, probs.max()  # known before the token is drawn: see CostAwareK.plan
+        Raises:
+            RuntimeError: no features (the decoder's forward was not asked for :attr:`features`)."""
+        if features is None:
+            raise RuntimeError("EagleDrafter.join: no features of the prompt (the target forward must return the "
+                               "hidden states this drafter asks for)")
+        self.pending.append(features[0, :row.prompt_len])
+        self._held.append(0)
+        if not self._tree:
+            self.cache.add_row(self.cache.begin_row(0)[0], 0)  # an empty row: true pairs come with the catch-up
+        self._join_generator(row, self.device)
 
+    def remove(self, keep: list[int]) -> None:
+        if not self._tree:
+            self.cache.keep_rows(keep)
+        elif not keep:
+            self.cache = HeadCache()
+        self.pending = [self.pending[i] for i in keep]
+        self._held = [self._held[i] for i in keep]
+        self._remove_generators(keep)
+
+    def _probe(self, rows: int) -> None:
+        tokens = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        x = torch.zeros(rows, 1, self.head.config.hidden_size, dtype=self.dtype, device=self.device)
+        out, _ = self.head(x, tokens, tokens)
+        self.head.logits(out)
+
+    # ------------------------------------------------------------------------------------------------ a round
     @torch.inference_mode()
-    def propose(self, input_ids: torch.Tensor, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if num_draft_tokens == 0:
-            return input_ids.new_empty((1, 0)), None
-        head, device = self.head, self.head.lm_head.weight.device
-        last = self._feed_pending(input_ids)
-        drafted, all_logits, confidence = [], [], []
-        for step in range(num_draft_tokens):
-            token, full, prob = self._choose(head.logits(last[0, -1]))
+    def propose_rows(self, rows: list, num_draft_tokens: list[int], read: bool = True) -> None:
+        """Draft ``max(num_draft_tokens)`` steps for every row (row ``i`` keeps at most ``num_draft_tokens[i]``)."""
+        steps = max(num_draft_tokens, default=0)  # draft steps (head steps) of the batch
+        self._steps, self.device_proposals = 0, None
+        for row in rows:
+            row.proposal, row.confidence, row.q = [], None, None
+        if steps == 0:
+            return
+        started, compiled = time.perf_counter(), self.step.compile_ms
+        last, logits = self._catch_up(rows)
+        ones = torch.ones(len(rows), dtype=torch.long, device=self.device)
+        drafted, confidences, probs = [], [], []
+        for step in range(steps):
+            token, confidence, q = self._choose(logits)
             drafted.append(token)
-            all_logits.append(full)
-            confidence.append(prob)
-            if step + 1 == num_draft_tokens:
+            confidences.append(confidence)
+            probs.append(q)
+            if step + 1 == steps:
                 break
-            tok = token.view(1, 1)
-            position = torch.tensor([[self.fed + step]], device=device)
-            last, _ = head(head.step_input(last, tok), tok, position, self.head_cache)
-            self.forwards += 1
-        self._confidence = torch.stack(confidence)
-        tokens_out = torch.stack(drafted).view(1, -1)
-        return tokens_out, (torch.stack(all_logits) if self.do_sample else None)
+            last, logits = self.step(self.cache, last[:, None], token.view(-1, 1), ones, [1] * len(rows), False)
+        self._steps = steps
+        self._held = [h + steps - 1 for h in self._held]
+        compile_ms = self.step.compile_ms - compiled
+        self.compile_ms += compile_ms
+        self._observe_time(len(rows), ((time.perf_counter() - started) * 1000 - compile_ms) / steps)
+        self._hand_over(rows, num_draft_tokens, drafted, confidences, probs, read)
 
-    def confidence(self) -> list[float] | None:
-        """The head's top probability at each drafted position (a host sync: asked only by cost-aware controllers)."""
-        return None if self._confidence is None else self._confidence.tolist()
+    def commit_rows(self, rows: list, accepted: list[int], features: torch.Tensor | None = None) -> None:
+        """Back to the true pairs; the verify forward's features of each row's committed tokens become pending."""
+        self._observe_acceptance(rows, accepted)
+        drafted = max(0, self._steps - 1)  # head steps past the true pairs
+        if drafted:
+            self.cache.accept(torch.full((len(rows),), -drafted, device=self.device), [-drafted] * len(rows))
+            self._held = [h - drafted for h in self._held]
+        self._steps = 0
+        for i, a in enumerate(accepted):  # a copy: the forward's outputs may be overwritten (CUDA graphs)
+            self.pending[i] = torch.cat([self.pending[i], features[i, :a + 1]])
 
-    def _feed_pending(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Crop the head cache to the true pairs, append the pending ones; returns the last output ``(1, 1, H)``."""
-        committed = input_ids.shape[1]
-        if self.hook is None:
-            raise RuntimeError("EagleDrafter.propose before reset(): no feature hook installed")
-        if self.pending is None and self.fed == 0:  # first round: the prefill's features
-            self.pending = self.hook.features()
-        head, device = self.head, self.head.lm_head.weight.device
-        self.head_cache.crop(self.fed)
-        pending = self.pending.to(device=device, dtype=self.dtype)
+    def _catch_up(self, rows: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed every row its pending true pairs; returns each row's last real output ``(B, H)`` and its logits."""
+        counts = [p.shape[0] for p in self.pending]
+        width = max(counts)
+        features = torch.stack([torch.cat([p, p[-1:].expand(width - len(p), -1)]) for p in self.pending])
+        tokens = torch.tensor([row.ids[f + 1:f + 1 + c] + [row.ids[-1]] * (width - c)
+                               for row, f, c in zip(rows, self._held, counts)], device=self.device)
+        out = self.step(self.cache, features, tokens, torch.tensor(counts, device=self.device), counts, True)
+        self._held = [h + c for h, c in zip(self._held, counts)]
+        self.pending = [p[:0] for p in self.pending]
+        return out
+
+    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Head logits ``(B, draft_vocab)`` -> (target token ids ``(B,)``, top probability ``(B,)``, q ``(B, vocab)``
+        or None under greedy)."""
+        if not self.do_sample:
+            probs = torch.softmax(logits.float(), -1)
+            best = probs.argmax(-1)
+            return self.head.draft_to_target[best], probs.gather(1, best[:, None])[:, 0], None
+        q = process_logits(self.head.to_target_vocab(logits), self.temperature, self.top_k, self.top_p)
+        return self._sample(q), q.max(-1).values, q
+
+    # ------------------------------------------------------------------------------------------------ trees
+    def _feed_tree_pending(self, row) -> torch.Tensor:
+        """Crop the eager head cache to the true pairs, append the pending ones; returns the last output
+        ``(1, 1, H)``."""
+        head, fed = self.head, self._held[0]
+        self.cache.crop(fed)
+        pending = self.pending[0][None].to(dtype=self.dtype)
         p = pending.shape[1]
-        if self.fed + p != committed - 1:
-            raise RuntimeError(f"EAGLE drafter out of step: {self.fed} + {p} features for {committed} tokens")
-        tokens = input_ids[:, self.fed + 1: self.fed + p + 1].to(device)
-        positions = torch.arange(self.fed, self.fed + p, device=device).unsqueeze(0)
-        out, _ = head(head.input_features(pending, tokens), tokens, positions, self.head_cache)
-        self.forwards += 1
-        self.fed += p
-        self.pending = None
+        if fed + p != len(row.ids) - 1:
+            raise RuntimeError(f"EAGLE drafter out of step: {fed} + {p} features for {len(row.ids)} tokens")
+        tokens = torch.tensor([row.ids[fed + 1: fed + p + 1]], device=self.device)
+        positions = torch.arange(fed, fed + p, device=self.device).unsqueeze(0)
+        out, _ = head(head.input_features(pending, tokens), tokens, positions, self.cache)
+        row.stats.draft_forwards += 1
+        self._held[0] += p
+        self.pending[0] = self.pending[0][:0]
         return out[:, -1:]
 
     def _log_probs(self, out: torch.Tensor) -> torch.Tensor:
@@ -162,43 +221,37 @@ class EagleDrafter(Drafter):
         return self.head.to_target_vocab(torch.log_softmax(self.head.logits(out).float(), dim=-1))
 
     @torch.inference_mode()
-    def propose_tree(self, input_ids: torch.Tensor, budget: int, depth: int, topk: int):
-        """EAGLE-2 dynamic tree after ``input_ids`` ``(1, n)``: at most ``budget`` nodes, ``depth`` levels, ``topk``
+    def propose_tree_row(self, row, budget: int, depth: int, topk: int):
+        """EAGLE-2 dynamic tree after the row's committed tokens: at most ``budget`` nodes, ``depth`` levels, ``topk``
         children per expanded node. Head forwards: one over the pending true pairs, then one per level below the
         first over the (at most ``topk``) expanded nodes. Returns a ``TokenTree`` (``draft_probs = None``)."""
         from toolkit.speculative.tree import TreeShape, expansion_mask
         from toolkit.speculative.tree_dynamic import build_dynamic_tree
 
-        head, device = self.head, self.head.lm_head.weight.device
-        root = self._feed_pending(input_ids)
-        base = len(self.head_cache)  # == self.fed: true pairs only
+        head, device = self.head, self.device
+        root = self._feed_tree_pending(row)
+        base = len(self.cache)  # true pairs only
         outputs: dict[int, torch.Tensor] = {-1: root[0, 0]}
         offset_of: dict[int, int] = {}
         parent_of: dict[int, int] = {}
 
         def expand(nodes: list[int], tokens: list[int], parents: list[int], depths: list[int]) -> torch.Tensor:
-            fed_now = len(self.head_cache)
+            fed_now = len(self.cache)
             visible = expansion_mask(parents, offset_of, parent_of, fed_now, prefix=base, device=device)
             tok = torch.tensor([tokens], device=device)
             prev = torch.stack([outputs[p] for p in parents]).unsqueeze(0)  # (1, m, H)
             positions = (base - 1 + torch.tensor(depths, device=device)).unsqueeze(0)
-            out, _ = head(head.step_input(prev, tok), tok, positions, self.head_cache, visible)
-            self.forwards += 1
-            for row, (node, parent) in enumerate(zip(nodes, parents)):
-                offset_of[node], parent_of[node] = fed_now + row, parent
-                outputs[node] = out[0, row]
+            out, _ = head(head.step_input(prev, tok), tok, positions, self.cache, visible)
+            row.stats.draft_forwards += 1
+            for r, (node, parent) in enumerate(zip(nodes, parents)):
+                offset_of[node], parent_of[node] = fed_now + r, parent
+                outputs[node] = out[0, r]
             return self._log_probs(out[0])
 
         tree, _ = build_dynamic_tree(self._log_probs(root[0])[0], expand, TreeShape(budget, depth, topk), depth)
         return tree
 
-    def commit_tree(self, accepted_nodes: list[int]) -> None:
+    def commit_tree_row(self, row, path: list[int], features: torch.Tensor | None = None) -> None:
         """Keep the tree verify forward's features of the root and the accepted path's nodes."""
-        rows = [0] + [node + 1 for node in accepted_nodes]
-        self.pending = self.hook.features()[:, rows]
-        self.head_cache.crop(self.fed)
-
-    def commit(self, num_accepted: int) -> None:
-        """Keep the verify forward's features of the last committed token and the ``num_accepted`` drafts."""
-        self.pending = self.hook.features()[:, : num_accepted + 1]
-        self.head_cache.crop(self.fed)
+        self.pending[0] = features[0, [0] + [node + 1 for node in path]]
+        self.cache.crop(self._held[0])

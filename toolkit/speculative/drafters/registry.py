@@ -41,7 +41,7 @@ class DrafterConfig:
         persistent: one drafter instance serves every ``generate`` call of a SpeculativeLM (memory across requests); its
             class then has ``fork()``: a drafter for a concurrent request sharing that memory (batches).
         batch: the drafter runs in batched decoding (:mod:`toolkit.engine.decoder`): model-free drafters per
-            row, draft models over the whole batch (:mod:`toolkit.speculative.drafters.draft_model_rows`).
+            row, draft models and EAGLE heads over the whole batch (:mod:`toolkit.speculative.drafters.rows`).
         hf_baseline: the HF ``generate`` method that does the same kind of drafting (``assisted``,
             ``prompt_lookup``), timed next to ours; ``None`` = only HF AR.
         vllm_method / sglang_algorithm: the serving engines' name of the method, ``None`` where they have none.
@@ -88,6 +88,10 @@ class DrafterContext:
         do_sample / temperature / top_k / top_p: the call's sampling settings (draft tokens are chosen the same way).
         seed: the call's seed; a drafter that samples seeds its own generator with ``seed + 1``.
         tokenizer: the target's tokenizer; draft_tokenizer: the draft LM's, only when its vocabulary differs.
+        acceptance: a network drafter's per-position acceptance, kept across calls (``None``: a fresh one).
+        draft_forward: the draft LM's forward engine (:class:`~toolkit.engine.forward.TargetForward`, compiled where
+            the recipe compiles; ``None``: eager).
+        compile / backend: compile an EAGLE head's step, with this ``torch.compile`` backend.
     """
 
     target: Any
@@ -100,6 +104,10 @@ class DrafterContext:
     seed: int = 0
     tokenizer: Any = None
     draft_tokenizer: Any = None
+    acceptance: Any = None
+    draft_forward: Any = None
+    compile: bool = False
+    backend: str = "inductor"
 
 
 _CONFIGS: dict[str, type[DrafterConfig]] = {}
@@ -149,5 +157,8 @@ def owner_of(field_name: str) -> list[type[DrafterConfig]]:
 
 
 def build_drafter(config: DrafterConfig, context: DrafterContext):
-    """A new drafter for ``config`` (``None`` for autoregressive decoding)."""
+    """A new drafter for ``config`` (``None`` for autoregressive decoding): for every config a row drafter
+    (:class:`~toolkit.speculative.drafters.rows.RowDrafter`, the decoder's one protocol) — a network drafter over
+    any number of rows, or a single-sequence drafter serving one row (batches give each row its own, see
+    :class:`~toolkit.speculative.drafters.rows.RowDrafters`)."""
     return _BUILDERS[type(config)](config, context)
