@@ -119,9 +119,11 @@ class LlamaCppForward:
         view = np.ctypeslib.as_array(self.llama_cpp.llama_get_logits(self.llama.ctx), shape=(rows, self.n_vocab))
         return torch.from_numpy(view.copy())
 
-    def prefill(self, input_ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, kwargs: dict, hidden: tuple[int, ...] = ()) -> torch.Tensor:
         """The prompt ``(1, n)`` into the cache of ``kwargs`` (a cache's ``begin_row``), in chunks of
-        :data:`N_BATCH`; logits ``(vocab,)`` of its last position."""
+        :data:`N_BATCH`; logits ``(vocab,)`` of its last position. ``hidden`` (features a drafter reads) must be
+        empty: llama.cpp hands out no hidden states (:func:`check_plan` refuses EAGLE heads)."""
+        _no_features(hidden)
         cache: LlamaCppCache = kwargs["llama_cache"]
         ids = input_ids[0].tolist()
         for start in range(0, len(ids), N_BATCH):
@@ -131,9 +133,10 @@ class LlamaCppForward:
         cache.written(0)  # the prompt is kept whole (add_row sets the length)
         return self._logits(1)[0]
 
-    def __call__(self, cache: LlamaCppCache, input_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, cache: LlamaCppCache, input_ids: torch.Tensor, hidden: tuple[int, ...] = ()) -> torch.Tensor:
         """Verify forward: ``input_ids`` ``(1, W)`` appended to the cache's sequence; logits ``(1, W, vocab)``.
-        Raises ``ValueError`` for ``B > 1`` or ``W >`` :data:`N_BATCH`."""
+        Raises ``ValueError`` for ``B > 1``, ``W >`` :data:`N_BATCH` or features asked for (``hidden``)."""
+        _no_features(hidden)
         rows, width = input_ids.shape
         if rows != 1 or width > N_BATCH:
             raise ValueError(f"input_ids: a llama.cpp forward takes (1, <= {N_BATCH}) tokens, got "
@@ -155,6 +158,11 @@ class LlamaCppForward:
             cache.accept(None, [0])
         cache.keep_rows([])
         return time.perf_counter() - began
+
+
+def _no_features(hidden: tuple[int, ...]) -> None:
+    if hidden:
+        raise ValueError("hidden: a llama.cpp target forward returns logits only (no hidden states for a drafter)")
 
 
 def check_plan(recipe, policies: dict) -> None:
