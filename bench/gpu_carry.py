@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from gpu_kit.carry import MANIFEST, split_file  # noqa: E402
+from gpu_kit.carry import split_file  # noqa: E402
 
 #: the wheels carried, by group (distribution names)
 GROUPS = {"quant": ("torchao", "bitsandbytes"), "relay": ("gguf", "platformdirs"),

@@ -17,7 +17,6 @@ each, never verifies here and stays exact.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import numpy as np
@@ -27,6 +26,7 @@ from conftest import batch_decoder, tiny_llama
 from scipy.stats import chisquare
 from test_decoder import make_prompt
 
+from toolkit.speculative.drafters.rows import RowDrafters
 from toolkit.recipe import GenerationSpec
 from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.drafters import DraftModel
@@ -86,34 +86,20 @@ def _next_token_law(target, ids: tuple) -> torch.Tensor:
     return laws[ids]
 
 
-class TruncationProbe:
-    """A batch drafter (the protocol of :mod:`toolkit.speculative.drafters.rows`) that drafts two sampled tokens
+class TruncationProbe(RowDrafters):
+    """A row drafter (the protocol of :mod:`toolkit.speculative.drafters.rows`) that drafts two sampled tokens
     per row: the first from q = 1/2 on the target's least / most likely next token (confidence 0.5, known before it
     is drawn), the second uniform, with confidence 0.99 after the least likely first token and 0.01 otherwise."""
 
     def __init__(self, target, seed: int):
+        super().__init__(lambda: None, trees=False)
         self.target, self.generator = target, torch.Generator().manual_seed(seed)
 
-    def begin(self, row):
+    def commit_rows(self, rows, accepted, features=None):
         pass
 
-    def join(self, row):
-        pass
-
-    def remove(self, keep):
-        pass
-
-    def commit(self, rows, accepted):
-        pass
-
-    def close(self, row):
-        pass
-
-    def step_ms(self, rows):
-        return None
-
-    def attached(self):
-        return contextlib.nullcontext()
+    def propose_rows(self, rows, num_draft_tokens, read=True):
+        self.propose(rows, num_draft_tokens)
 
     def propose(self, rows, rooms):
         for row, room in zip(rows, rooms):

@@ -133,12 +133,11 @@ class SpeculativeLM:
     def _context(self, gen: GenerationSpec) -> DrafterContext:
         """What a drafter of one call is built from (the draft network's forward engine and head compile follow the
         target's: compiled where the target's forward is)."""
-        engine = self.engine
         return DrafterContext(self.target, self.draft_model, self.draft_policy, do_sample=gen.do_sample,
                               temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,
                               tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer,
                               acceptance=self.draft_acceptance, draft_forward=self.draft_engine,
-                              compile=engine.compiled, backend=engine.backend)
+                              compile=self.engine.compiled, backend=self.engine.backend)
 
     @property
     def draft_engine(self) -> TargetForward | None:
@@ -146,8 +145,7 @@ class SpeculativeLM:
         is compiled, the draft cache has a static form and (``compile: auto``) compiling pays for its weights."""
         if self._draft_engine is None and self.draft_model is not None and self.recipe.spec.config.uses_draft_model:
             from toolkit.engine.forward import compile_pays
-            from toolkit.kv.rows import supports_static
-            from toolkit.kv.static import static_form
+            from toolkit.kv.rows import static_form, supports_static
 
             engine, draft = self.engine, self.draft_model
             compiled = engine.compiled and static_form(self.draft_policy) is None and supports_static(draft) is None \

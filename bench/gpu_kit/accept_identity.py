@@ -32,9 +32,7 @@ from gpu_kit.checks import compare, hf_greedy, ours, ours_batch
 from toolkit.engine.planner import ConstantK, CostAwareK
 from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.drafters import DraftModel, LookupDrafter
-from toolkit.speculative.drafters.draft_model_rows import BatchDraftModel
 from toolkit.speculative.drafters.eagle import EagleDrafter
-from toolkit.speculative.drafters.eagle_rows import BatchEagle
 from toolkit.speculative.tree import TreeShape
 from toolkit.speculative.verify_length import Calibrator
 
@@ -179,8 +177,8 @@ def _single_paths(target, draft, head, cost) -> dict:
 
 def _batch_paths(target, draft, head) -> dict:
     return {"lookup per row": (lambda: LookupDrafter(max_cached_requests=0), "cycles of the text"),
-            "batched draft model (perturbed copy)": (BatchDraftModel(draft), "5 % weight noise"),
-            "batched EAGLE-1 head": (BatchEagle(target, head), "head passes the token through")}
+            "batched draft model (perturbed copy)": (DraftModel(draft), "5 % weight noise"),
+            "batched EAGLE-1 head": (EagleDrafter(target, head), "head passes the token through")}
 
 
 def accept_identity(kit) -> dict:

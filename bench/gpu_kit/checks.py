@@ -36,7 +36,11 @@ def ours(target, drafter, ids: torch.Tensor, new: int, controller=None, policy=N
          **gen) -> tuple[list[int], GenerationStats]:
     """Our decoder on one sequence to ``new`` tokens (EOS ignored), eager or on ``forward`` (a compiled
     :class:`~toolkit.engine.forward.TargetForward`); returns the new ids and the stats."""
+    from toolkit.speculative.drafters import RowDrafter, RowDrafters
+
     stats = GenerationStats()
+    if drafter is not None and not isinstance(drafter, RowDrafter):  # a single-sequence drafter: one row
+        drafter = RowDrafters(lambda: drafter)
     loop = SpeculativeDecoder(target, drafter, controller or ConstantK(4), policy, tree, forward=forward)
     spec = GenerationSpec(max_new_tokens=new, ignore_eos=True, **gen)
     with torch.no_grad():

@@ -22,8 +22,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-
 from gpu_kit.drafters_real import measure_head, real_target
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -50,6 +50,8 @@ class LlamaCppForward:
     compiled = False
     buckets = False
     static_span = False
+    tuned = False
+    backend = None  # no torch.compile backend: nothing here compiles (a torch draft beside it runs eager)
 
     def __init__(self, target, policy=None):
         import llama_cpp
