@@ -65,19 +65,33 @@ def repetitive(seed: int) -> torch.Tensor:
     return torch.cat([base, base, base[:3]]).view(1, -1)
 
 
+#: KV policies on the static engine: none, and L2-norm / head-aware eviction compacted at commit points (budgets
+#: small enough that the 30 new tokens compact several times)
+POLICIES = {"none": None,
+            "l2norm": {"budget": 12, "sink_tokens": 2, "protect_recent": 4, "skip_layers": [0], "compress_interval": 3},
+            "head_aware": {"budget": 12, "sink_tokens": 2, "protect_recent": 4, "skip_layers": [0], "tiers": 2,
+                           "compress_interval": 3, "importance": [[0.5, 0.5], [0.1, 0.9]]}}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
-def test_the_default_path_reads_the_device_once_per_round(compiled, do_sample):
+def test_the_default_path_reads_the_device_once_per_round(compiled, do_sample, policy):
+    from toolkit.kv import make_policy
+    from toolkit.recipe import KVSpec
+
     target = tiny_llama(seed=0, **INIT)
     forward = TargetForward(target, compile=compiled, backend="eager")
     controller = CostAwareK(VerifyCost([1.0] * 64, learn=False), Calibrator(), 6, 7)  # the main recipe's planner
-    decoder = SpeculativeDecoder(target, LookupDrafter(max_cached_requests=0), controller, forward=forward)
+    kv = None if POLICIES[policy] is None else make_policy(KVSpec(policy, POLICIES[policy]))
+    decoder = SpeculativeDecoder(target, LookupDrafter(max_cached_requests=0), controller, kv, forward=forward)
     gen = GenerationSpec(max_new_tokens=30, ignore_eos=True, do_sample=do_sample, temperature=0.3, top_k=5, seed=3)
     list(decoder.decode(repetitive(0), gen, GenerationStats()))  # warm: graphs traced outside the count
     stats = GenerationStats()
     with counted_reads() as counts:
         list(decoder.decode(repetitive(1), gen, stats))
     assert stats.rounds >= 5 and stats.accepted > 0
+    assert kv is None or stats.compressions_target > 2  # commit points compacted the static tiers
     # exactly one read per round (+ 2 per request: the prefill's first token, the prompt's host ids): the instrument
     # sees the loop's own reads, and there are no others
     assert counts["n"] == stats.rounds + 2, counts["where"]
