@@ -96,6 +96,12 @@ class StaticLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         return self.owner.attention_mask.shape[-1], 0
 
+    def buffers(self):
+        """The layer's preallocated buffers ``(rows, kv_heads, slots, head_dim)`` (moved with rows, counted in
+        :meth:`StaticKV.kv_bytes`)."""
+        yield self.keys
+        yield self.values
+
     def get_seq_length(self) -> int:
         return self.owner.longest
 
@@ -287,24 +293,27 @@ class StaticKV(Cache):
         self.lengths[row] = length
         self.held[row] = length
 
+    def row_counters(self) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """Per-row state moved and reset with the rows: ``(device tensors (rows,), host lists)`` — the lengths
+        (:attr:`lengths`, :attr:`held`); subclasses add their own."""
+        return [self.lengths], [self.held]
+
     def reset_row(self, row: int) -> None:
         """Row ``row`` represents nothing (its slots are overwritten by its next prefill)."""
-        self.lengths[row] = 0
-        self.held[row] = 0
+        tensors, lists = self.row_counters()
+        for counter in (*tensors, *lists):
+            counter[row] = 0
 
     def move_rows(self, order: list[int]) -> None:
         """Row ``i`` takes what row ``order[i]`` held, for ``i < len(order)`` (rows leaving a batch: the ones that
         stay move to the front). Rows past ``len(order)`` are reset."""
-        if order == list(range(len(order))):
-            for r in range(len(order), self.allocated):
-                self.reset_row(r)
-            return
-        index = torch.tensor(order, dtype=torch.long, device=self.lengths.device)
-        for layer in self.layers:
-            layer.keys[: len(order)] = layer.keys.index_select(0, index)
-            layer.values[: len(order)] = layer.values.index_select(0, index)
-        self.lengths[: len(order)] = self.lengths.index_select(0, index)
-        self.held[: len(order)] = [self.held[i] for i in order]
+        if order != list(range(len(order))):
+            index = torch.tensor(order, dtype=torch.long, device=self.lengths.device)
+            tensors, lists = self.row_counters()
+            for buffer in (*(b for layer in self.layers for b in layer.buffers()), *tensors):
+                buffer[: len(order)] = buffer.index_select(0, index)
+            for counter in lists:
+                counter[: len(order)] = [counter[i] for i in order]
         for r in range(len(order), self.allocated):
             self.reset_row(r)
 
@@ -314,7 +323,7 @@ class StaticKV(Cache):
 
     def kv_bytes(self) -> int:
         """Bytes of the key and value buffers (all slots: the memory really held)."""
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)
+        return sum(buffer.nbytes for layer in self.layers for buffer in layer.buffers())
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.longest

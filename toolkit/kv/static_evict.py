@@ -253,32 +253,11 @@ class StaticEvictKV(StaticKV):
         self.lengths[row] = length
         self.held[row] = length
 
-    def reset_row(self, row: int) -> None:
-        super().reset_row(row)
-        for factor in self.factors:
-            self.fill[factor][row] = 0
-            self.fill_held[factor][row] = 0
-
-    def move_rows(self, order: list[int]) -> None:
-        if order != list(range(len(order))):
-            index = torch.tensor(order, dtype=torch.long, device=self.lengths.device)
-            for layer in self.layers:
-                for tier in layer.tiers:
-                    tier.keys[: len(order)] = tier.keys.index_select(0, index)
-                    tier.values[: len(order)] = tier.values.index_select(0, index)
-            for factor in self.factors:
-                self.fill[factor][: len(order)] = self.fill[factor].index_select(0, index)
-                self.fill_held[factor][: len(order)] = [self.fill_held[factor][i] for i in order]
-            self.lengths[: len(order)] = self.lengths.index_select(0, index)
-            self.held[: len(order)] = [self.held[i] for i in order]
-        for r in range(len(order), self.allocated):
-            self.reset_row(r)
+    def row_counters(self) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """The lengths and every factor's fills (moved and reset with the rows)."""
+        return [self.lengths, *self.fill.values()], [self.held, *self.fill_held.values()]
 
     # ------------------------------------------------------------------------------------------------ reports
-    def kv_bytes(self) -> int:
-        """Bytes of every tier's buffers (all slots: the memory really held)."""
-        return sum(t.nbytes for layer in self.layers for t in layer.buffers())
-
     def needed_bytes(self) -> int:
         """Bytes of the entries the rows in use hold now (what a cache sized to the request would need)."""
         total = 0

@@ -188,10 +188,7 @@ class DraftModel(ModelDrafter):
     def propose_rows(self, rows: list, num_draft_tokens: list[int], read: bool = True) -> None:
         """Draft ``max(num_draft_tokens)`` steps for every row (row ``i`` keeps at most ``num_draft_tokens[i]``)."""
         num_draft_tokens = list(num_draft_tokens)
-        steps = max(num_draft_tokens, default=0)  # most draft steps (forwards) of the batch
-        self._steps, self.device_proposals = 0, None
-        for row in rows:
-            row.proposal, row.confidence, row.q = [], None, None
+        steps = self._new_round(rows, num_draft_tokens)  # most draft steps (forwards) of the batch
         if steps == 0:
             return
         started, compiled = time.perf_counter(), self.forward.compile_ms

@@ -226,6 +226,14 @@ class ModelDrafter:
     def _remove_generators(self, keep: list[int]) -> None:
         self._generators = [self._generators[i] for i in keep]
 
+    def _new_round(self, rows: list, num_draft_tokens: list[int]) -> int:
+        """A round starts: every row's proposal, confidences and ``q`` emptied, nothing drafted on the device yet;
+        returns the round's draft steps (the most any row asks for)."""
+        self._steps, self.device_proposals = 0, None
+        for row in rows:
+            row.proposal, row.confidence, row.q = [], None, None
+        return max(num_draft_tokens, default=0)
+
     def _sample(self, probs: torch.Tensor) -> torch.Tensor:
         """One token per row of ``probs`` ``(B, vocab)``, each with its row's generator."""
         return torch.stack([sample_token(probs[i:i + 1], g)[0] for i, g in enumerate(self._generators)])
