@@ -18,6 +18,8 @@ _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
 os.environ.setdefault("TOOLKIT_VERIFY_COST_DIR", os.path.join(tempfile.gettempdir(), f"toolkit-verify-cost-{_RUN}")
                       if _RUN else tempfile.mkdtemp(prefix="toolkit-verify-cost-"))
 # the CPU engines a developer installed (.venv-engines) stay out of the suite's --compare runs
+# the suite's workers load each other's cores: their verify cost curves would all count as measured under load
+os.environ.setdefault("TOOLKIT_VERIFY_COST_MAX_LOAD", "1")
 os.environ.setdefault("TOOLKIT_ENGINES_PYTHON", "off")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one process per core (make test: pytest -n 2): one thread each

@@ -56,6 +56,14 @@ def test_measured_curve_covers_every_length_and_is_cached(tmp_path):
     assert len(list(tmp_path.iterdir())) == 2
 
 
+def test_a_curve_measured_under_load_is_used_but_not_cached(tmp_path, monkeypatch):
+    """Other processes' share of the CPUs above the limit (here: any share at all) marks the curve and keeps it out
+    of the cache, so the next run measures again instead of reading a slow machine's curve forever."""
+    monkeypatch.setenv("TOOLKIT_VERIFY_COST_MAX_LOAD", "-1")
+    cost = load_or_measure(tiny_llama(seed=0), 4, cache_dir=tmp_path)
+    assert cost.source == "measured under load" and len(cost.step_ms) == 4 and not list(tmp_path.iterdir())
+
+
 def test_measuring_the_curve_leaves_later_requests_their_own_cache_size():
     """The measurement's cache (256 tokens of context) is not kept by an eager engine: a short request, a batch's
     rows too, would otherwise inherit its capacity and its KV bytes."""

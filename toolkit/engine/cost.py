@@ -13,6 +13,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Self
 
 import torch
 
@@ -22,8 +23,38 @@ from toolkit.speculative.cost_model import VerifyCost, extend
 
 log = logging.getLogger("toolkit.engine")
 
+#: a curve measured while other processes took more than this share of the machine's CPU time is not cached
+#: (``$TOOLKIT_VERIFY_COST_MAX_LOAD`` overrides it: the test suite, whose workers load each other, sets 1)
+NOISY_SHARE = 0.25
 #: lengths timed by an eager measurement (others are interpolated linearly)
 MEASURED_LENGTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class CpuShare:
+    """Share of the machine's CPU time that *other* processes used during a ``with`` block, in ``[0, 1]``:
+    (busy jiffies of every CPU in ``/proc/stat`` - this process's user + system time) / (wall time x CPUs).
+    ``share`` stays ``None`` where ``/proc/stat`` cannot be read (not Linux)."""
+
+    def __enter__(self) -> Self:
+        self.share = None
+        self._start = (_busy_seconds(), time.process_time(), time.perf_counter())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy, mine, wall = _busy_seconds(), time.process_time(), time.perf_counter()
+        if busy is None or self._start[0] is None:
+            return
+        others = (busy - self._start[0]) - (mine - self._start[1])
+        self.share = min(1.0, max(0.0, others / ((wall - self._start[2]) * (os.cpu_count() or 1))))
+
+
+def _busy_seconds() -> float | None:
+    """Seconds all CPUs spent busy since boot (``/proc/stat``: every field but idle and iowait), or None."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def _sync(device: torch.device) -> None:
@@ -112,7 +143,9 @@ def load_or_measure(model, max_tokens: int = 16, cache_dir: Path | None = None, 
     cache types).
 
     ``cache_dir`` defaults to ``$TOOLKIT_VERIFY_COST_DIR`` or :func:`toolkit.resources.cache_dir`
-    ``/ "verify-cost"``. A cache file that cannot be read or does not cover ``max_tokens`` is measured again.
+    ``/ "verify-cost"``. A cache file that cannot be read or does not cover ``max_tokens`` is measured again. On a
+    CPU, a curve measured while other processes used more than :data:`NOISY_SHARE` of the machine's CPU time
+    (:class:`CpuShare`) is returned with ``source="measured under load"`` and not cached.
     """
     from toolkit.io import atomic_write_json
     from toolkit.resources import cache_dir as user_cache_dir
@@ -133,8 +166,18 @@ def load_or_measure(model, max_tokens: int = 16, cache_dir: Path | None = None, 
     except (OSError, ValueError, KeyError, TypeError):
         pass
     log.info("measuring the verify cost curve of this model on this machine (once; cached in %s)", path.parent)
-    cost = measure_verify_cost(model, max_tokens, forward=forward)
+    with CpuShare() as load:
+        cost = measure_verify_cost(model, max_tokens, forward=forward)
     cost.key = key
+    device = next(model.parameters()).device
+    limit = float(os.environ.get("TOOLKIT_VERIFY_COST_MAX_LOAD", NOISY_SHARE))
+    if device.type == "cpu" and load.share is not None and load.share > limit:
+        # a curve timed while other jobs held the cores is slower than this machine is and would be read back by
+        # every later run (it once made a 12 ms step 799 ms): use it now, measure it again next time
+        log.warning("the verify cost curve was measured while other processes used %.0f%% of the CPUs: used for "
+                    "this run only, not cached", 100 * load.share)
+        cost.source = "measured under load"
+        return cost
     try:
         atomic_write_json(path, cost.to_dict())
     except OSError as exc:  # a read-only cache directory: use the curve, just do not keep it
