@@ -228,10 +228,16 @@ def test_space_files_parse_and_build_valid_recipes():
         assert recipe.batch_size == point["batch_size"] and recipe.spec.config.batch
         # only policies that batch (on a full-attention target: the static cache or the policy's per-row cache)
         assert batches(plan(recipe).target_policy, full_attention) is None
-    # long: only caches whose peak KV is bounded (a budget or window) whatever the generation length are searched
-    for dim in load_space("long").dimensions:
-        if dim.name in ("kv_policy", "draft_kv_policy"):
-            assert set(dim.searched) == {"streaming", "l2norm", "head_aware", "streaming_quantized"}
+    # long and memory: trials run at the length that defines the scenario (the found recipe's new tokens, on the
+    # ~4,000-token prompts), so every KV policy, unbounded ones too, is measured at the size it really has
+    from toolkit.measure.prompts import load_suite
+
+    for name in ("long", "memory"):
+        sp = load_space(name)
+        assert sp.eval["max_new_tokens"] == sp.base["generation"]["max_new_tokens"]
+        assert min(len(str(p.prompt)) for p in load_suite(sp.base["prompts"])) > 12_000  # characters: ~4k tokens
+        kv = next(d for d in sp.dimensions if d.name == "kv_policy")
+        assert {"none", "quantized", "l2norm", "streaming"} <= set(kv.searched)
 
 
 def _cond_space():
