@@ -12,7 +12,9 @@ verify length), interleaved per prompt, median of ``--repeats``:
 * ``l2`` / ``head_aware`` / ``streaming`` — the same with L2-norm (Devoto et al. 2024) and head-aware eviction
   (``--budget`` tokens per head, static tiers compacted at commit points) or the StreamingLLM ring (4 sinks +
   ``budget - 4`` window), compiled;
-* ``l2_eager`` — ``l2`` with ``compile: off`` (its own eager form);
+* ``kivi`` — KIVI (Liu et al., ICML 2024): 4-bit keys per channel / values per token in groups of 32, 4 sinks and a
+  128-token full-precision residual, compiled;
+* ``l2_eager`` / ``kivi_eager`` — ``l2`` / ``kivi`` with ``compile: off`` (their own eager forms);
 * HF ``generate`` on the same weights: eager AR (``ar``), static cache + ``torch.compile`` (``ar_static``), prompt
   lookup K = 10 (``prompt_lookup_10``).
 
@@ -55,7 +57,11 @@ def policies(budget: int) -> dict[str, dict]:
             "head_aware": ({"policy": "head_aware", **evict}, "auto"),
             "streaming": ({"policy": "streaming", "sink_tokens": 4, "window": budget - 4, "compress_interval": 32},
                           "auto"),
-            "l2_eager": ({"policy": "l2norm", **evict}, "off")}
+            "kivi": ({"policy": "quantized", "quant_bits": 4, "quant_group_size": 32, "residual_length": 128,
+                      "sink_tokens": 4}, "auto"),
+            "l2_eager": ({"policy": "l2norm", **evict}, "off"),
+            "kivi_eager": ({"policy": "quantized", "quant_bits": 4, "quant_group_size": 32, "residual_length": 128,
+                            "sink_tokens": 4}, "off")}
 
 
 def recipe_for(name: str, kv: dict, compile_mode: str, new_tokens: int) -> Recipe:
@@ -74,10 +80,13 @@ def rouge(tokenizer, prediction: list[int], reference: list[int]) -> float:
     return float(load("rouge_l").compute(predictions=[texts[0]], references=[texts[1]])["rouge_l"][0])
 
 
-def run_suite(suite: str, generators: dict, repeats: int, new_tokens: int) -> dict:
-    """Every method on every prompt of ``suite``, interleaved; per method and prompt the medians."""
+def run_suite(suite: str, generators: dict, repeats: int, new_tokens: int, num_prompts: int | None = None,
+              baselines: list[str] = BASELINES) -> dict:
+    """Every method on the first ``num_prompts`` prompts of ``suite`` (all: ``None``), interleaved; per method and
+    prompt the medians."""
     main = generators["none"]
     prompts = [Prompt(p.id, p.kind, main.encode(p.prompt, f"prompts.{p.id}")) for p in load_suite(suite)]
+    prompts = prompts[:num_prompts]
     gen = main.recipe.generation
     eos = main.eos_token_ids(gen)
     longest = max(int(p.input_ids.shape[1]) for p in prompts) + new_tokens
@@ -85,7 +94,7 @@ def run_suite(suite: str, generators: dict, repeats: int, new_tokens: int) -> di
     for name, g in generators.items():
         g.warm_up(longest)
     static_len = -(-longest // 256) * 256
-    runners |= runners_for(main, BASELINES, eos, static_cache_len=static_len)
+    runners |= runners_for(main, baselines, eos, static_cache_len=static_len)
     measured = measure(runners, prompts, gen, repeats=repeats, warmup=1, desc=suite, rotate=True,
                        warm_gen=dataclasses.replace(gen, max_new_tokens=8),
                        before_repetition=lambda rep: [g.forget() for g in generators.values()])
@@ -209,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--ppl-tokens", type=int, default=4096, help="0: skip the perplexity section")
     parser.add_argument("--methods", nargs="+", default=None, help="our variants to run (default: all)")
+    parser.add_argument("--baselines", nargs="+", default=BASELINES, choices=BASELINES, help="HF baselines to run")
+    parser.add_argument("--num-prompts", type=int, default=None, help="the first N prompts of each suite")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/long-context")
     parser.add_argument("--render", action="store_true", help="only re-render --out's JSON (Markdown and plot)")
     args = parser.parse_args(argv)
@@ -224,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     report = {"environment": environment() | {"cpu_flags": cpu_flags()}, "budget": args.budget, "max_new_tokens": args.max_new_tokens,
               "paths": {name: g.engine_note for name, g in generators.items()}, "suites": []}
     for suite in args.suites:
-        report["suites"].append(run_suite(suite, generators, args.repeats, args.max_new_tokens))
+        report["suites"].append(run_suite(suite, generators, args.repeats, args.max_new_tokens, args.num_prompts,
+                                          args.baselines))
         report["paths"] = {name: g.engine_note for name, g in generators.items()}
         atomic_write_json(args.out / "long_context.json", report)
     if args.ppl_tokens:
