@@ -9,6 +9,9 @@ step at a time in a fixed order, until the estimate fits the budget:
     perplexity tokens 512 -> 256, new tokens -> 32, per-request prompts -> 1, new tokens -> 24, perplexity tokens ->
     128, repetitions -> 2, new tokens -> 16, repetitions -> 1
 
+A setting named in ``EvalSettings.fixed`` is skipped: what defines a scenario (the long-prompt spaces' new tokens
+and perplexity text) is never cut, only repetitions and prompts.
+
 The estimate counts every call a protocol makes: per method and prompt a prefill of the prompt plus one forward per
 new token (an upper bound for speculative methods, exact for AR), the warm-up calls, the perplexity passes (through
 the cache in chunks of K + 1, the sliding window, the fp32 reference) and the batch stage. What was cut, the estimate
@@ -29,6 +32,8 @@ log = logging.getLogger(__name__)
 #: the cuts, in the order they are made: (setting, value after the cut)
 STEPS = (("ppl_tokens", 256), ("max_new_tokens", 32), ("num_prompts", 1), ("max_new_tokens", 24),
          ("ppl_tokens", 128), ("repeats", 2), ("max_new_tokens", 16), ("repeats", 1))
+#: the settings a cut can touch (``EvalSettings.fixed`` names those it must not)
+CUTTABLE = tuple(dict.fromkeys(name for name, _ in STEPS))
 
 
 @dataclass
@@ -102,12 +107,16 @@ def estimate_s(settings, work: Workload, ms) -> float:
 def fit(settings, work: Workload, ms, budget_s: float, min_prompts: int = 1) -> Fitted:
     """Cut ``settings`` (an :class:`eval.evaluate.EvalSettings`) step by step (:data:`STEPS`) until its estimate is
     at most ``budget_s`` seconds, or every step is taken; returns the settings to run and what was cut. The prompt
-    cut stops at ``min_prompts`` (the prompts that keep ``settings.keep_kinds``, e.g. a summarization prompt)."""
+    cut stops at ``min_prompts`` (the prompts that keep ``settings.keep_kinds``, e.g. a summarization prompt);
+    settings in ``settings.fixed`` are never cut."""
     requested = estimate_s(settings, work, ms)
     current, cuts = settings, {}
+    fixed = set(getattr(settings, "fixed", None) or ())
     for name, value in STEPS:
         if estimate_s(current, work, ms) <= budget_s:
             break
+        if name in fixed:
+            continue
         if name == "num_prompts":
             value = max(value, min_prompts)
         before = getattr(current, name)

@@ -86,6 +86,9 @@ class EvalSettings:
         keep_kinds: prompt kinds the per-request prompts always include when the suite has them (``num_prompts``
             is raised and a time budget never cuts below what keeps them): the search sets ``["summarize"]`` when
             its scenario bounds ROUGE-L (:mod:`eval.quality`). ``None``: no such floor.
+        fixed: settings a time budget never cuts (``max_new_tokens``, ``ppl_tokens``, ``num_prompts``,
+            ``repeats``): what defines a scenario (the long-prompt spaces fix the new tokens and the 4,096-token
+            perplexity text, so a budget cuts repetitions only). ``None``: every cut allowed.
     """
 
     num_prompts: int | None = None
@@ -104,6 +107,7 @@ class EvalSettings:
     batch_prompts: int | None = None
     time_budget_s: float | None = None
     keep_kinds: list[str] | None = None
+    fixed: list[str] | None = None
 
     def __post_init__(self) -> None:
         """Check every field; raises :class:`ConfigError` naming it (``repeats``, ``ppl_source`` ...)."""
@@ -135,6 +139,14 @@ class EvalSettings:
             from toolkit.checks import check_str_list
 
             self.keep_kinds = check_str_list("keep_kinds", self.keep_kinds, "prompt kinds")
+        if self.fixed is not None:
+            from toolkit.checks import check_str_list
+
+            from eval.budget import CUTTABLE
+
+            self.fixed = check_str_list("fixed", self.fixed, "settings")
+            for name in self.fixed:
+                check_choice("fixed", name, CUTTABLE)
 
     @classmethod
     def fast(cls, **overrides) -> EvalSettings:
@@ -146,7 +158,7 @@ class EvalSettings:
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
-        for name in ("batch_prompts", "time_budget_s", "keep_kinds"):
+        for name in ("batch_prompts", "time_budget_s", "keep_kinds", "fixed"):
             if data[name] is None:  # unset: earlier results (and their directory names) stay valid
                 del data[name]
         return data

@@ -41,6 +41,21 @@ def test_fit_cuts_in_order_until_the_estimate_fits():
             smallest.settings.ppl_tokens) == (16, 1, 1, 128) and not smallest.to_dict()["fits"]
 
 
+def test_fixed_settings_are_never_cut():
+    """A scenario's defining length (new tokens, perplexity text) stays whatever the budget; repetitions and prompts
+    are cut instead. A name outside the cuttable settings is refused, naming the field."""
+    from toolkit.errors import ConfigError
+
+    settings = EvalSettings.fast(fixed=["max_new_tokens", "ppl_tokens"])
+    work = Workload(prompt_lens=[40, 60, 80], methods=4, chunk=5, reference=True)
+    smallest = fit(settings, work, linear_ms, budget_s=0.001)
+    assert (smallest.settings.max_new_tokens, smallest.settings.ppl_tokens) == (48, 512)
+    assert (smallest.settings.repeats, smallest.settings.num_prompts) == (1, 1)
+    assert set(smallest.cuts) == {"num_prompts", "repeats"}
+    with pytest.raises(ConfigError, match="fixed"):
+        EvalSettings.fast(fixed=["ppl_window"])
+
+
 def test_measure_starts_no_repetition_past_its_deadline():
     calls = []
 
