@@ -75,7 +75,7 @@ def test_compiled_eagle_reads_the_compiled_targets_hidden_states(eagle_pair):
     drafter = EagleDrafter(target, head, compile=True, backend="eager")
     ids, stats = decode(target, drafter, prompt, engine, k=3)
     assert ids == hf_greedy(target, prompt, NEW)
-    assert stats.tokens_per_round > 1.2 and 0 < stats.accepted < stats.drafted
+    assert stats.tokens_per_round > 1.2 and 0 < stats.accepted <= stats.drafted
     assert drafter.features == (-1,) and (1, 2, (-1,)) in engine.compile_s  # the verify graph returns features
     assert not engine._hooked()  # nothing on the target forces eager forwards
     assert drafter.step.compiled and {(True, 1, 2), (False, 1, 1)} <= drafter.step._seen
@@ -88,6 +88,8 @@ def test_compiled_eagle_reads_the_compiled_targets_hidden_states(eagle_pair):
     rows = decoder.decode_batch(batch, GenerationSpec(max_new_tokens=NEW, ignore_eos=True))
     for (ids, stats), (ref, ref_stats) in zip(rows, eager):  # compiled batch == eager single row, round by round
         assert ids == ref and (stats.drafted, stats.accepted) == (ref_stats.drafted, ref_stats.accepted)
+    # rollback was exercised: some row rejected drafts (the head agrees often, not always)
+    assert sum(s.accepted for _, s in rows) < sum(s.drafted for _, s in rows)
 
 
 @pytest.mark.slow
