@@ -13,6 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from toolkit.errors import ConfigError
 from toolkit.kv import make_policy
 from toolkit.kv.rows import SingleRowCache, batches
+from toolkit.kv.static import StaticKV
+from toolkit.kv.static_sliding import SlidingStaticKV
 from toolkit.models.capabilities import sliding_layers
 from toolkit.engine.decoder import SpeculativeDecoder
 from toolkit.engine.planner import ConstantK, CostAwareK
@@ -89,19 +91,12 @@ def test_batched_rows_are_greedy_exact(models, arch):
     target, prompt, reference = models[arch]
     other = prompt[:, 3:]
     gen = GenerationSpec(max_new_tokens=NEW, ignore_eos=True)
-    batch_size = 2
-    if sliding_layers(target):  # sliding-window layers: no batched cache holds them; requests run one at a time
-        assert "sliding" in batches(None, target)
-        with pytest.raises(ValueError, match="sliding"):  # refused when the decoder is built, naming why
-            batch_decoder(target, lambda: LookupDrafter(max_cached_requests=0), VerifyCost([1.0] * 64, learn=False),
-                          num_draft_tokens=4, batch_size=2)
-        batch_size = 1
-    else:
-        assert batches(None, target) is None
+    assert batches(None, target) is None  # sliding-window layers too (rings of the static cache)
     decoder = batch_decoder(target, lambda: LookupDrafter(max_cached_requests=0), VerifyCost([1.0] * 64, learn=False),
-                            num_draft_tokens=4, batch_size=batch_size)
+                            num_draft_tokens=4, batch_size=2)
     rows = decoder.decode_batch([prompt, other, prompt], gen)
     assert [ids for ids, _ in rows] == [reference, hf_greedy(target, other, NEW), reference]
+    assert isinstance(decoder.cache, SlidingStaticKV if sliding_layers(target) else StaticKV)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

@@ -137,11 +137,11 @@ def test_what_the_static_cache_does_not_hold_runs_eager(setup):
     assert not compiled and "the quantized policy" in why
     compiled, why = engine(base.replace(spec=SpeculationSpec(drafter="suffix", tree=True)))
     assert not compiled and "token trees" in why
-    windowed = tiny_llama(seed=0)
-    windowed.config.layer_types = ["sliding_attention", "full_attention"]
-    assert "sliding_attention" in supports_static(windowed)
-    compiled, why = engine(base, windowed)
-    assert not compiled and "layers of type sliding_attention" in why
+    chunked = tiny_llama(seed=0)
+    chunked.config.layer_types = ["chunked_attention", "full_attention"]
+    assert "chunked_attention" in supports_static(chunked)
+    compiled, why = engine(base, chunked)
+    assert not compiled and "layers of type chunked_attention" in why
     assert engine(base.replace(compile="off")) == (False, "eager (compile: off)")
     compiled, why = engine(base.replace(compile="max"))
     assert compiled and "frozen weights, C++ wrapper" in why

@@ -26,8 +26,8 @@ from toolkit.engine.forward import TargetForward, forward_for
 from toolkit.engine.planner import ForwardCost, make_controller
 from toolkit.errors import ConfigError
 from toolkit.models import model_vocab_size, weight_bytes, weights_note
-from toolkit.models.llamacpp import is_llamacpp
 from toolkit.models.capabilities import check_tree_support
+from toolkit.models.llamacpp import is_llamacpp
 from toolkit.recipe import GenerationSpec, Recipe
 from toolkit.session import ModelPool, Plan, load_models, plan
 from toolkit.speculative.cost_model import VerifyCost
@@ -145,10 +145,10 @@ class SpeculativeLM:
         is compiled, the draft cache has a static form and (``compile: auto``) compiling pays for its weights."""
         if self._draft_engine is None and self.draft_model is not None and self.recipe.spec.config.uses_draft_model:
             from toolkit.engine.forward import compile_pays
-            from toolkit.kv.rows import static_form, supports_static
+            from toolkit.kv.rows import static_why
 
             engine, draft = self.engine, self.draft_model
-            compiled = engine.compiled and static_form(self.draft_policy) is None and supports_static(draft) is None \
+            compiled = engine.compiled and static_why(self.draft_policy, draft) is None \
                 and (self.recipe.compile != "auto" or compile_pays(draft))
             self._draft_engine = TargetForward(draft, compile=compiled, backend=engine.backend, tuned=engine.tuned,
                                                name="draft")

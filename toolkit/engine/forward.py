@@ -202,7 +202,7 @@ class TargetForward:
                 and cached.fits(capacity):
             cached.keep_rows([])
             return cached
-        if cached is not None and cached.policy is policy and cached.window is None:
+        if cached is not None and cached.policy is policy and cached.bounded:
             capacity = max(capacity, cached.capacity)
         cache = rows_cache(policy, self.model, rows, capacity, widest, static_span=self.static_span)
         if isinstance(cache, StaticKV) and keep:
@@ -323,8 +323,8 @@ class TargetForward:
         shape of its own that the CUDA graph trees record once from the same compiled code (a capture, not a
         compile: seconds in all instead of a compile per bucket)."""
         masks, indices = cache.dynamic_inputs()
-        if span:
-            torch._dynamo.mark_dynamic(kwargs["attention_mask"], 3)  # the uncompressed span (tiers: static spans)
+        if span and cache.attention_mask is not None:  # the plain layers' span (tiers and rings: static spans)
+            torch._dynamo.mark_dynamic(cache.attention_mask, 3)
         rows, width = input_ids.shape
         for tensor in (input_ids, kwargs["position_ids"], *indices):
             if width > 1:
@@ -375,9 +375,9 @@ def compile_pays(target) -> bool:
 def forward_for(recipe, target, plan) -> tuple[TargetForward, str]:
     """``(TargetForward, why)`` for a :class:`~toolkit.recipe.Recipe`'s ``compile`` field and its
     :class:`~toolkit.session.Plan`: ``on`` compiles where the static cache holds the recipe (no token trees, a KV
-    policy with a static form, full-attention layers); ``auto`` also needs :func:`compile_pays`; ``max`` is ``on``
+    policy with a static form, full-attention and sliding-window layers); ``auto`` also needs :func:`compile_pays`; ``max`` is ``on``
     with :data:`TUNED_CPU_OPTIONS` on CPU."""
-    from toolkit.kv.rows import supports_static
+    from toolkit.kv.rows import static_why
     from toolkit.kv.static import static_form
     from toolkit.models.loading import weights_note
 
@@ -387,7 +387,8 @@ def forward_for(recipe, target, plan) -> tuple[TargetForward, str]:
     if mode == "auto" and not compile_pays(target):
         return TargetForward(target), (f"eager (compile: auto; {weights_note(target)} weights on CPU are "
                                        "bytes-bound or opaque kernels: compiling was measured to gain nothing there)")
-    why = static_form(plan.target_policy) or ("token trees" if recipe.spec.tree else None) or supports_static(target)
+    why = static_form(plan.target_policy) or ("token trees" if recipe.spec.tree else None) or \
+        static_why(plan.target_policy, target)
     if why:
         return TargetForward(target), f"eager (compile: {mode}, but the static cache does not hold {why})"
     engine = TargetForward(target, compile=True, tuned=mode == "max")

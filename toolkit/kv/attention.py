@@ -97,11 +97,32 @@ def static_attention(module, query, key, value, attention_mask, scaling=None, dr
             # an additive mask of a cache that is not the static one (a `self` draft sharing the target's modules
             # runs inside the target's attention switch) follows the query to float32
             attention_mask = attention_mask.to(query.dtype)
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("static_attention: attention sinks (s_aux) are not supported; such models run eager")
     if hasattr(key, "attend"):  # tiers of an evicting static cache, each with its own mask (toolkit.kv.static_evict)
         out = key.attend(query, scaling)
+    elif kwargs.get("softcap") is not None:
+        out = softcapped(query, key.to(query.dtype), value.to(query.dtype), attention_mask, scaling, kwargs["softcap"])
     else:
         out = sdpa(query, key.to(query.dtype), value.to(query.dtype), attention_mask, scaling)
     return out.to(dtype).transpose(1, 2).contiguous(), None
+
+
+def softcapped(query, key, value, mask, scaling, softcap: float) -> torch.Tensor:
+    """Attention with logit soft-capping (Gemma-2: ``softcap * tanh(scores / softcap)`` before the mask and the
+    softmax, as HF's eager attention computes it; SDPA has no such step): ``query`` ``(b, q_heads, q, d)`` over
+    ``key``/``value`` ``(b, kv_heads, kv, d)`` under a boolean or additive mask (``None``: causal); the softmax in
+    float32. Returns ``(b, q_heads, q, d)``."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = torch.tanh(query @ key.transpose(-1, -2) * scaling / softcap) * softcap
+    if mask is None:
+        mask = causal_mask(query.shape[-2], key.shape[-2], query.device)
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    elif mask is not None:
+        scores = scores + mask
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype) @ value
 
 
 def _register() -> None:

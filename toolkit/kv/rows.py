@@ -16,7 +16,8 @@ Between forwards row ``r`` represents the tokens committed so far but its last o
 
 Which cache a policy gets (:func:`rows_cache`): a static cache where the policy has a static form — the plain
 :class:`~toolkit.kv.static.StaticKV` (none, StreamingLLM with absolute positions and the exact window) or the
-policy's own ``static_cache`` (L2-norm and head-aware eviction: :mod:`toolkit.kv.static_evict`); else the policy's
+policy's own ``static_cache`` (L2-norm and head-aware eviction: :mod:`toolkit.kv.static_evict`), and for models with
+sliding-window layers (no policy) :class:`~toolkit.kv.static_sliding.SlidingStaticKV`; else the policy's
 eager per-row cache for batches (``policy.rows_cache(model)``: KIVI-quantized), or, for one sequence and for
 policies with no per-row form, the policy's single-sequence cache behind :class:`SingleRowCache`. No ``isinstance``:
 each policy declares its forms.
@@ -30,6 +31,7 @@ import torch
 
 from toolkit.kv.contract import new_cache
 from toolkit.kv.static import StaticKV, static_form
+from toolkit.kv.static_sliding import SLIDING, SlidingStaticKV, layer_kinds, unsupported
 
 
 @runtime_checkable
@@ -140,9 +142,11 @@ def rows_cache(policy, model, rows: int, capacity: int, widest: int, static_span
     Raises:
         ValueError: ``rows > 1`` with a policy that has no per-row form (the caller decodes one at a time).
     """
-    if static_form(policy) is None and supports_static(model) is None:
+    if static_why(policy, model) is None:
         if policy is not None and getattr(policy, "static_cache", None) is not None:
             return policy.static_cache(model, rows, capacity, widest, static_span=static_span)
+        if SLIDING in layer_kinds(model):
+            return SlidingStaticKV(model, rows, capacity, widest, static_span=static_span)
         return StaticKV(model, rows, capacity, widest, window=policy, static_span=static_span)
     if rows == 1:
         return SingleRowCache(policy, model)
@@ -154,22 +158,26 @@ def rows_cache(policy, model, rows: int, capacity: int, widest: int, static_span
 
 def batches(policy, model) -> str | None:
     """Why requests under ``policy`` cannot share a batch (``None``: they can)."""
-    model_why = supports_static(model)
-    if static_form(policy) is None and model_why is None:
+    why = static_why(policy, model)
+    if why is None or (policy is not None and getattr(policy, "rows_cache", None) is not None):
         return None
-    if policy is not None and getattr(policy, "rows_cache", None) is not None:
-        return None
-    return model_why or static_form(policy)
+    return why
+
+
+def static_why(policy, model) -> str | None:
+    """Why no static cache holds ``policy`` on ``model`` (``None``: one does): the policy has no static form
+    (:func:`~toolkit.kv.static.static_form`), the model has layers the static cache does not hold
+    (:func:`supports_static`), or a policy on a model with sliding-window layers (its static forms hold full
+    attention only)."""
+    why = static_form(policy) or supports_static(model)
+    if why is None and policy is not None and SLIDING in layer_kinds(model):
+        why = f"the {policy.name} policy on a model with sliding-window layers (the static forms of KV policies " \
+              "hold full-attention layers only)"
+    return why
 
 
 def supports_static(model) -> str | None:
-    """Why ``model`` cannot run on the static cache (``None`` when it can): every layer must be full attention
-    (sliding-window and linear-attention layers keep their own cache semantics)."""
-    config = model.config.get_text_config(decoder=True)
-    types = getattr(config, "layer_types", None) or ["full_attention"]
-    others = sorted(set(types) - {"full_attention"})
-    if others:
-        return f"layers of type {', '.join(others)} (the static cache holds full-attention layers only)"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return "a sliding attention window"
-    return None
+    """Why ``model`` cannot run on the static cache (``None`` when it can): full-attention and sliding-window layers
+    are held (:mod:`toolkit.kv.static_sliding`); linear attention, chunked attention, attention sinks and shared KV
+    layers keep their own cache semantics (:func:`toolkit.kv.static_sliding.unsupported`)."""
+    return unsupported(model)

@@ -84,17 +84,22 @@ class StaticLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         owner = self.owner
         rows = slice(owner.first, owner.first + key_states.shape[0])
+        write_index, span = self.where()
         # one index_put_ on the whole buffer (not on a slice of it): inductor then writes in place; a scatter into a
         # slice made it copy every layer's whole buffer in and out of each compiled forward
         heads = torch.arange(key_states.shape[1], device=key_states.device).view(1, -1, 1)
-        index = (owner.row_index.view(-1, 1, 1), heads, owner.write_index[:, None, :])
+        index = (owner.row_index.view(-1, 1, 1), heads, write_index[:, None, :])
         self.keys.index_put_(index, key_states.to(self.keys.dtype))
         self.values.index_put_(index, value_states.to(self.values.dtype))
-        span = owner.attention_mask.shape[-1]
         return self.keys[rows, :, :span], self.values[rows, :, :span]
 
+    def where(self) -> tuple[torch.Tensor, int]:
+        """``(slots (B, W) the current forward writes, slots it reads)``: the owner's (a ring layer of
+        :mod:`toolkit.kv.static_sliding` has its own)."""
+        return self.owner.write_index, self.owner.attention_mask.shape[-1]
+
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
-        return self.owner.attention_mask.shape[-1], 0
+        return self.where()[1], 0
 
     def buffers(self):
         """The layer's preallocated buffers ``(rows, kv_heads, slots, head_dim)`` (moved with rows, counted in
@@ -166,9 +171,19 @@ class StaticKV(Cache):
         self.row_index = torch.zeros(1, dtype=torch.long, device=device)
         self.attention_mask = torch.ones(1, 1, 1, min(self.capacity, SPAN_STEP), dtype=torch.bool, device=device)
 
+    @property
+    def bounded(self) -> bool:
+        """Whether a row holds at most :attr:`capacity` positions (a plain cache; the ring holds any length)."""
+        return self.window is None
+
+    @property
+    def ringed(self) -> bool:
+        """Whether some layer is a ring: a forward may then append at most :attr:`widest` tokens per row."""
+        return self.window is not None
+
     def fits(self, capacity: int) -> bool:
-        """Whether a request of ``capacity`` positions fits (the ring holds any length)."""
-        return self.window is not None or self.capacity >= capacity
+        """Whether a request of ``capacity`` positions fits."""
+        return not self.bounded or self.capacity >= capacity
 
     # ------------------------------------------------------------------------------------------------ a forward
     @property
@@ -238,7 +253,7 @@ class StaticKV(Cache):
         self.lengths[rows.start:rows.stop] += kept
         for r, k in zip(rows, kept_host):
             self.held[r] += k
-            if self.window is None and self.held[r] + self.widest > self.capacity:
+            if self.bounded and self.held[r] + self.widest > self.capacity:
                 raise ValueError(f"StaticKV: row {r} holds {self.held[r]} tokens; capacity {self.capacity} "
                                  f"leaves no room for a {self.widest}-token forward")
 

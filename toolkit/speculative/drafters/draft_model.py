@@ -77,8 +77,8 @@ class DraftModelConfig(DrafterConfig):
     def engine_gaps(self, engine: str) -> list[tuple[str, str]]:
         if self.confidence_threshold is None:
             return []
-        return [("confidence_threshold", f"{self.confidence_threshold} — early stop of a drafting round on low "
-                 "draft confidence")]
+        return [("confidence_threshold", (f"{self.confidence_threshold} — early stop of a drafting round on low "
+                                          "draft confidence"))]
 
 
 @dataclass
@@ -149,7 +149,7 @@ class DraftModel(ModelDrafter):
         static, self._chunk = isinstance(self.cache, StaticKV), CATCH_UP_CHUNK
         if not static and rows > 1:
             raise ValueError("batch_size: a draft cache without a static form holds one sequence; decode one at a time")
-        if static and self.cache.window is not None:
+        if static and self.cache.ringed:
             self._chunk = self.cache.widest
         elif static and self.forward.compiled and self.forward.buckets:
             self._chunk = self.forward.widths[-1]
