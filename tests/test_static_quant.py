@@ -11,6 +11,7 @@ from conftest import perturbed_copy, tiny_llama
 from test_decoder import INIT, make_prompt
 from test_static_evict import decode_one
 
+from toolkit.errors import ConfigError
 from toolkit.kv import make_policy
 from toolkit.kv.attention import STATIC_NAME, attached
 from toolkit.kv.static_quant import StaticQuantKV
@@ -98,7 +99,8 @@ def test_compiled_forwards_equal_eager(target, name, params):
 
 def test_buffers_are_allocated_once_with_exact_bytes():
     """kv_bytes is what is allocated (packed codes, float16 scales and zero points, fp sinks + residual), whatever
-    the row holds; needed_bytes is what the row holds; prompts and forwards past the room are refused."""
+    the row holds; needed_bytes is what the row holds; prompts and forwards past the room, and groups that do not
+    divide the head size, are refused."""
     model = tiny_llama(seed=0, **INIT)  # 2 layers, 2 KV heads of 16 dims, fp32
     policy = make_policy(KVSpec("quantized", QUANT | {"quant_bits": 4}))
     cache = StaticQuantKV(model, 1, 256, 5, policy)
@@ -118,3 +120,5 @@ def test_buffers_are_allocated_once_with_exact_bytes():
         cache.prepare(9)
     with pytest.raises(ValueError, match="no room in capacity 256"):
         cache.load_row(0, prefilled, 252)
+    with pytest.raises(ConfigError, match="must divide head_dim=16"):
+        StaticQuantKV(model, 1, 256, 5, make_policy(KVSpec("quantized", QUANT | {"quant_group_size": 32})))

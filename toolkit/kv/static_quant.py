@@ -137,6 +137,7 @@ class StaticQuantKV(StaticKV):
 
     Raises:
         ValueError: ``rows`` or ``capacity`` < 1; a streaming policy without the exact window.
+        ConfigError: ``quant_group_size`` does not divide the model's head_dim.
     """
 
     def __init__(self, model, rows: int, capacity: int, widest: int, policy, dtype=None, device=None,
@@ -146,6 +147,7 @@ class StaticQuantKV(StaticKV):
         streaming = getattr(policy, "window", None) is not None
         if streaming and not policy.exact_window:
             raise ValueError("policy: the static quantized cache holds a StreamingLLM window only with exact_window")
+        policy.check_model(model, getattr(policy, "_prefix", "kv"))  # groups of values must divide head_dim
         layers_n, kv_heads, head_dim, dtype, device = kv_geometry(model, dtype, device)
         self.policy, self.widest, self.capacity = policy, widest, capacity
         self.window = policy if streaming else None  # StaticKV's meaning: a window fixes the memory, not capacity
