@@ -14,7 +14,6 @@ from test_decoder import INIT, hf_greedy, make_prompt
 
 import toolkit
 from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec, Recipe, SpeculationSpec
-from toolkit.kv.ragged import BatchCache
 from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.drafters import LookupDrafter, NGramDrafter, RowDrafters, SuffixDrafter
 
@@ -68,39 +67,6 @@ def test_rows_stop_on_their_own_eos_and_limits():
     for (ids, stats), ref in zip(rows, alone):
         cut = ref.index(eos) + 1 if eos in ref else 20
         assert ids == ref[:cut] and stats.finish_reason == ("eos" if eos in ref else "length")
-
-
-def test_batch_cache_writes_each_row_at_its_own_offset_and_overwrites_what_it_rejected():
-    from transformers import DynamicCache
-
-    def filled(rows: int, slots: int, start: float) -> torch.Tensor:  # (rows, 1 head, slots, 1): slot ids
-        return (torch.arange(slots, dtype=torch.float32) + start).view(1, 1, -1, 1).repeat(rows, 1, 1, 1)
-
-    batch = BatchCache(num_layers=1, device=torch.device("cpu"))
-    for prompt_len, start in ((3, 0), (5, 10)):  # two requests prefilled alone join: 3 and 5 prompt slots
-        prefill = DynamicCache()
-        prefill.update(filled(1, prompt_len, start), filled(1, prompt_len, start), 0)
-        batch.join(prefill, prompt_len + 1)  # + its first generated token, not in the cache yet
-    layer = batch.cache.layers[0]
-    assert batch.committed.tolist() == [4, 6] and layer.keys[:, 0, :5, 0].tolist() == [[0, 1, 2, 0, 0],
-                                                                                     [10, 11, 12, 13, 14]]
-    inputs = batch.forward_inputs(3, torch.float32)
-    assert inputs["position_ids"].tolist() == [[3, 4, 5], [5, 6, 7]]  # position = slot
-    visible = (inputs["attention_mask"][:, 0] == 0).int().tolist()  # (2 rows, 3 queries, 5 + 3 slots)
-    assert visible[0] == [[1, 1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0]]
-    assert visible[1][0] == [1, 1, 1, 1, 1, 1, 0, 0]
-    keys, _ = batch.cache.update(filled(2, 3, 100), filled(2, 3, 100), 0)  # the forward: 3 new slots per row
-    assert keys.shape[2] == 8 and keys[:, 0, :, 0].tolist() == [[0, 1, 2, 100, 101, 102, 0, 0],
-                                                                [10, 11, 12, 13, 14, 100, 101, 102]]
-    batch.accept(torch.tensor([1, 3]))  # row 0 keeps 1 of its 3 new slots, row 1 all 3
-    assert batch.committed.tolist() == [5, 9] and batch.lengths.tolist() == [4, 8]
-    batch.forward_inputs(1, torch.float32)
-    keys, _ = batch.cache.update(filled(2, 1, 200), filled(2, 1, 200), 0)  # row 0 overwrites a rejected slot
-    assert keys[0, 0, :5, 0].tolist() == [0, 1, 2, 100, 200] and keys[1, 0, 8, 0] == 200
-    held = batch.kv_bytes()
-    batch.remove([1])
-    assert batch.rows == 1 and batch.committed.tolist() == [9] and batch.kv_bytes() == held // 2
-    assert batch.cache.layers[0].keys[0, 0, :9, 0].tolist() == [10, 11, 12, 13, 14, 100, 101, 102, 200]
 
 
 def test_generator_generate_batch_matches_single_calls_and_falls_back():

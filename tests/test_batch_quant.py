@@ -1,6 +1,7 @@
-"""The KIVI-quantized KV cache per row of a batch (toolkit/kv/quantized_rows.py): every row's greedy output is
-what its prompt gives alone under the same quantized cache — rows packing groups at different rounds, verify forwards
-straddling a group boundary (the shadow) — and the batch holds packed groups, not full-precision history."""
+"""The KIVI-quantized KV cache per row of a batch, on the static engine (toolkit/kv/static_quant.py): every row's
+greedy output is what its prompt gives alone under the same quantized cache — rows packing groups at different
+rounds, verify forwards straddling a group boundary (the shadow), rows leaving and joining — and every row holds
+packed groups up to its own boundary and a bounded full-precision residual, not full-precision history."""
 
 from __future__ import annotations
 
@@ -35,29 +36,31 @@ def test_quantized_kv_per_row_equals_each_prompt_alone_under_the_policy(bits):
     assert [r.token_ids for r in plain.generate_batch(batch, batch_size=3)] != alone  # the cache is really quantized
 
 
-def test_quantized_batch_cache_holds_packed_groups_and_a_bounded_residual():
+def test_quantized_rows_hold_packed_groups_and_a_bounded_residual():
     from toolkit.kv.quantized import QuantizedKV
+    from toolkit.kv.static_quant import StaticQuantKV
     from toolkit.recipe import GenerationSpec
-    from toolkit.kv.quantized_rows import QuantBatchCache
     from toolkit.speculative.cost_model import VerifyCost
+    from toolkit.speculative.drafters import LookupDrafter
 
     target = tiny_llama(seed=0, **INIT)
     policy = QuantizedKV(quant_bits=4, quant_group_size=8, residual_length=6, sink_tokens=2)
     seen = []
 
-    class Watch(QuantBatchCache):
-        def compress(self):
-            super().compress()
-            seen.append((self.committed.tolist(), self.evicted.tolist(), self.lengths.tolist()))
+    class Watch(StaticQuantKV):
+        def commit(self):
+            super().commit()
+            seen.append((self.held[:self.active], self.quantized_held[:self.active], self.quantized.tolist()))
 
-    decoder = batch_decoder(target, lambda: None, VerifyCost([1.0] * 64, learn=False), num_draft_tokens=1,
-                            batch_size=2, policy=policy)
-    decoder._new_cache = lambda prompts, gen: Watch.for_model(target, policy)
-    decoder.decode_batch(prompts(2), GenerationSpec(max_new_tokens=40, ignore_eos=True))
-    for committed, packed, fp in seen:
-        for c, q, n in zip(committed, packed, fp):
-            held = c - 1
-            # packed: whole groups after the sinks, up to boundary(held); the fp buffer: sinks + the residual
-            expected = max(0, 8 * min((held - 2) // 8, -(-(held - 2 - 6) // 8))) if held - 2 - 6 > 0 else 0
-            assert q == expected and n == held - q and n <= 2 + max(6, 7) + 1
-    assert seen and isinstance(decoder.cache, Watch)
+    decoder = batch_decoder(target, lambda: LookupDrafter(max_cached_requests=0), VerifyCost([1.0] * 64, learn=False),
+                            num_draft_tokens=4, batch_size=2, policy=policy)
+    decoder._new_cache = lambda prompts, gen: Watch(target, 2, 128, decoder._widest(), policy)
+    decoder.decode_batch(prompts(3), GenerationSpec(max_new_tokens=40, ignore_eos=True))
+    for held, packed, on_device in seen:
+        assert on_device[:len(packed)] == packed
+        for n, q in zip(held, packed):
+            # packed: whole groups after the 2 sinks up to boundary(n); the fp residual: at most max(6, 8 - 1) tokens
+            expected = 8 * min((n - 2) // 8, -(-(n - 2 - 6) // 8)) if n - 2 - 6 > 0 else 0
+            assert q == expected and n - 2 - q <= 7
+    assert max(q for _, packed, _ in seen for q in packed) >= 48  # every row ran past several groups
+    assert isinstance(decoder.cache, Watch) and decoder.cache.fp_slots == 2 + 7 + 5

@@ -114,8 +114,8 @@ def test_the_static_cache_is_reused_and_its_capacity_only_grows(setup):
 
 
 def test_what_the_static_cache_does_not_hold_runs_eager(setup):
-    """forward_for compiles only where the static cache holds the recipe (no KV policy or the StreamingLLM ring, no
-    token trees, full-attention layers); elsewhere it names why and the decoder runs eager on the policy's cache."""
+    """forward_for compiles only where the static cache holds the recipe (a KV policy with a static form, no token
+    trees, full-attention layers); elsewhere it names why and the decoder runs eager on the policy's cache."""
     target = setup[0]
     base = Recipe.from_dict({"name": "compiled", "target": {"device": "cpu"}, "draft": None, "compile": "on",
                              "spec": {"drafter": "lookup", "num_draft_tokens": 4},
@@ -133,8 +133,12 @@ def test_what_the_static_cache_does_not_hold_runs_eager(setup):
     compiled, why = engine(kv({"policy": "streaming", "sink_tokens": 4, "window": 32, "position_mode": "reindex"}))
     assert not compiled and "StreamingLLM with reindexed positions" in why
     assert engine(kv({"policy": "l2norm", "budget": 16, "sink_tokens": 2, "protect_recent": 4}))[0]  # static tiers
-    compiled, why = engine(kv({"policy": "quantized", "quant_bits": 4}))
-    assert not compiled and "the quantized policy" in why
+    assert engine(kv({"policy": "quantized", "quant_bits": 4, "quant_group_size": 16}))[0]  # packed groups
+    assert engine(kv({"policy": "streaming", "sink_tokens": 4, "window": 32, "quant_bits": 4,
+                      "quant_group_size": 16, "residual_length": 8}))[0]  # a ring of packed groups
+    compiled, why = engine(kv({"policy": "streaming", "sink_tokens": 4, "window": 32, "exact_window": False,
+                               "quant_bits": 4, "quant_group_size": 16, "residual_length": 8}))
+    assert not compiled and "StreamingLLM composed with quantization" in why
     compiled, why = engine(base.replace(spec=SpeculationSpec(drafter="suffix", tree=True)))
     assert not compiled and "token trees" in why
     chunked = tiny_llama(seed=0)

@@ -65,12 +65,13 @@ def repetitive(seed: int) -> torch.Tensor:
     return torch.cat([base, base, base[:3]]).view(1, -1)
 
 
-#: KV policies on the static engine: none, and L2-norm / head-aware eviction compacted at commit points (budgets
-#: small enough that the 30 new tokens compact several times)
+#: KV policies on the static engine: none, L2-norm / head-aware eviction compacted at commit points (budgets small
+#: enough that the 30 new tokens compact several times) and KIVI quantization packing groups at commit points
 POLICIES = {"none": None,
             "l2norm": {"budget": 12, "sink_tokens": 2, "protect_recent": 4, "skip_layers": [0], "compress_interval": 3},
             "head_aware": {"budget": 12, "sink_tokens": 2, "protect_recent": 4, "skip_layers": [0], "tiers": 2,
-                           "compress_interval": 3, "importance": [[0.5, 0.5], [0.1, 0.9]]}}
+                           "compress_interval": 3, "importance": [[0.5, 0.5], [0.1, 0.9]]},
+            "quantized": {"quant_bits": 8, "quant_group_size": 8, "residual_length": 8, "sink_tokens": 2}}
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
@@ -91,7 +92,7 @@ def test_the_default_path_reads_the_device_once_per_round(compiled, do_sample, p
     with counted_reads() as counts:
         list(decoder.decode(repetitive(1), gen, stats))
     assert stats.rounds >= 5 and stats.accepted > 0
-    assert kv is None or stats.compressions_target > 2  # commit points compacted the static tiers
+    assert kv is None or stats.compressions_target > 2  # commit points compacted the static tiers or packed groups
     # exactly one read per round (+ 2 per request: the prefill's first token, the prompt's host ids): the instrument
     # sees the loop's own reads, and there are no others
     assert counts["n"] == stats.rounds + 2, counts["where"]

@@ -16,8 +16,8 @@ model on the cache's ``prepare(W)`` inputs and returns logits ``(B, W, vocab)``.
   graph per (batch bucket, width bucket) from them at its first call; the cost model's curve then has the buckets'
   steps, which the verify planner reads.
 
-Eager forwards (no compile, or a cache that is not static: KV policies that re-pack or gather at commit points) call
-the model as it is. A padded forward's extra positions are never kept: the caller's :meth:`accept` counts only real
+Eager forwards (no compile, or a cache that is not static: token trees, policies without a static form) call the
+model as it is. A padded forward's extra positions are never kept: the caller's :meth:`accept` counts only real
 tokens, and padding rows are never accepted into.
 
 Compiled code is cached on disk by inductor (``TORCHINDUCTOR_CACHE_DIR``, the toolkit's cache directory unless the user
@@ -239,7 +239,7 @@ class TargetForward:
             padded[:rows, width:] = input_ids[:, -1:]
             input_ids = padded
         kwargs = cache.prepare(run_width, range(run_rows))
-        self._mark_dynamic(input_ids, kwargs, cache, span=not self.buckets)
+        self._mark_dynamic(input_ids, kwargs, cache, span=not self.buckets and getattr(cache, "dynamic_span", True))
         key = (run_rows if self.buckets else min(run_rows, 2), run_width if self.buckets else min(run_width, 2))
         key += (hidden,) if hidden else ()  # a graph returning features is a graph of its own
         first = key not in self._checked.get(cache, ())  # this graph on this cache: guards not yet run in full

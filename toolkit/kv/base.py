@@ -47,8 +47,6 @@ class KVPolicy:
     compress_interval: int = 16
 
     name: ClassVar[str] = "base"
-    #: ``rows_cache(model)``: the policy's eager per-row cache for batches (:mod:`toolkit.kv.rows`); ``None``: none
-    rows_cache: ClassVar = None
     #: install :mod:`toolkit.kv.attention` on the model (layers or heads of different physical lengths)
     uses_attention_hook: ClassVar[bool] = False
     #: the policy runs on torch targets (``False``: llama.cpp's own KV formats, :mod:`toolkit.kv.ggml_types`)

@@ -32,6 +32,10 @@ Layout of one layer (all layers alike), oldest to newest::
 * **attention** dequantizes the quantized part of a layer once per forward (dequantize-then-concat).
 * **bytes** (:meth:`CompressedCache.kv_bytes`): packed codes + scales + zero points + sinks + residual, exactly.
 
+The decoder runs this policy on its static form (:mod:`toolkit.kv.static_quant`: fixed per-row buffers, the same
+per-query view, compiled forwards, batches); this cache is the reference it is tested against, and the form of token
+trees and of ``model.generate``.
+
 Composition with StreamingLLM (``sink_tokens`` fp sinks, ``window``): when a layer holds more than
 ``sink_tokens + window + compress_interval`` entries at a commit, the oldest whole quantized key groups that lie
 entirely before the last ``window`` committed tokens are dropped. With ``exact_window`` the band mask makes outputs
@@ -125,11 +129,12 @@ class QuantizedKV(KVPolicy):
     window = None  # class attributes, not fields: the standalone cache evicts nothing
     exact_window = False
 
-    def rows_cache(self, model):
-        """The per-row form for batches (:mod:`toolkit.kv.quantized_rows`)."""
-        from toolkit.kv.quantized_rows import QuantBatchCache
+    def static_cache(self, model, rows: int, capacity: int, widest: int, static_span: bool = False):
+        """The decoder's form, one row or a batch: packed groups, fp sinks and a fixed fp residual on the static
+        engine, packed at commit points (:class:`~toolkit.kv.static_quant.StaticQuantKV`)."""
+        from toolkit.kv.static_quant import StaticQuantKV
 
-        return QuantBatchCache.for_model(model, self)
+        return StaticQuantKV(model, rows, capacity, widest, self, static_span=static_span)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -200,11 +205,32 @@ class QuantizedStreamingLLM(StreamingLLM):
 
     new_layers = QuantizedKV.new_layers
     compress_layer = QuantizedKV.compress_layer
-    rows_cache = None  # batches run the uncompressed, StreamingLLM or quantized cache per row, not both at once
+
+    @property
+    def static_cache(self):
+        """The static form (:class:`~toolkit.kv.static_quant.StaticQuantKV` with a ring of packed groups) with the
+        exact window, where what a query sees is fixed by its position; ``None`` without it (what a query sees
+        then depends on when groups were evicted)."""
+        return QuantizedKV.static_cache.__get__(self) if self.exact_window else None
 
     def make_cache(self, model) -> QuantizedKVCache:
         self.check_model(model, getattr(self, "_prefix", "kv"))
         return QuantizedKVCache(self, model)
+
+
+def boundary(n, policy):
+    """Absolute position before which a query at position ``n`` (or a commit of ``n`` tokens) sees tokens quantized
+    (sinks excepted) under ``policy`` (``S`` sinks, ``G`` group, ``R`` residual):
+    ``S + G * min(floor((n - S) / G), ceil((n - S - R) / G))``, at least ``S``. ``n`` an int, or a long tensor (then
+    elementwise, on its device)."""
+    s, g, r = policy.sink_tokens, policy.quant_group_size, policy.residual_length
+    if not isinstance(n, torch.Tensor):
+        if n - s - r <= 0:
+            return s
+        return s + g * min((n - s) // g, -(-(n - s - r) // g))
+    whole = torch.div(n - s, g, rounding_mode="floor")
+    ceil = -torch.div(s + r - n, g, rounding_mode="floor")
+    return torch.where(n - s - r > 0, s + g * torch.minimum(whole, ceil), s)
 
 
 class QuantizedKVCache(CompressedCache):
@@ -222,12 +248,8 @@ class QuantizedKVCache(CompressedCache):
 
     def boundary(self, n: int) -> int:
         """Absolute position before which a query at position ``n`` (or a commit of ``n`` tokens) sees tokens
-        quantized (sinks excepted): ``S + G * min(floor((n - S) / G), ceil((n - S - R) / G))``, at least ``S``."""
-        policy = self.policy
-        s, g, r = policy.sink_tokens, policy.quant_group_size, policy.residual_length
-        if n - s - r <= 0:
-            return s
-        return s + g * min((n - s) // g, -(-(n - s - r) // g))
+        quantized (sinks excepted): :func:`boundary`."""
+        return boundary(n, self.policy)
 
     # ------------------------------------------------------------------------------------------------ bookkeeping
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):

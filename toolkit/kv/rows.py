@@ -16,11 +16,10 @@ Between forwards row ``r`` represents the tokens committed so far but its last o
 
 Which cache a policy gets (:func:`rows_cache`): a static cache where the policy has a static form — the plain
 :class:`~toolkit.kv.static.StaticKV` (none, StreamingLLM with absolute positions and the exact window) or the
-policy's own ``static_cache`` (L2-norm and head-aware eviction: :mod:`toolkit.kv.static_evict`), and for models with
-sliding-window layers (no policy) :class:`~toolkit.kv.static_sliding.SlidingStaticKV`; else the policy's
-eager per-row cache for batches (``policy.rows_cache(model)``: KIVI-quantized), or, for one sequence and for
-policies with no per-row form, the policy's single-sequence cache behind :class:`SingleRowCache`. No ``isinstance``:
-each policy declares its forms.
+policy's own ``static_cache`` (L2-norm and head-aware eviction: :mod:`toolkit.kv.static_evict`; KIVI quantization:
+:mod:`toolkit.kv.static_quant`), and for models with sliding-window layers (no policy)
+:class:`~toolkit.kv.static_sliding.SlidingStaticKV`; else, one sequence at a time, the policy's single-sequence cache
+behind :class:`SingleRowCache`. No ``isinstance``: each policy declares its forms.
 """
 
 from __future__ import annotations
@@ -61,8 +60,9 @@ class RowCache(Protocol):
 
 class SingleRowCache:
     """One sequence on a policy's single-sequence cache (:class:`~toolkit.kv.contract.CacheProtocol`: ``crop``,
-    ``commit``, ``forward_kwargs``): the form of every policy for one row, and the only one of policies without a
-    per-row or static form (StreamingLLM with reindexed positions, compositions with quantization).
+    ``commit``, ``forward_kwargs``): the form of every policy for token trees, and of policies without a static form
+    (StreamingLLM with reindexed positions or without the exact window, alone or composed with quantization) or on
+    models the static cache does not hold.
 
     Args:
         policy: the KV policy (``None``: an uncompressed ``DynamicCache``; the decoder uses the static cache there).
@@ -140,7 +140,8 @@ def rows_cache(policy, model, rows: int, capacity: int, widest: int, static_span
     forwards of up to ``widest`` tokens, under ``policy`` (see the module docstring).
 
     Raises:
-        ValueError: ``rows > 1`` with a policy that has no per-row form (the caller decodes one at a time).
+        ValueError: ``rows > 1`` with a policy or model the static cache does not hold (the caller decodes one at a
+            time).
     """
     if static_why(policy, model) is None:
         if policy is not None and getattr(policy, "static_cache", None) is not None:
@@ -150,18 +151,13 @@ def rows_cache(policy, model, rows: int, capacity: int, widest: int, static_span
         return StaticKV(model, rows, capacity, widest, window=policy, static_span=static_span)
     if rows == 1:
         return SingleRowCache(policy, model)
-    why = batches(policy, model)
-    if why:
-        raise ValueError(f"batch_size: requests cannot share a batch here ({why}); decode them one at a time")
-    return policy.rows_cache(model)
+    raise ValueError(f"batch_size: requests cannot share a batch here ({batches(policy, model)}); decode them one at "
+                     "a time")
 
 
 def batches(policy, model) -> str | None:
-    """Why requests under ``policy`` cannot share a batch (``None``: they can)."""
-    why = static_why(policy, model)
-    if why is None or (policy is not None and getattr(policy, "rows_cache", None) is not None):
-        return None
-    return why
+    """Why requests under ``policy`` cannot share a batch (``None``: they can): only the static cache holds rows."""
+    return static_why(policy, model)
 
 
 def static_why(policy, model) -> str | None:

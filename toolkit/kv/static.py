@@ -22,9 +22,12 @@ policy keeps ``p`` for ``q``):
   position a query needs is ever overwritten by a draft token that is later rejected. Capacity is fixed whatever
   the generation length: ``sinks + window + widest`` slots.
 
-L2-norm and head-aware eviction subclass it with fixed-budget tiers compacted at commit points
-(:mod:`toolkit.kv.static_evict`). KIVI-quantized caches re-pack what they hold at commit points and run on the eager
-path (:mod:`toolkit.kv.rows`); :func:`static_form` says which policies have a static form.
+Policies that change what they hold at commit points subclass it with buffers of their own, still fixed in size and
+moved only at commit points: L2-norm and head-aware eviction as fixed-budget tiers compacted there
+(:mod:`toolkit.kv.static_evict`), KIVI quantization (standalone, or composed with StreamingLLM's exact window) as
+packed groups, fp sinks and a fixed fp residual whose whole groups are packed there (:mod:`toolkit.kv.static_quant`).
+:func:`static_form` says which policies have a static form: every one but StreamingLLM with reindexed positions or
+without the exact window, alone or composed with quantization (what those hold depends on when they compress).
 """
 
 from __future__ import annotations
@@ -47,18 +50,20 @@ def capacity_for(tokens: int, step: int = CAPACITY_STEP) -> int:
 
 def static_form(policy) -> str | None:
     """Why ``policy`` has no static form (``None``: it has one). :class:`StaticKV` holds no policy (``None``) and
-    StreamingLLM with absolute positions and the exact window (its ring); a policy with a ``static_cache`` method
-    builds its own (L2-norm and head-aware eviction: :mod:`toolkit.kv.static_evict`)."""
+    StreamingLLM with absolute positions and the exact window (its ring); a policy whose ``static_cache`` is not
+    ``None`` builds its own (L2-norm and head-aware eviction: :mod:`toolkit.kv.static_evict`; KIVI quantization,
+    composed with StreamingLLM only with the exact window: :mod:`toolkit.kv.static_quant`)."""
     if policy is None or getattr(policy, "static_cache", None) is not None:
         return None
     from toolkit.kv.streaming import StreamingLLM
 
-    if type(policy) is StreamingLLM:
-        if policy.ring:
-            return None
-        return "StreamingLLM with reindexed positions or without the exact window (what it holds depends on when it " \
-               "compresses)"
-    return f"the {policy.name} policy (it re-packs or gathers what it holds at commit points)"
+    if type(policy) is StreamingLLM and policy.ring:
+        return None
+    if isinstance(policy, StreamingLLM):
+        quantized = " composed with quantization" if type(policy) is not StreamingLLM else ""
+        return f"StreamingLLM{quantized} with reindexed positions or without the exact window (what it holds " \
+               "depends on when it compresses)"
+    return f"the {policy.name} policy (it has no static form)"
 
 
 class StaticLayer(CacheLayerMixin):
@@ -144,7 +149,7 @@ class StaticKV(Cache):
                  static_span: bool = False):
         if rows < 1 or capacity < 1:
             raise ValueError(f"rows and capacity: must be >= 1, got {rows} and {capacity}")
-        if window is not None and not getattr(window, "ring", False):
+        if window is not None and (not getattr(window, "ring", False) or hasattr(window, "quant_bits")):
             problem = static_form(window) or f"the {window.name} policy (its static_cache builds a cache of its own)"
             raise ValueError(f"window: the plain static cache and its ring do not hold {problem}")
         num_layers, kv_heads, head_dim, dtype, device = kv_geometry(model, dtype, device)

@@ -12,7 +12,8 @@ A round (the row protocol of :mod:`toolkit.speculative.drafters.rows`)::
     join       a request's prompt is prefilled alone into the next row of the draft cache
     catch up   ONE forward over (B, c): row r feeds the committed tokens its draft cache has not seen (1 or 2 after
                a speculative round, more after plain steps), padded to the widest c; its next-token logits are read
-               at its own last real input
+               at its own last real input (a KIVI static cache, whose fp residual holds one forward's tokens between
+               commit points, takes them in forwards of at most its widest, each followed by a commit point)
     draft      steps - 1 forwards over (B, 1), each row feeding the token it just drafted (greedy argmax, or a
                sample from q = the processed draft distribution, with the row's own generator)
     hand over  ONE device-to-host read of every drafted token and its confidence
@@ -48,7 +49,7 @@ from toolkit.speculative.drafters.rows import ModelDrafter
 from toolkit.speculative.verify import process_logits
 
 #: most tokens one catch-up forward feeds per row where forwards are not bounded otherwise (bucketed CUDA graphs
-#: bound it by their widest bucket, a StreamingLLM ring by the widest forward it leaves room for)
+#: bound it by their widest bucket, a StreamingLLM ring and a KIVI residual by the widest forward they leave room for)
 CATCH_UP_CHUNK = 512
 
 
@@ -149,7 +150,7 @@ class DraftModel(ModelDrafter):
         static, self._chunk = isinstance(self.cache, StaticKV), CATCH_UP_CHUNK
         if not static and rows > 1:
             raise ValueError("batch_size: a draft cache without a static form holds one sequence; decode one at a time")
-        if static and self.cache.ringed:
+        if static and (self.cache.ringed or getattr(self.cache, "pending_limit", None)):
             self._chunk = self.cache.widest
         elif static and self.forward.compiled and self.forward.buckets:
             self._chunk = self.forward.widths[-1]
@@ -240,6 +241,8 @@ class DraftModel(ModelDrafter):
             counts = [len(x) for x in parts]
             inputs = torch.tensor([x + [x[-1] if x else 0] * (width - len(x)) for x in parts], device=self.device)
             logits = self._forward(inputs, torch.tensor(counts, device=self.device), counts)
+            if getattr(self.cache, "pending_limit", None):
+                self.cache.commit()  # committed tokens: a cache holding few between commit points packs them now
         return logits
 
     def _forward(self, inputs: torch.Tensor, counts: torch.Tensor, counts_host: list[int]) -> torch.Tensor:
