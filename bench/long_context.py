@@ -77,7 +77,7 @@ def rouge(tokenizer, prediction: list[int], reference: list[int]) -> float:
     from toolkit.metrics import load
 
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in (prediction, reference)]
-    return float(load("rouge_l").compute(predictions=[texts[0]], references=[texts[1]])["rouge_l"][0])
+    return float(load("rouge_l").compute(predictions=[texts[0]], references=[texts[1]])["rouge_l"])
 
 
 def run_suite(suite: str, generators: dict, repeats: int, new_tokens: int, num_prompts: int | None = None,
