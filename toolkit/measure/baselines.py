@@ -60,32 +60,10 @@ def hf_generate(model, input_ids: torch.Tensor, gen: GenerationSpec, eos_token_i
     if method not in BASELINES:
         raise ValueError(f"method: unknown baseline {method!r} (allowed: {', '.join(BASELINES)})")
     device = next(model.parameters()).device
-    config = copy.deepcopy(model.generation_config)
-    config.max_new_tokens = gen.max_new_tokens
-    config.min_new_tokens = None
-    config.do_sample = gen.do_sample
-    config.temperature, config.top_k, config.top_p = gen.temperature, gen.top_k or None, gen.top_p
-    # [] (not None): transformers replaces a None eos_token_id with the model generation config's own EOS
-    config.eos_token_id = [] if gen.ignore_eos or not eos_token_ids else list(eos_token_ids)
-    if config.pad_token_id is None:
-        config.pad_token_id = eos_token_ids[0] if eos_token_ids else 0
-    kwargs = {}
+    config = _generation_config(model, gen, eos_token_ids)
+    kwargs, restore = {}, None
     if method == "assisted":
-        if assistant_model is None:
-            raise ValueError("assistant_model: required for the 'assisted' baseline")
-        kwargs["assistant_model"] = assistant_model
-        if assistant_tokenizer is not None:  # universal assisted decoding: HF translates between the tokenizers
-            kwargs.update(tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer)
-        config.num_assistant_tokens = num_draft_tokens
-        config.num_assistant_tokens_schedule = "constant"
-        config.assistant_confidence_threshold = 0.0
-        # HF reads these from the assistant's own generation config: set them for this call only.
-        saved_assistant_config = assistant_model.generation_config
-        assistant_config = copy.deepcopy(saved_assistant_config)
-        assistant_config.num_assistant_tokens = num_draft_tokens
-        assistant_config.num_assistant_tokens_schedule = "constant"
-        assistant_config.assistant_confidence_threshold = 0.0
-        assistant_model.generation_config = assistant_config
+        kwargs, restore = _assisted(config, assistant_model, num_draft_tokens, tokenizer, assistant_tokenizer)
     elif method == "ar_static":
         _static_compiled(config, max_cache_len, compile_backend, compile_mode)
     elif method == "prompt_lookup":
@@ -107,8 +85,8 @@ def hf_generate(model, input_ids: torch.Tensor, gen: GenerationSpec, eos_token_i
         end = time.perf_counter()
     finally:
         hook.remove()
-        if method == "assisted":
-            assistant_model.generation_config = saved_assistant_config
+        if restore is not None:
+            restore()
     new_ids = out[0, input_ids.shape[1]:].tolist()
     stats = GenerationStats(prompt_tokens=input_ids.shape[1], new_tokens=len(new_ids))
     stats.target_forwards = forwards[0]
@@ -118,6 +96,43 @@ def hf_generate(model, input_ids: torch.Tensor, gen: GenerationSpec, eos_token_i
     stats.total_ms = (end - start) * 1000
     stats.finish_reason = "length" if len(new_ids) >= gen.max_new_tokens else "eos"
     return new_ids, stats
+
+
+def _generation_config(model, gen: GenerationSpec, eos_token_ids: list[int]):
+    """A copy of ``model``'s generation config set to ``gen`` (EOS as ours: ``gen.ignore_eos`` removes the ids)."""
+    config = copy.deepcopy(model.generation_config)
+    config.max_new_tokens = gen.max_new_tokens
+    config.min_new_tokens = None
+    config.do_sample = gen.do_sample
+    config.temperature, config.top_k, config.top_p = gen.temperature, gen.top_k or None, gen.top_p
+    # [] (not None): transformers replaces a None eos_token_id with the model generation config's own EOS
+    config.eos_token_id = [] if gen.ignore_eos or not eos_token_ids else list(eos_token_ids)
+    if config.pad_token_id is None:
+        config.pad_token_id = eos_token_ids[0] if eos_token_ids else 0
+    return config
+
+
+def _assisted(config, assistant_model, num_draft_tokens: int, tokenizer, assistant_tokenizer):
+    """HF assisted generation with a constant ``num_draft_tokens``: ``(generate kwargs, restore)``; HF reads the
+    schedule from the assistant's own generation config, so it is set for this call only and ``restore()`` puts the
+    assistant's back. Raises ``ValueError`` without an assistant."""
+    if assistant_model is None:
+        raise ValueError("assistant_model: required for the 'assisted' baseline")
+    kwargs = {"assistant_model": assistant_model}
+    if assistant_tokenizer is not None:  # universal assisted decoding: HF translates between the tokenizers
+        kwargs.update(tokenizer=tokenizer, assistant_tokenizer=assistant_tokenizer)
+    saved = assistant_model.generation_config
+    assistant_config = copy.deepcopy(saved)
+    for cfg in (config, assistant_config):
+        cfg.num_assistant_tokens = num_draft_tokens
+        cfg.num_assistant_tokens_schedule = "constant"
+        cfg.assistant_confidence_threshold = 0.0
+    assistant_model.generation_config = assistant_config
+
+    def restore() -> None:
+        assistant_model.generation_config = saved
+
+    return kwargs, restore
 
 
 def _static_compiled(config, max_cache_len: int | None, backend: str, mode: str | None) -> None:
