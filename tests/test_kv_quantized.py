@@ -352,13 +352,16 @@ def test_a_tree_reaching_a_quantization_group_is_refused():
 
 
 def test_shadow_mask_gives_each_query_its_autoregressive_view():
-    """One forward over many positions == the same positions fed one at a time with a commit after each."""
+    """After the prompt (one forward at full precision, as KIVI prefills), one forward over many positions == the
+    same positions fed one at a time with a commit after each."""
     model = tiny_llama()
     pol = policy(quant_bits=2, quant_group_size=8, residual_length=8)
     ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(5))
     cache = new_cache(pol, model)
-    logits_one = []
-    for p in range(60):
+    model(input_ids=ids[:, :20], past_key_values=cache, **cache.forward_kwargs(torch.arange(20)[None]))
+    cache.commit()
+    logits_one = [None] * 20
+    for p in range(20, 60):
         out = model(input_ids=ids[:, p:p + 1], past_key_values=cache,
                     **cache.forward_kwargs(torch.tensor([[p]])))
         logits_one.append(out.logits[0, -1])

@@ -46,7 +46,7 @@ def test_one_row_equals_the_single_sequence_policy(target, name, params):
     reference, ref_stats, _ = decode_one(target, policy, repeated_prompt(), single=True)
     ids, stats, decoder = decode_one(target, policy, repeated_prompt())
     assert isinstance(decoder.cache, StaticQuantKV) and ids == reference
-    assert stats.tokens_per_round > 1.3 and stats.accepted < stats.drafted
+    assert stats.tokens_per_round > 1.2 and stats.accepted < stats.drafted
     if name == "quantized":
         assert stats.compressions_target == ref_stats.compressions_target >= 5
     if params["quant_bits"] == 2:  # 2-bit keys change the tiny model's greedy output: the cache is really quantized

@@ -16,9 +16,11 @@ Layout of one layer (all layers alike), oldest to newest::
   ``G`` group, ``R`` ``residual_length``; never negative), so after a commit the residual holds at most
   ``max(R, G - 1)`` tokens. Tokens appended since the last commit always sit at the residual's tail, so
   ``crop(-n)`` and ``keep_tail`` are exact slices and quantized data never needs restoring.
-* **per-query semantics, exactly as autoregressive decoding**: a query at absolute position ``p`` sees the tokens
-  before ``boundary(p)`` quantized and the later ones at full precision — what it would see if every token had been
-  decoded one at a time with a commit after each. A verify forward over K + 1 positions may straddle a boundary;
+* **per-query semantics, exactly as autoregressive decoding**: the prompt (the first forward into an empty cache)
+  attends at full precision and is packed at the commit after it, as KIVI and HF's ``QuantizedCache`` prefill; from
+  then on a query at absolute position ``p`` sees the tokens before ``boundary(p)`` quantized and the later ones at
+  full precision — what it would see if every later token had been decoded one at a time with a commit after each.
+  A verify forward over K + 1 positions may straddle a boundary;
   the tokens that become quantized inside it are appended once more as dequantized *shadow* entries and a 4D
   additive mask (:meth:`QuantizedKVCache.forward_kwargs`) shows each query the shadow or the full-precision copy.
   Hence greedy speculative output under this cache equals AR under this cache, as for the other policies.
@@ -27,8 +29,6 @@ Layout of one layer (all layers alike), oldest to newest::
   must never hold a tree node below the root (the group's scale would depend on the path): that holds when
   ``residual_length >= tree_depth + quant_group_size - 2`` (:func:`check_quant_tree`, checked by the plan) and is
   verified at every tree forward.
-  (``model.generate`` passes no such mask: there only the prefill forward differs, seeing the prompt at full
-  precision, as HF's ``QuantizedCache`` does.)
 * **attention** dequantizes the quantized part of a layer once per forward (dequantize-then-concat).
 * **bytes** (:meth:`CompressedCache.kv_bytes`): packed codes + scales + zero points + sinks + residual, exactly.
 
@@ -314,19 +314,21 @@ class QuantizedKVCache(CompressedCache):
             raise ValueError(f"position_ids start at {start} but the quantized cache holds {self._length} tokens")
         query_pos = position_ids[0]
         self._query_pos = query_pos.tolist()
-        first, last = self.boundary(min(self._query_pos)), self.boundary(max(self._query_pos))
+        prompt = self._length == 0 and tree_mask is None  # the prompt attends at full precision (KIVI's prefill)
+        first, last = (policy.sink_tokens,) * 2 if prompt else \
+            (self.boundary(min(self._query_pos)), self.boundary(max(self._query_pos)))
         self._shadow = (first, last)
         if tree_mask is None and last == first and not policy.exact_window:
             return {"position_ids": position_ids, "attention_mask": None}
         if tree_mask is not None:
             self._check_tree_view(committed, self._query_pos, last)
         return {"position_ids": position_ids, "attention_mask": self._mask(query_pos, committed, first, last,
-                                                                           tree_mask)}
+                                                                           tree_mask, prompt)}
 
     def _mask(self, query_pos: torch.Tensor, committed: int, first: int, last: int,
-              tree_mask: torch.Tensor | None) -> torch.Tensor:
+              tree_mask: torch.Tensor | None, prompt: bool = False) -> torch.Tensor:
         """The additive mask ``(1, 1, q, keys)`` over ``[sinks, quantized, shadow, residual]`` (see
-        :meth:`forward_kwargs`)."""
+        :meth:`forward_kwargs`; ``prompt``: every query sees the residual at full precision)."""
         policy, device = self.policy, query_pos.device
         layer: QuantizedLayer = self.layers[0]
         held_pos = [torch.arange(layer.sinks), torch.arange(layer.q_start, layer.q_start + layer.q_len)]
@@ -340,7 +342,8 @@ class QuantizedKVCache(CompressedCache):
         kind = torch.cat((torch.zeros(sum(p.numel() for p in held_pos), dtype=torch.long),
                           torch.ones(shadow_pos.numel(), dtype=torch.long),
                           torch.full((residual_pos.numel(),), 2, dtype=torch.long))).to(device)
-        bound = torch.tensor([self.boundary(int(p)) for p in query_pos.tolist()], device=device)[:, None]
+        bound = torch.tensor([0 if prompt else self.boundary(int(p)) for p in query_pos.tolist()],
+                             device=device)[:, None]
         kp, kd = key_pos[None, :], kind[None, :]
         visible = kp <= query_pos[:, None]
         visible &= (kd != 1) | (kp < bound)  # shadow: quantized copy, seen once the query is past its boundary
