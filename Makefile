@@ -153,10 +153,10 @@ distill: $(STAMP)
 ## (marked slow); test-system: the tests that start other Python processes (marked system: a wheel build and
 ## install, two runs or loads at once, kill -9 and resume, a PostgreSQL study, the GPU kit's dry run); CI runs both.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not system" --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not system and not heavy" --durations=15
 
 test-system: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m system --durations=10
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "system or heavy" --durations=10
 
 test-all: test test-system
 

@@ -93,6 +93,7 @@ def test_compiled_eagle_reads_the_compiled_targets_hidden_states(eagle_pair):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # 20-25 s; the tiny-model tests above prove the same path
 def test_compiled_eagle_with_the_shipped_head_on_the_embedded_model(embedded):
     """The shipped EAGLE-1 head (toolkit/heads/smollm2-135m-instruct) on the embedded model at fp32, both compiled:
     token-identical to HF greedy, and the real head's drafts are accepted (it is a weak head: tau 1.28 here, the

@@ -331,6 +331,7 @@ def test_tree_sampling_in_the_decoder_is_reproducible_and_exact_in_length():
 
 # ------------------------------------------------------------------------------------------ embedded model (slow)
 @pytest.mark.slow
+@pytest.mark.heavy  # 20-25 s; the tiny-model tests above prove the same path
 def test_embedded_greedy_tree_matches_ar(embedded, embedded_int4, embedded_greedy):
     """fp32 embedded model, real prompts: EAGLE-2 trees from the NF4 self-draft (chat and code prompts) and suffix
     trees (every prompt) == HF greedy (the references test_decoder's embedded test checks too)."""
