@@ -52,16 +52,15 @@ SUITES = ["long-context", "long-context-heldout"]
 def policies(budget: int) -> dict[str, dict]:
     """Our variants: name -> (kv section, compile mode)."""
     evict = {"budget": budget, "sink_tokens": 4, "protect_recent": 64, "compress_interval": 32}
+    kivi = {"policy": "quantized", "quant_bits": 4, "quant_group_size": 32, "residual_length": 128, "sink_tokens": 4}
     return {"none": ({"policy": "none"}, "auto"),
             "l2": ({"policy": "l2norm", **evict}, "auto"),
             "head_aware": ({"policy": "head_aware", **evict}, "auto"),
             "streaming": ({"policy": "streaming", "sink_tokens": 4, "window": budget - 4, "compress_interval": 32},
                           "auto"),
-            "kivi": ({"policy": "quantized", "quant_bits": 4, "quant_group_size": 32, "residual_length": 128,
-                      "sink_tokens": 4}, "auto"),
+            "kivi": (kivi, "auto"),
             "l2_eager": ({"policy": "l2norm", **evict}, "off"),
-            "kivi_eager": ({"policy": "quantized", "quant_bits": 4, "quant_group_size": 32, "residual_length": 128,
-                            "sink_tokens": 4}, "off")}
+            "kivi_eager": (kivi, "off")}
 
 
 def recipe_for(name: str, kv: dict, compile_mode: str, new_tokens: int) -> Recipe:

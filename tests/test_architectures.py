@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from toolkit.errors import ConfigError
 from toolkit.kv import make_policy
-from toolkit.kv.rows import SingleRowCache, batches
+from toolkit.kv.rows import SingleRowCache, static_why
 from toolkit.kv.static import StaticKV
 from toolkit.kv.static_sliding import SlidingStaticKV
 from toolkit.models.capabilities import sliding_layers
@@ -91,7 +91,7 @@ def test_batched_rows_are_greedy_exact(models, arch):
     target, prompt, reference = models[arch]
     other = prompt[:, 3:]
     gen = GenerationSpec(max_new_tokens=NEW, ignore_eos=True)
-    assert batches(None, target) is None  # sliding-window layers too (rings of the static cache)
+    assert static_why(None, target) is None  # sliding-window layers too (rings of the static cache)
     decoder = batch_decoder(target, lambda: LookupDrafter(max_cached_requests=0), VerifyCost([1.0] * 64, learn=False),
                             num_draft_tokens=4, batch_size=2)
     rows = decoder.decode_batch([prompt, other, prompt], gen)

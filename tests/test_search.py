@@ -218,7 +218,7 @@ def test_space_files_parse_and_build_valid_recipes():
         for seed_name, point in sp.seed_points():  # the shipped recipes are valid points of their space
             assert sp.recipe(point).spec.drafter
     # throughput: every point is a batched recipe of a drafter that batches (model-free, uncompressed cache)
-    from toolkit.kv.rows import batches
+    from toolkit.kv.rows import static_why
 
     full_attention = tiny_llama()
     sp = load_space("throughput")
@@ -227,7 +227,7 @@ def test_space_files_parse_and_build_valid_recipes():
         recipe = sp.recipe(point)
         assert recipe.batch_size == point["batch_size"] and recipe.spec.config.batch
         # only policies that batch (on a full-attention target: the static cache or the policy's per-row cache)
-        assert batches(plan(recipe).target_policy, full_attention) is None
+        assert static_why(plan(recipe).target_policy, full_attention) is None
     # long and memory: trials run at the length that defines the scenario (the found recipe's new tokens, on the
     # ~4,000-token prompts), so every KV policy, unbounded ones too, is measured at the size it really has
     from toolkit.measure.prompts import load_suite

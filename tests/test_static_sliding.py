@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from toolkit.engine.decoder import SpeculativeDecoder
 from toolkit.engine.forward import TargetForward
 from toolkit.engine.planner import ConstantK
-from toolkit.kv.rows import SingleRowCache, batches, rows_cache, static_why, supports_static
+from toolkit.kv.rows import SingleRowCache, rows_cache, static_why, supports_static
 from toolkit.kv.static_sliding import SlidingStaticKV
 from toolkit.recipe import GenerationSpec
 from toolkit.speculative.cost_model import VerifyCost
@@ -70,7 +70,7 @@ def decode(model, prompt, drafter: bool, forward=None):
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_static_engine_equals_hf_greedy_past_the_window(models, arch):
     model, prompt, reference = models[arch]
-    assert supports_static(model) is None and batches(None, model) is None
+    assert supports_static(model) is None and static_why(None, model) is None
     ids, _, decoder = decode(model, prompt, drafter=False)
     assert isinstance(decoder.cache, SlidingStaticKV) and ids == reference
     ids, stats, decoder = decode(model, prompt, drafter=True)

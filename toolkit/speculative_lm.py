@@ -331,10 +331,10 @@ class SpeculativeLM:
         EAGLE head, or a draft model with the target's vocabulary and an uncompressed draft cache) or AR; an
         uncompressed target cache or one whose policy runs per row (StreamingLLM with absolute positions and the
         exact window, KIVI-quantized, L2-norm, head-aware); chains (no token trees)."""
-        from toolkit.kv.rows import batches
+        from toolkit.kv.rows import static_why
 
         spec = self.recipe.spec
-        policy_ok = batches(self.target_policy, self.target) is None and not is_llamacpp(self.target)
+        policy_ok = static_why(self.target_policy, self.target) is None and not is_llamacpp(self.target)
         draft_ok = not spec.config.uses_draft_model or (self.draft_tokenizer is None and self.draft_policy is None)
         return spec.config.batch and policy_ok and draft_ok and not spec.tree
 

@@ -91,9 +91,9 @@ class SpeculativeDecoder:
         if batch_size > 1 and self.tree is not None:
             raise ValueError("batch_size: token trees decode one sequence at a time")
         if batch_size > 1:
-            from toolkit.kv.rows import batches
+            from toolkit.kv.rows import static_why
 
-            why = batches(target_policy, target)
+            why = static_why(target_policy, target)
             if why:
                 raise ValueError(f"batch_size: requests cannot share a batch here ({why}); decode them one at a time")
         self.drafter = drafter

@@ -239,7 +239,7 @@ class TargetForward:
             padded[:rows, width:] = input_ids[:, -1:]
             input_ids = padded
         kwargs = cache.prepare(run_width, range(run_rows))
-        self._mark_dynamic(input_ids, kwargs, cache, span=not self.buckets and getattr(cache, "dynamic_span", True))
+        self._mark_dynamic(input_ids, kwargs, cache, span=not self.buckets and cache.dynamic_span)
         key = (run_rows if self.buckets else min(run_rows, 2), run_width if self.buckets else min(run_width, 2))
         key += (hidden,) if hidden else ()  # a graph returning features is a graph of its own
         first = key not in self._checked.get(cache, ())  # this graph on this cache: guards not yet run in full

@@ -151,17 +151,13 @@ def rows_cache(policy, model, rows: int, capacity: int, widest: int, static_span
         return StaticKV(model, rows, capacity, widest, window=policy, static_span=static_span)
     if rows == 1:
         return SingleRowCache(policy, model)
-    raise ValueError(f"batch_size: requests cannot share a batch here ({batches(policy, model)}); decode them one at "
-                     "a time")
-
-
-def batches(policy, model) -> str | None:
-    """Why requests under ``policy`` cannot share a batch (``None``: they can): only the static cache holds rows."""
-    return static_why(policy, model)
+    raise ValueError(f"batch_size: requests cannot share a batch here ({static_why(policy, model)}); decode them one "
+                     "at a time")
 
 
 def static_why(policy, model) -> str | None:
-    """Why no static cache holds ``policy`` on ``model`` (``None``: one does): the policy has no static form
+    """Why no static cache holds ``policy`` on ``model`` (``None``: one does), which is also why requests under it
+    cannot share a batch (only the static cache holds rows): the policy has no static form
     (:func:`~toolkit.kv.static.static_form`), the model has layers the static cache does not hold
     (:func:`supports_static`), or a policy on a model with sliding-window layers (its static forms hold full
     attention only)."""

@@ -177,6 +177,12 @@ class StaticKV(Cache):
         self.attention_mask = torch.ones(1, 1, 1, min(self.capacity, SPAN_STEP), dtype=torch.bool, device=device)
 
     @property
+    def dynamic_span(self) -> bool:
+        """Whether the forward's ``attention_mask`` has a dynamic last size where shapes are not bucketed (the plain
+        layers' span; a cache whose mask spans fixed slots says no)."""
+        return True
+
+    @property
     def bounded(self) -> bool:
         """Whether a row holds at most :attr:`capacity` positions (a plain cache; the ring holds any length)."""
         return self.window is None
