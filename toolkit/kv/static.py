@@ -48,6 +48,13 @@ def capacity_for(tokens: int, step: int = CAPACITY_STEP) -> int:
     return -(-tokens // step) * step
 
 
+def spare_rows(rows: int, static_span: bool) -> int:
+    """Rows a static cache allocates beyond ``rows``: one where shapes are dynamic and it holds a batch, so that a
+    batch of every allocated row never makes the batch size equal the buffers' first size (torch.compile would
+    specialise that case into a graph of its own); none for one row (a static size of its own) or bucketed shapes."""
+    return 0 if static_span or rows == 1 else 1
+
+
 def static_form(policy) -> str | None:
     """Why ``policy`` has no static form (``None``: it has one). :class:`StaticKV` holds no policy (``None``) and
     StreamingLLM with absolute positions and the exact window (its ring); a policy whose ``static_cache`` is not
@@ -161,20 +168,24 @@ class StaticKV(Cache):
         # a forward reads a span of at most `capacity` slots; the buffers are one SPAN_STEP longer when the span is a
         # dynamic size of a compiled graph, so that it never equals the buffer's own length (torch.compile would
         # specialise that case into a graph of its own)
-        # likewise a batch of every allocated row would make the batch size equal the buffers' first size: dynamic
-        # shapes keep one spare row (batches only; one row is a static size of its own)
-        spare = 0 if static_span or rows == 1 else 1
-        shape = (rows + spare, kv_heads, self.capacity + (0 if static_span else SPAN_STEP), head_dim)
+        # likewise the batch size (spare_rows)
+        shape = (rows + spare_rows(rows, static_span), kv_heads, self.capacity + (0 if static_span else SPAN_STEP),
+                 head_dim)
         layers = [StaticLayer(self, static_buffer(shape, dtype, device), static_buffer(shape, dtype, device))
                   for _ in range(num_layers)]
-        super().__init__(layers=layers)
-        self.allocated, self.active = rows, 0
-        self.lengths = torch.zeros(rows + spare, dtype=torch.long, device=device)
-        self.held = [0] * rows
-        self.first = 0  # first row of the current forward
+        self._adopt(layers, rows, static_span, device)
         self.write_index = torch.zeros(1, 1, dtype=torch.long, device=device)
-        self.row_index = torch.zeros(1, dtype=torch.long, device=device)
         self.attention_mask = torch.ones(1, 1, 1, min(self.capacity, SPAN_STEP), dtype=torch.bool, device=device)
+
+    def _adopt(self, layers: list, rows: int, static_span: bool, device) -> None:
+        """The cache takes ``layers`` and the row state every static cache keeps: ``rows`` allocated (plus
+        :func:`spare_rows`), none in use, the per-row ``lengths`` (device) and ``held`` (host) at 0."""
+        Cache.__init__(self, layers=layers)
+        self.allocated, self.active = rows, 0
+        self.first = 0  # first row of the current forward
+        self.lengths = torch.zeros(rows + spare_rows(rows, static_span), dtype=torch.long, device=device)
+        self.held = [0] * rows
+        self.row_index = torch.zeros(1, dtype=torch.long, device=device)
 
     @property
     def dynamic_span(self) -> bool:

@@ -36,7 +36,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from toolkit.kv.base import gather_seq
-from toolkit.kv.static import SPAN_STEP, StaticKV, StaticLayer, kv_geometry, static_buffer
+from toolkit.kv.static import SPAN_STEP, StaticKV, StaticLayer, kv_geometry, spare_rows, static_buffer
 
 #: the factor key of uncompressed tiers (skipped layers)
 FULL = None
@@ -134,7 +134,7 @@ class StaticEvictKV(StaticKV):
         self.factors = sorted({f for _, factors in plans for f in factors if f is not FULL})
         self.slots_of = {f: self._slots(f, capacity) for f in self.factors}
         self.slots_of[FULL] = capacity
-        spare = 0 if static_span or rows == 1 else 1
+        spare = spare_rows(rows, static_span)
         layers = []
         for heads_of, factors in plans:
             tiers = []
@@ -144,14 +144,10 @@ class StaticEvictKV(StaticKV):
                 tiers.append(Tier(factor, heads.to(device), static_buffer(shape, dtype, device),
                                   static_buffer(shape, dtype, device), len(heads_of) == 1))
             layers.append(EvictLayer(self, tiers, kv_heads))
-        Cache.__init__(self, layers=layers)
-        self.allocated, self.active, self.first = rows, 0, 0
-        self.lengths = torch.zeros(rows + spare, dtype=torch.long, device=device)
-        self.held = [0] * rows
+        self._adopt(layers, rows, static_span, device)
         self.fill = {f: torch.zeros(rows + spare, dtype=torch.long, device=device) for f in self.factors}
         self.fill_held = {f: [0] * rows for f in self.factors}
         self.compressions = 0
-        self.row_index = torch.zeros(1, dtype=torch.long, device=device)
         self.write_index = self.attention_mask = None
         self.write_index_of, self.masks = {}, {}
 

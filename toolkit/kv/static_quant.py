@@ -44,7 +44,7 @@ from transformers.cache_utils import Cache
 
 from toolkit.kv.quant_pack import Packed, dequantize, quantize
 from toolkit.kv.quantized import boundary
-from toolkit.kv.static import SPAN_STEP, StaticKV, StaticLayer, kv_geometry, static_buffer
+from toolkit.kv.static import SPAN_STEP, StaticKV, StaticLayer, kv_geometry, spare_rows, static_buffer
 from toolkit.kv.static_evict import TierKeys
 
 
@@ -167,7 +167,7 @@ class StaticQuantKV(StaticKV):
             whole = max(1, (capacity - self.sinks) // self.group)
             self.groups = -(-whole // self.group_step) * self.group_step
         allocated = self.groups + (0 if static_span or streaming else self.group_step)
-        spare = 0 if static_span or rows == 1 else 1
+        spare = spare_rows(rows, static_span)
         per_row = (rows + spare, kv_heads)
         layers = []
         for _ in range(layers_n):
@@ -181,13 +181,10 @@ class StaticQuantKV(StaticKV):
                         *(static_buffer((*per_row, tokens, head_dim // self.group), torch.float16, device)
                           for _ in range(2)), self.bits, self.group)
             layers.append(QuantLayer(self, *fp, qk, qv))
-        Cache.__init__(self, layers=layers)
-        self.allocated, self.active, self.first = rows, 0, 0
-        self.lengths = torch.zeros(rows + spare, dtype=torch.long, device=device)
+        self._adopt(layers, rows, static_span, device)
         self.quantized = torch.zeros(rows + spare, dtype=torch.long, device=device)
-        self.held, self.quantized_held = [0] * rows, [0] * rows
+        self.quantized_held = [0] * rows
         self.compressions = 0
-        self.row_index = torch.zeros(1, dtype=torch.long, device=device)
         self.write_index = self.attention_mask = self.packed_mask = self.fp_mask = None
 
     @property

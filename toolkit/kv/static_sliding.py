@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from toolkit.kv.static import SPAN_STEP, StaticKV, StaticLayer, kv_geometry, static_buffer
+from toolkit.kv.static import SPAN_STEP, StaticKV, StaticLayer, kv_geometry, spare_rows, static_buffer
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -121,18 +121,14 @@ class SlidingStaticKV(StaticKV):
         self.policy = self.window = None
         self.widest, self.sinks, self.ring, self.capacity, self.static_span = widest, 0, 0, capacity, static_span
         self.ring_size = min(self.sliding_window - 1 + widest, capacity)
-        spare = 0 if static_span or rows == 1 else 1  # as StaticKV: one spare row, one spare SPAN_STEP (full layers)
+        spare = spare_rows(rows, static_span)  # as StaticKV: one spare row, one spare SPAN_STEP (full layers)
         plain = (rows + spare, kv_heads, capacity + (0 if static_span else SPAN_STEP), head_dim)
         ring = (rows + spare, kv_heads, self.ring_size, head_dim)
         layers = []
         for kind in self.kinds:
             kind_layer, shape = (RingLayer, ring) if kind == SLIDING else (StaticLayer, plain)
             layers.append(kind_layer(self, static_buffer(shape, dtype, device), static_buffer(shape, dtype, device)))
-        Cache.__init__(self, layers=layers)
-        self.allocated, self.active, self.first = rows, 0, 0
-        self.lengths = torch.zeros(rows + spare, dtype=torch.long, device=device)
-        self.held = [0] * rows
-        self.row_index = torch.zeros(1, dtype=torch.long, device=device)
+        self._adopt(layers, rows, static_span, device)
         self.write_index = self.attention_mask = self.ring_index = self.ring_mask = None
 
     @property
