@@ -366,7 +366,7 @@ def embedded_cases(embedded_greedy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter_kind", ["self_int4", "ngram"])
+@pytest.mark.parametrize("drafter_kind", [pytest.param("self_int4", marks=pytest.mark.heavy), "ngram"])  # ~20 s
 def test_embedded_greedy_matches_ar_on_real_prompts(embedded, embedded_int4, embedded_cases, drafter_kind):
     model, _ = embedded
     accepted = 0
