@@ -3,7 +3,9 @@ AR and llama.cpp's own prompt-lookup decoding, on the same GGUF file, in one pro
 
     make bench-llamacpp-backend       # builds / installs the [llamacpp] extra first (make llamacpp)
     PYTHONPATH=. .venv/bin/python bench/llamacpp_backend.py [--recipe short] [--suites short-heldout unseen ...]
-        [--num-prompts N] [--max-new-tokens 96] [--repeats 3] [--threads 2] [--out bench/reports/llamacpp-backend]
+        [--num-prompts N] [--max-new-tokens 96] [--repeats 3] [--threads 2] [--gguf FILE | --requantize Q4_K_M]
+        [--kv q8_0]
+        [--out bench/reports/llamacpp-backend]
 
 Methods, each on the same prompt token ids (the recipe's chat template), greedy, the same EOS ids and
 ``max_new_tokens``, ``--threads`` threads each:
@@ -19,6 +21,18 @@ Protocol (:func:`toolkit.measure.harness.measure`): one warm-up call per method,
 methods interleaved per prompt with the order rotated between repetitions, the drafter's memory cleared before each
 repetition; tok/s = new tokens / wall time of the call, prompt included (TTFT counted); medians over repetitions.
 Greedy identity: ours' tokens against llama.cpp AR's, per prompt.
+
+``--gguf`` runs another GGUF file as the target (the recipe's drafter and generation settings kept): the verify cost
+depends on the file's block types (ggml repacks Q4_0 / Q4_K / IQ4_NL blocks for batched matmuls on x86; Q4_1 has no
+such path, so a 4-token verify costs ~2.5x a 1-token step on Q4_1 and ~1.5x on Q4_0 / Q4_K_M). ``--requantize TYPE``
+runs the recipe's GGUF re-quantized to ``TYPE`` by llama.cpp's own quantizer (``llama_model_quantize``, written once
+into the toolkit's cache): a stand-in for a file of that type where no other is at hand offline.
+
+``--kv q8_0`` runs every method on a q8_0 KV cache (keys and values, flash attention: ours through ``kv.policy:
+ggml_types``, llama.cpp's through ``type_k`` / ``type_v``). There a verify forward's logits equal one-token steps'
+bit for bit on Q4_1 / Q4_0 files (``bench/llamacpp_width.py``), so ours equals llama.cpp's greedy AR token for token;
+on the default f16 cache batched attention differs from the one-token path by up to ~1.4 in a logit at a few hundred
+tokens of context, and greedy texts part where the top-2 margin is smaller.
 
 Writes ``<out>/llamacpp_backend.json`` and ``<out>/README.md`` with ``lscpu``'s model name and AVX flags.
 """
@@ -43,6 +57,7 @@ from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from toolkit.measure.harness import Call, Prompt, environment, measure, spread  # noqa: E402
 from toolkit.measure.prompts import load_suite  # noqa: E402
 from toolkit.recipe import Recipe  # noqa: E402
+from toolkit.recipe.sections import KVSpec  # noqa: E402
 from toolkit.resources import resolve  # noqa: E402
 from toolkit.speculative.stats import GenerationStats  # noqa: E402
 from toolkit.speculative_lm import build  # noqa: E402
@@ -66,8 +81,38 @@ def cpu() -> dict:
             "cores": fields.get("CPU(s)", "?").strip()}
 
 
-def llamacpp_runner(path: str, threads: int, eos: set[int], lookup_tokens: int = 0, max_ngram: int = 3):
-    """llama.cpp's own greedy decoding (``Llama.generate``, temperature 0), optionally with its prompt lookup."""
+FTYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+
+
+def requantized(source: str, ftype: str) -> Path:
+    """``source``'s GGUF re-quantized to ``ftype`` by llama.cpp's quantizer, written once into the toolkit's cache
+    (to a temporary name, then renamed: never a half-written file)."""
+    import ctypes
+    import os
+
+    import llama_cpp
+
+    from toolkit.models.embedded import gguf_source
+    from toolkit.resources import cache_dir
+
+    path, name = gguf_source(source, "--recipe target.source")
+    out = cache_dir() / f"{name}.{ftype}.gguf"
+    if not out.exists():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.allow_requantize = getattr(llama_cpp, FTYPES[ftype]), True
+        partial = out.with_suffix(f".{os.getpid()}.partial")
+        if llama_cpp.llama_model_quantize(str(path).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
+            partial.unlink(missing_ok=True)
+            sys.exit(f"--requantize {ftype}: llama.cpp could not quantize {path}")
+        partial.replace(out)
+    return out
+
+
+def llamacpp_runner(path: str, threads: int, eos: set[int], lookup_tokens: int = 0, max_ngram: int = 3,
+                    kv: str = "f16"):
+    """llama.cpp's own greedy decoding (``Llama.generate``, temperature 0), optionally with its prompt lookup, on a
+    ``kv`` cache (``f16``; ``q8_0``: keys and values, with flash attention)."""
+    import llama_cpp
     from llama_cpp import Llama
 
     draft = None
@@ -75,8 +120,9 @@ def llamacpp_runner(path: str, threads: int, eos: set[int], lookup_tokens: int =
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         draft = LlamaPromptLookupDecoding(max_ngram_size=max_ngram, num_pred_tokens=lookup_tokens)
+    cache_type = getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}")
     llm = Llama(model_path=path, n_ctx=4096, n_threads=threads, n_threads_batch=threads, draft_model=draft,
-                verbose=False)
+                type_k=cache_type, type_v=cache_type, flash_attn=kv != "f16", verbose=False)
 
     def run(input_ids: torch.Tensor, gen) -> Call:
         llm.reset()
@@ -120,8 +166,9 @@ def markdown(report: dict) -> str:
     c = report["cpu"]
     lines = ["# Ours on llama.cpp vs llama.cpp AR vs llama.cpp prompt lookup", "",
              f"CPU: {c['model']} ({c['cores']} CPUs); flags: {', '.join(c['flags']) or 'none of ' + str(CPU_FLAGS)}.",
-             f"llama-cpp-python {report['llama_cpp']}, {report['threads']} thread(s), GGUF {report['gguf']}; recipe "
-             f"{report['recipe']} on llama.cpp; {report['max_new_tokens']} new tokens, median of {report['repeats']} "
+             f"llama-cpp-python {report['llama_cpp']}, {report['threads']} thread(s), GGUF {report['gguf']}, "
+             f"{report.get('kv', 'f16')} KV cache; recipe {report['recipe']} on llama.cpp; "
+             f"{report['max_new_tokens']} new tokens, median of {report['repeats']} "
              "interleaved repetitions, tok/s including the prompt.", "",
              f"Verify cost curve through llama.cpp (ms for 1..16 tokens): {report['verify_ms']}", ""]
     for suite, result in report["suites"].items():
@@ -149,10 +196,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lookup-tokens", type=int, default=10)
     parser.add_argument("--max-ngram", type=int, default=3)
+    parser.add_argument("--gguf", type=Path, default=None, help="the target's GGUF file (default: the recipe's)")
+    parser.add_argument("--requantize", choices=sorted(FTYPES), default=None,
+                        help="run the recipe's GGUF re-quantized to this type by llama.cpp (cached)")
+    parser.add_argument("--kv", choices=["f16", "q8_0"], default="f16",
+                        help="every method's KV cache type (q8_0: keys and values, flash attention)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/reports/llamacpp-backend")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     base = Recipe.load(resolve(args.recipe, "", "--recipe"))
+    if args.requantize:
+        args.gguf = requantized(base.target.source, args.requantize)
+    if args.gguf is not None:
+        base = dataclasses.replace(base, target=dataclasses.replace(base.target, source=str(args.gguf.resolve())))
+    if args.kv != "f16":
+        base = dataclasses.replace(base, kv=KVSpec.from_dict({"policy": "ggml_types", "type_k": args.kv,
+                                                              "type_v": args.kv}, "--kv"))
     recipe = llamacpp_variant(base)
     if recipe is None:
         sys.exit(f"recipe {base.name}: no llama.cpp form (llama-cpp-python missing, not a GGUF target, or a "
@@ -161,13 +220,14 @@ def main() -> None:
     ours = build(recipe)
     path = str(ours.target.gguf_path)
     eos = set(ours.eos_token_ids(gen))
-    runners = {"ours": ours_runner(ours, sorted(eos)), "llamacpp_ar": llamacpp_runner(path, args.threads, eos),
-               "llamacpp_lookup": llamacpp_runner(path, args.threads, eos, args.lookup_tokens, args.max_ngram)}
+    runners = {"ours": ours_runner(ours, sorted(eos)),
+               "llamacpp_ar": llamacpp_runner(path, args.threads, eos, kv=args.kv),
+               "llamacpp_lookup": llamacpp_runner(path, args.threads, eos, args.lookup_tokens, args.max_ngram, args.kv)}
     import llama_cpp
 
     report = {"cpu": cpu(), "environment": environment(), "llama_cpp": llama_cpp.__version__,
               "system_info": llama_cpp.llama_print_system_info().decode(errors="replace"), "threads": args.threads,
-              "gguf": Path(path).name, "recipe": base.name, "max_new_tokens": args.max_new_tokens,
+              "gguf": Path(path).name, "kv": args.kv, "recipe": base.name, "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "verify_ms": [round(x, 1) for x in ours.verify_cost.step_ms[:16]],
               "engine": ours.engine_note, "suites": {}}
     for suite in args.suites:

@@ -25,6 +25,13 @@ GGUF_TARGET = {"source": "embedded", "precision": "native", "backend": "llama.cp
 PROMPT = [{"role": "user", "content": "Repeat this text exactly: The quick brown fox jumps over the lazy dog. The "
            "quick brown fox jumps over the lazy dog again and again."}]
 TEXT = "The quick brown fox jumps over the lazy dog. " * 6
+#: ~140 tokens of prose that does not repeat itself
+LONG_TEXT = ("Speculative decoding lets a small drafter propose several tokens that the target model then checks in "
+             "one forward pass. When the drafts agree with what the target would have produced, many tokens are "
+             "committed for the price of one step; when they disagree, the rejected positions are removed from the "
+             "cache and decoding continues from the last accepted token. On a CPU the cost of checking grows with "
+             "the number of drafted tokens, so a planner weighs the expected acceptance against the measured cost "
+             "of each verify width before it decides how many tokens to draft in a round.")
 
 
 def _recipe(target: dict | None = None, kv: dict | None = None, drafter: str = "lookup", draft=None,
@@ -86,13 +93,16 @@ def generator():
             os.environ["TOOLKIT_LLAMACPP_THREADS"] = before
 
 
-def _llama_ar(target, ids: list[int], n: int) -> list[int]:
+def _llama_ar(target, ids: list[int], n: int, kv: str = "f16") -> list[int]:
     """llama.cpp's own greedy decoding (``Llama.generate``, temperature 0: argmax, one token per step) on a context
-    of its own over the same file."""
+    of its own over the same file (a ``kv`` cache: ``f16``, or ``q8_0`` keys and values with flash attention)."""
+    import llama_cpp
     from llama_cpp import Llama
 
+    cache_type = getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}")
     llm = Llama(model_path=str(target.gguf_path), n_ctx=1024, n_threads=target.threads,
-                n_threads_batch=target.threads, verbose=False)
+                n_threads_batch=target.threads, type_k=cache_type, type_v=cache_type, flash_attn=kv != "f16",
+                verbose=False)
     out = []
     for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
         out.append(int(token))
@@ -110,6 +120,39 @@ def test_greedy_output_equals_llama_cpps_own_greedy_ar_with_drafts_accepted(gene
     assert first.token_ids == reference and again.token_ids == reference
     assert again.stats.tokens_per_round > 1.5 and again.stats.accepted > 10
     assert generator.weight_bytes["target"] == generator.target.gguf_path.stat().st_size
+
+
+@NEEDS_LLAMACPP
+@pytest.mark.slow
+def test_on_a_q8_0_cache_verify_width_changes_no_logit_so_greedy_equals_llama_cpp_ar_at_length(generator):
+    """On llama.cpp's f16 cache a batched verify's attention differs from the one-token path (up to ~1.4 in a logit
+    at a few hundred tokens, bench/reports/llamacpp-width); on a q8_0 cache with flash attention it is bit-identical
+    on this Q4_1 file, so speculative greedy output equals llama.cpp's greedy AR past 200 tokens too."""
+    q8 = toolkit.build(_recipe(kv={"policy": "ggml_types", "type_k": "q8_0", "type_v": "q8_0"}),
+                       target=generator.target, tokenizer=generator.tokenizer)
+    prompt = [{"role": "user", "content": "Repeat this text exactly: " + LONG_TEXT}]
+    ids = q8.encode(prompt)
+    forward, head, fed = q8.engine, ids[:, :-24], [int(t) for t in ids[0, -24:]]
+
+    def scored(width: int) -> torch.Tensor:
+        """Logits of the last 24 prompt tokens fed after the rest, ``width`` per forward."""
+        cache = forward.cache_for(None, 1, 1024, 8)
+        _, kwargs = cache.begin_row(head.shape[1])
+        forward.prefill(head, kwargs)
+        cache.add_row(None, head.shape[1])
+        out = []
+        for i in range(0, len(fed), width):
+            out.append(forward(cache, torch.tensor([fed[i:i + width]]))[0])
+            cache.accept(None, [width])
+        cache.keep_rows([])
+        return torch.cat(out)
+
+    steps, wide = scored(1), scored(8)
+    assert torch.equal(steps, wide)
+    q8.generate(prompt, max_new_tokens=64)
+    out = q8.generate(prompt, max_new_tokens=64)  # the lookup drafter remembers the first request
+    assert out.stats.tokens_per_round > 1.5 and ids.shape[1] + 64 > 200
+    assert out.token_ids == _llama_ar(generator.target, out.prompt_ids, 64, kv="q8_0")
 
 
 @NEEDS_LLAMACPP

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 
 import numpy as np
 import torch
@@ -65,11 +66,8 @@ class LlamaCppForward:
         self.widths = (N_BATCH,)
         self._token_bytes = bytes_per_token(target.config, self.form)
         self._batch = llama_cpp.llama_batch_init(N_BATCH, 0, 1)
-
-    def __del__(self):
-        batch, self._batch = getattr(self, "_batch", None), None
-        if batch is not None:
-            self.llama_cpp.llama_batch_free(batch)
+        # freed with the forward, or at exit while llama_cpp is still whole (a __del__ there would find it torn down)
+        weakref.finalize(self, llama_cpp.llama_batch_free, self._batch)
 
     @property
     def cost_tag(self) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -150,6 +151,9 @@ class LlamaCppTarget(torch.nn.Module):
                 model_path=str(self.gguf_path), n_ctx=self.n_ctx, n_batch=N_BATCH, n_ubatch=N_BATCH,
                 n_threads=self.threads, n_threads_batch=self.threads, type_k=types[type_k], type_v=types[type_v],
                 flash_attn=type_v != "f16", verbose=False)
+            # closed with the target, or at exit while llama_cpp is whole (its own __del__ at interpreter teardown
+            # prints "Exception ignored ... 'NoneType' object is not callable")
+            weakref.finalize(self, self._contexts[key].close)
         return self._contexts[key]
 
     @property

@@ -1,0 +1,151 @@
+"""Does the verify width change llama.cpp's logits? The same tokens scored one per ``llama_decode`` (what llama.cpp's
+own greedy AR does) and in verify forwards of ``W`` tokens (what the decoder's verify does), through the toolkit's
+llama.cpp target forward, per GGUF file and context setting.
+
+    PYTHONPATH=. .venv/bin/python bench/llamacpp_width.py [--requantize Q4_0 Q4_K_M] [--gguf FILE ...]
+        [--suite short-heldout] [--num-prompts 3] [--tokens 64] [--widths 2 4 8] [--threads 2]
+        [--out bench/reports/llamacpp-width]
+
+Per prompt: the prompt is prefilled, 64 tokens are decoded greedily one at a time (their logits are the reference),
+the cache rolls back to the prompt and the same tokens are fed again in forwards of ``W`` tokens (teacher forcing).
+Reported per file, setting and ``W``: the largest ``|Δ logit|`` over the vocabulary at a position (median and max over
+positions), the positions whose argmax changes, and the reference's top-2 margin there. Where the argmax changes, a
+speculative greedy decode on llama.cpp and llama.cpp's own greedy AR part ways (both are the file's model, computed
+by different ggml kernels: ggml quantizes activations for quantized matmuls, and batched kernels sum in another order).
+
+Writes ``<out>/llamacpp_width.json`` and ``<out>/README.md`` (with ``lscpu``'s model and AVX flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from llamacpp_backend import FTYPES, SUITES, cpu, requantized  # noqa: E402
+
+from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
+from toolkit.measure.harness import spread  # noqa: E402
+from toolkit.measure.prompts import load_suite  # noqa: E402
+
+SETTINGS = {"f16 KV": ("f16", "f16"), "q8_0 KV (flash attention)": ("q8_0", "q8_0")}
+
+
+def score(forward, cache, prompt: list[int], tokens: int, widths: list[int]) -> dict:
+    """Reference logits (one token per forward) and, per width, the differences (see the module docstring)."""
+    prefilled, kwargs = cache.begin_row(len(prompt))
+    last = forward.prefill(torch.tensor([prompt]), kwargs).argmax().item()
+    cache.add_row(prefilled, len(prompt))
+    fed, reference = [], []
+    for _ in range(tokens):
+        fed.append(last)
+        logits = forward(cache, torch.tensor([[last]]))[0, 0]
+        cache.accept(None, [1])
+        reference.append(logits)
+        last = int(logits.argmax())
+    reference = torch.stack(reference)
+    out = {}
+    for width in widths:
+        cache.keep_rows([])
+        prefilled, kwargs = cache.begin_row(len(prompt))
+        forward.prefill(torch.tensor([prompt]), kwargs)
+        cache.add_row(prefilled, len(prompt))
+        wide = []
+        for start in range(0, tokens, width):
+            chunk = fed[start:start + width]
+            wide.append(forward(cache, torch.tensor([chunk]))[0])
+            cache.accept(None, [len(chunk)])
+        diff = (torch.cat(wide) - reference).abs().amax(-1)
+        flips = (torch.cat(wide).argmax(-1) != reference.argmax(-1)).nonzero().flatten().tolist()
+        top2 = reference.topk(2, -1).values
+        out[width] = {"max_abs_diff": diff.tolist(), "flips": flips,
+                      "flip_margins": [float(top2[i, 0] - top2[i, 1]) for i in flips]}
+    cache.keep_rows([])
+    return out
+
+
+def measure_file(source: str, prompts, args) -> dict:
+    """Every setting and width on one GGUF file (``embedded`` or a path)."""
+    from transformers import AutoTokenizer
+
+    from toolkit.engine.llamacpp_forward import LlamaCppForward
+    from toolkit.kv.ggml_types import GgmlTypes
+    from toolkit.models.llamacpp import LlamaCppTarget, metadata_dir
+    from toolkit.requests import encode
+
+    gguf, meta = metadata_dir(source, "--gguf")
+    target, tokenizer = LlamaCppTarget(gguf, meta, threads=args.threads), AutoTokenizer.from_pretrained(meta)
+    encoded = [encode(tokenizer, source, p.prompt, f"prompts.{p.id}")[0].tolist() for p in prompts]
+    result = {}
+    for name, (type_k, type_v) in SETTINGS.items():
+        policy = None if type_k == "f16" else GgmlTypes(type_k=type_k, type_v=type_v)
+        forward = LlamaCppForward(target, policy)
+        cache = forward.cache_for(None, 1, 2048, max(args.widths))
+        per_prompt = [score(forward, cache, ids, args.tokens, args.widths) for ids in encoded]
+        rows = {}
+        for w in args.widths:
+            diffs = [d for p in per_prompt for d in p[w]["max_abs_diff"]]
+            margins = [m for p in per_prompt for m in p[w]["flip_margins"]]
+            rows[w] = {"median_max_abs_diff": statistics.median(diffs), "max_abs_diff": max(diffs),
+                       "flips": sum(len(p[w]["flips"]) for p in per_prompt), "positions": len(diffs),
+                       "largest_flip_margin": max(margins, default=None)}
+        result[name] = rows
+    return result
+
+
+def markdown(report: dict) -> str:
+    c = report["cpu"]
+    lines = ["# Does the verify width change llama.cpp's logits?", "",
+             f"CPU: {c['model']} ({c['cores']} CPUs); flags: {', '.join(c['flags'])}. llama-cpp-python "
+             f"{report['llama_cpp']}, {report['threads']} threads; {report['prompts']} prompts of "
+             f"`{report['suite']}`, {report['tokens']} greedy tokens each, scored one per forward (llama.cpp's AR) "
+             "and in forwards of W tokens (the verify).", "",
+             "| file | KV | W | median max\\|Δ logit\\| | max\\|Δ logit\\| | argmax changed | largest top-2 margin "
+             "there |", "|---|---|---|---|---|---|---|"]
+    for file, settings in report["files"].items():
+        for setting, rows in settings.items():
+            for w, r in rows.items():
+                margin = "–" if r["largest_flip_margin"] is None else f"{r['largest_flip_margin']:.3f}"
+                lines.append(f"| {file} | {setting} | {w} | {r['median_max_abs_diff']:.3f} | {r['max_abs_diff']:.3f} "
+                             f"| {r['flips']} / {r['positions']} | {margin} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gguf", type=Path, nargs="*", default=[])
+    parser.add_argument("--requantize", nargs="*", choices=sorted(FTYPES), default=["Q4_0", "Q4_K_M"])
+    parser.add_argument("--suite", default="short-heldout", choices=list(SUITES))
+    parser.add_argument("--num-prompts", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--widths", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/reports/llamacpp-width")
+    args = parser.parse_args()
+    import llama_cpp
+
+    from toolkit.models.embedded import embedded_gguf_path
+
+    files = {embedded_gguf_path().name: "embedded"}
+    files.update({p.name: str(p) for p in (*(requantized("embedded", t) for t in args.requantize), *args.gguf)})
+    prompts = spread(load_suite(SUITES[args.suite]), args.num_prompts)
+    report = {"cpu": cpu(), "llama_cpp": llama_cpp.__version__, "threads": args.threads, "suite": args.suite,
+              "prompts": len(prompts), "tokens": args.tokens, "files": {}}
+    for name, source in files.items():
+        report["files"][name] = measure_file(source, prompts, args)
+        print(f"{name}: done", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(args.out / "llamacpp_width.json", report)
+    atomic_write_text(args.out / "README.md", markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
