@@ -135,3 +135,29 @@ def test_speculative_equals_ar_on_embedded(embedded):
     own, stats = run(model, NGramDrafter(3, 1), policy, prompt, 72, k=4, own_cache=True)  # the compressing cache
     assert stats.compressions_target >= 3
     assert spec == ar == own
+
+
+def test_a_long_prompt_is_attended_in_chunks_exactly(monkeypatch):
+    """A prompt's forward under a boolean mask at least CHUNKED_MIN long runs chunked_sdpa (each chunk over only the
+    keys it sees): equal to SDPA under the dense mask for the window and for an arbitrary mask (fp64, GQA), and the
+    ring decodes a 1,100-token prompt as the banded full forward does."""
+    from toolkit.kv import attention
+
+    n = attention.CHUNKED_MIN + 76  # a last chunk shorter than CHUNK
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+    pos = torch.arange(n)
+    window = ((pos[None] <= pos[:, None]) & ((pos[None] < SINKS) | (pos[None] > pos[:, None] - 300)))[None, None]
+    arbitrary = torch.rand(1, 1, n, n, generator=g) < 0.3
+    arbitrary[..., pos, pos] = True  # every query sees a key
+    for mask in (window, arbitrary):
+        dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        assert torch.allclose(attention.sdpa(q, k, v, mask, None), dense, atol=1e-12)
+    chunked, calls = attention.chunked_sdpa, []
+    monkeypatch.setattr(attention, "chunked_sdpa", lambda *args: calls.append(1) or chunked(*args))
+    torch.manual_seed(0)
+    target = tiny_llama(max_positions=2048)
+    prompt = torch.randint(0, 128, (1, 1100), generator=torch.Generator().manual_seed(3))
+    ar, _ = run(target, None, streaming(), prompt, 6)
+    assert len(calls) == 2  # the prompt's forward, once per layer
+    assert ar == banded_greedy(target, prompt, 6)

@@ -25,6 +25,10 @@ import torch.nn.functional as F
 NAME = "toolkit_kv"
 #: the static engine's attention (:func:`static_attention`)
 STATIC_NAME = "toolkit_static"
+#: a prompt's forward under an explicit boolean mask at least this long is attended in chunks (:func:`chunked_sdpa`)
+CHUNKED_MIN = 1024
+#: queries per chunk of :func:`chunked_sdpa`
+CHUNK = 512
 _registered = False
 
 
@@ -56,7 +60,27 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask, scal
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
     if mask is None:
         mask = causal_mask(query.shape[-2], key.shape[-2], query.device)
+    elif mask.dtype == torch.bool and query.shape[-2] == key.shape[-2] >= CHUNKED_MIN:
+        return chunked_sdpa(query, key, value, mask, scaling)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+
+
+def chunked_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                 scaling) -> torch.Tensor:
+    """:func:`sdpa` of a long prompt under a boolean ``mask`` ``(b | 1, 1, q, kv)``, :data:`CHUNK` queries at a time,
+    each chunk over only the keys some query of it sees (gathered; the mask's columns with them). Exact for any mask;
+    fast where the mask is sparse: a StreamingLLM window over a 4,096-token prompt (4 sinks + 508) leaves each chunk
+    of 512 queries ~1,024 keys, against the whole prompt under a dense ``(q, kv)`` mask. Eager only (one host read
+    per chunk: which keys it sees); a prompt's forward is eager. Returns ``(b, q_heads, q, d)``."""
+    gqa = query.shape[1] != key.shape[1]
+    out = query.new_empty(query.shape[:-1] + value.shape[-1:])
+    for start in range(0, query.shape[-2], CHUNK):
+        rows = mask[..., start:start + CHUNK, :]
+        seen = rows.any(-2).flatten(0, -2).any(0).nonzero().flatten()
+        out[:, :, start:start + CHUNK] = F.scaled_dot_product_attention(
+            query[:, :, start:start + CHUNK], key.index_select(-2, seen), value.index_select(-2, seen),
+            attn_mask=rows.index_select(-1, seen), scale=scaling, enable_gqa=gqa)
+    return out
 
 
 def compressed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
