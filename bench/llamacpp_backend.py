@@ -111,18 +111,18 @@ def requantized(source: str, ftype: str) -> Path:
 def llamacpp_runner(path: str, threads: int, eos: set[int], lookup_tokens: int = 0, max_ngram: int = 3,
                     kv: str = "f16"):
     """llama.cpp's own greedy decoding (``Llama.generate``, temperature 0), optionally with its prompt lookup, on a
-    ``kv`` cache (``f16``; ``q8_0``: keys and values, with flash attention)."""
-    import llama_cpp
+    ``kv`` cache (``f16``; ``q8_0``: keys and values, with flash attention), as our context's (``cache_kwargs``)."""
     from llama_cpp import Llama
+
+    from toolkit.models.llamacpp import cache_kwargs
 
     draft = None
     if lookup_tokens:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         draft = LlamaPromptLookupDecoding(max_ngram_size=max_ngram, num_pred_tokens=lookup_tokens)
-    cache_type = getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}")
     llm = Llama(model_path=path, n_ctx=4096, n_threads=threads, n_threads_batch=threads, draft_model=draft,
-                type_k=cache_type, type_v=cache_type, flash_attn=kv != "f16", verbose=False)
+                verbose=False, **cache_kwargs(kv, kv))
 
     def run(input_ids: torch.Tensor, gen) -> Call:
         llm.reset()

@@ -38,11 +38,18 @@ from toolkit.measure.prompts import load_suite  # noqa: E402
 SETTINGS = {"f16 KV": ("f16", "f16"), "q8_0 KV (flash attention)": ("q8_0", "q8_0")}
 
 
+def prefilled(forward, cache, prompt: list[int]) -> torch.Tensor:
+    """A new sequence on ``cache`` holding ``prompt``; logits ``(vocab,)`` of its last position."""
+    cache.keep_rows([])
+    row, kwargs = cache.begin_row(len(prompt))
+    logits = forward.prefill(torch.tensor([prompt]), kwargs)
+    cache.add_row(row, len(prompt))
+    return logits
+
+
 def score(forward, cache, prompt: list[int], tokens: int, widths: list[int]) -> dict:
     """Reference logits (one token per forward) and, per width, the differences (see the module docstring)."""
-    prefilled, kwargs = cache.begin_row(len(prompt))
-    last = forward.prefill(torch.tensor([prompt]), kwargs).argmax().item()
-    cache.add_row(prefilled, len(prompt))
+    last = int(prefilled(forward, cache, prompt).argmax())
     fed, reference = [], []
     for _ in range(tokens):
         fed.append(last)
@@ -51,21 +58,18 @@ def score(forward, cache, prompt: list[int], tokens: int, widths: list[int]) -> 
         reference.append(logits)
         last = int(logits.argmax())
     reference = torch.stack(reference)
+    top2 = reference.topk(2, -1).values
     out = {}
     for width in widths:
-        cache.keep_rows([])
-        prefilled, kwargs = cache.begin_row(len(prompt))
-        forward.prefill(torch.tensor([prompt]), kwargs)
-        cache.add_row(prefilled, len(prompt))
+        prefilled(forward, cache, prompt)
         wide = []
         for start in range(0, tokens, width):
             chunk = fed[start:start + width]
             wide.append(forward(cache, torch.tensor([chunk]))[0])
             cache.accept(None, [len(chunk)])
-        diff = (torch.cat(wide) - reference).abs().amax(-1)
-        flips = (torch.cat(wide).argmax(-1) != reference.argmax(-1)).nonzero().flatten().tolist()
-        top2 = reference.topk(2, -1).values
-        out[width] = {"max_abs_diff": diff.tolist(), "flips": flips,
+        wide = torch.cat(wide)
+        flips = (wide.argmax(-1) != reference.argmax(-1)).nonzero().flatten().tolist()
+        out[width] = {"max_abs_diff": (wide - reference).abs().amax(-1).tolist(), "flips": flips,
                       "flip_margins": [float(top2[i, 0] - top2[i, 1]) for i in flips]}
     cache.keep_rows([])
     return out

@@ -14,7 +14,7 @@ import torch
 
 import toolkit
 from toolkit.errors import ConfigError
-from toolkit.models.llamacpp import installed
+from toolkit.models.llamacpp import cache_kwargs, installed
 from toolkit.recipe import GenerationSpec, KVSpec, ModelSpec, Recipe, SpeculationSpec
 from toolkit.session import plan
 
@@ -96,13 +96,10 @@ def generator():
 def _llama_ar(target, ids: list[int], n: int, kv: str = "f16") -> list[int]:
     """llama.cpp's own greedy decoding (``Llama.generate``, temperature 0: argmax, one token per step) on a context
     of its own over the same file (a ``kv`` cache: ``f16``, or ``q8_0`` keys and values with flash attention)."""
-    import llama_cpp
     from llama_cpp import Llama
 
-    cache_type = getattr(llama_cpp, f"GGML_TYPE_{kv.upper()}")
     llm = Llama(model_path=str(target.gguf_path), n_ctx=1024, n_threads=target.threads,
-                n_threads_batch=target.threads, type_k=cache_type, type_v=cache_type, flash_attn=kv != "f16",
-                verbose=False)
+                n_threads_batch=target.threads, verbose=False, **cache_kwargs(kv, kv))
     out = []
     for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
         out.append(int(token))

@@ -68,6 +68,17 @@ def require(field: str = "target.backend"):
     return llama_cpp
 
 
+def cache_kwargs(type_k: str = "f16", type_v: str = "f16") -> dict:
+    """``llama_cpp.Llama`` keyword arguments of a KV cache storing keys as ``type_k`` and values as ``type_v``
+    (``f16``, ``q8_0``, ``q4_0``): their ggml types, and flash attention where values are quantized (llama.cpp
+    quantizes V only inside flash attention), else off (llama-cpp-python's default). Our contexts and the llama.cpp
+    AR baselines beside them are made with it, so both run the same cache. Raises :class:`ModelLoadError` without
+    llama-cpp-python."""
+    llama_cpp = require()
+    return {"type_k": getattr(llama_cpp, f"GGML_TYPE_{type_k.upper()}"),
+            "type_v": getattr(llama_cpp, f"GGML_TYPE_{type_v.upper()}"), "flash_attn": type_v != "f16"}
+
+
 def is_llamacpp(model) -> bool:
     """Whether ``model`` is a llama.cpp target (:class:`LlamaCppTarget`)."""
     return getattr(model, "toolkit_backend", None) == LLAMACPP
@@ -139,18 +150,14 @@ class LlamaCppTarget(torch.nn.Module):
 
     def context(self, type_k: str = "f16", type_v: str = "f16"):
         """The ``llama_cpp.Llama`` (model + context) whose KV cache stores keys as ``type_k`` and values as
-        ``type_v`` (``f16``, ``q8_0``, ``q4_0``): made on first use, then kept. Flash attention is on where values
-        are quantized (llama.cpp quantizes V only inside flash attention), else off (llama-cpp-python's default,
-        which the AR baselines run too)."""
+        ``type_v`` (``f16``, ``q8_0``, ``q4_0``; :func:`cache_kwargs`): made on first use, then kept."""
         key = (type_k, type_v)
         if key not in self._contexts:
             from llama_cpp import Llama
 
-            types = {name: getattr(self.llama_cpp, f"GGML_TYPE_{name.upper()}") for name in {type_k, type_v}}
             self._contexts[key] = Llama(
                 model_path=str(self.gguf_path), n_ctx=self.n_ctx, n_batch=N_BATCH, n_ubatch=N_BATCH,
-                n_threads=self.threads, n_threads_batch=self.threads, type_k=types[type_k], type_v=types[type_v],
-                flash_attn=type_v != "f16", verbose=False)
+                n_threads=self.threads, n_threads_batch=self.threads, verbose=False, **cache_kwargs(type_k, type_v))
             # closed with the target, or at exit while llama_cpp is whole (its own __del__ at interpreter teardown
             # prints "Exception ignored ... 'NoneType' object is not callable")
             weakref.finalize(self, self._contexts[key].close)
