@@ -17,7 +17,14 @@ from gguf_files import VOCAB, random_k_blocks, write_llama_gguf
 from toolkit.errors import ConfigError, ModelLoadError
 from toolkit.models.gguf_native import TENSORS
 from toolkit.quant.gguf_blocks import affine_groups, nibble_planes
-from toolkit.quant.int4_linear import PackedInt4Linear, pack_nibbles, unpack_nibbles
+from toolkit.quant.int4_linear import (
+    GEMM_ROWS,
+    PackedInt4Linear,
+    int4pack_codes,
+    int4pack_readable,
+    pack_nibbles,
+    unpack_nibbles,
+)
 from toolkit.recipe import ModelSpec
 
 gguf = pytest.importorskip("gguf")
@@ -71,6 +78,33 @@ def test_packed_int4_linear_is_the_planes_weight_up_to_bf16(planes):
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
     with pytest.raises(ValueError, match="groups of 32"):
         PackedInt4Linear(torch.from_numpy(pack_nibbles(codes)), scale_zero, in_features + 1, out_features)
+
+
+@pytest.mark.parametrize("out_features", [16, 48, 64, 80, 192])
+def test_int4pack_codes_reads_back_atens_packing(out_features):
+    """Full and partial row blocks of ATen's CPU layout, whatever this CPU's vector width."""
+    codes = torch.randint(0, 16, (out_features, 96), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    assert torch.equal(int4pack_codes(packed, out_features).to(torch.int32), codes)
+    assert int4pack_readable()
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+def test_prompt_forwards_run_the_dequantized_weight(planes):
+    """From GEMM_ROWS rows on, a forward is one bf16 GEMM by the planes' summed weight; it agrees with the int4
+    kernel's (fp32 weights) to the bf16 rounding of the weights and of the output."""
+    rng = np.random.default_rng(planes)
+    out_features, in_features = 80, 64
+    codes = rng.integers(0, 16, (out_features, planes * in_features), dtype=np.uint8)
+    scale_zero = torch.rand(planes * in_features // 32, out_features, 2) * 0.1
+    layer = PackedInt4Linear(torch.from_numpy(pack_nibbles(codes)), scale_zero, in_features, out_features)
+    sz = scale_zero.to(torch.bfloat16).float().repeat_interleave(32, 0)
+    weight = ((torch.from_numpy(codes).float() - 8) * sz[..., 0].T + sz[..., 1].T).view(out_features, planes, -1)
+    assert torch.equal(layer.dense_weight(), weight.sum(1).to(torch.bfloat16))
+    x = torch.randn(GEMM_ROWS, in_features).to(torch.bfloat16)
+    assert torch.equal(layer(x), x @ layer.dense_weight().T)
+    kernel = layer(x[: GEMM_ROWS - 1])  # one row fewer: the int4 kernel
+    torch.testing.assert_close(layer(x)[:-1].float(), kernel.float(), rtol=0, atol=2e-2 * kernel.abs().max().item())
 
 
 MIXED = {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q5_0, "attn_output": T.Q8_0, "ffn_gate": T.Q4_K,
