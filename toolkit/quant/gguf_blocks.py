@@ -13,7 +13,11 @@ own fields (llama.cpp's ``ggml-quants.c`` formats, as the ``gguf`` package reads
 | Q5_K | as Q4_K | 5-bit | as Q4_K |
 
 Every other type (Q6_K and Q2_K / Q3_K with sub-blocks of 16, the IQ formats, F16 / BF16 / F32) has no group-32
-affine form: :func:`affine_groups` returns ``None`` and the caller keeps the tensor dequantized.
+affine form: :func:`block_fields` / :func:`affine_groups` return ``None`` and the caller keeps the tensor dequantized.
+
+:func:`block_fields` gives the codes with the blocks' own fields as they are (fp16 ``d`` and ``m`` / ``dmin``, a
+K-quant's 6-bit sub-scales as bytes): the input embedding keeps them so (:mod:`toolkit.quant.block_embedding`).
+:func:`affine_groups` multiplies them into one scale and one minimum per group of 32: the linear layers' form.
 
 The codes are read with the ``gguf`` package's own dequantizer on a copy of the blocks whose scales are set to one
 and whose minimums are set to zero (so its output *is* the code, exactly, in float32): the bit layouts stay the
@@ -77,22 +81,39 @@ _UNIT_K_SCALES = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], dtype=np.uint8)
 
 
 def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
-    return np.ascontiguousarray(blocks[:, at:at + 2]).view(np.float16)[:, 0].astype(np.float32)
+    return np.ascontiguousarray(blocks[:, at:at + 2]).view(np.float16)[:, 0]
 
 
-def affine_groups(raw: np.ndarray, qtype, columns: int):
-    """Codes and per-group scale and minimum of one tensor's rows.
+@dataclass(frozen=True)
+class BlockFields:
+    """One tensor's rows read into their codes and the blocks' own fields, unchanged.
+
+    Attributes:
+        codes: ``(rows, columns)`` uint8 in ``[0, 2**bits)``: the stored codes (Q8_0's int8 ``q`` as ``q + 128``).
+        d: ``(rows, columns // block)`` float16: each block's scale ``d`` (``block`` = 32, or 256 for a K-quant).
+        m: ``(rows, columns // block)`` float16: each block's minimum ``m`` (Q4_1, Q5_1) or ``dmin`` (K-quants),
+            or ``None`` (Q4_0, Q5_0, Q8_0: the minimum is ``code_offset * d``).
+        sub_scales: ``(rows, columns // 32, 2)`` uint8: a K-quant's 6-bit ``sc`` and ``mn`` per sub-block of 32,
+            unpacked from their 12 bytes, or ``None``.
+        format: the :class:`BlockFormat` they came from.
+    """
+
+    codes: np.ndarray
+    d: np.ndarray
+    m: np.ndarray | None
+    sub_scales: np.ndarray | None
+    format: BlockFormat
+
+
+def block_fields(raw: np.ndarray, qtype, columns: int) -> BlockFields | None:
+    """The codes and fields of one tensor's rows (see :class:`BlockFields`), or ``None`` when ``qtype`` has no
+    group-32 affine form.
 
     Args:
         raw: ``(rows, bytes_per_row)`` uint8, the tensor's blocks as the file holds them (``GGUFReader`` data:
             memory-mapped; only these rows are read).
         qtype: the tensor's ``gguf.GGMLQuantizationType``.
         columns: weights per row (the input width), a multiple of the format's block size.
-
-    Returns:
-        ``None`` when ``qtype`` has no group-32 affine form, else ``(codes, scale, minimum, bits)``: ``codes``
-        ``(rows, columns)`` uint8 in ``[0, 2**bits)``, ``scale`` and ``minimum`` ``(rows, columns // 32)`` float32,
-        exact (fp16 fields and 6-bit sub-scales multiplied in float32), with ``w = scale * code + minimum``.
     """
     from gguf.quants import Q4_K, dequantize
 
@@ -102,24 +123,44 @@ def affine_groups(raw: np.ndarray, qtype, columns: int):
     rows = raw.shape[0]
     blocks = np.array(raw, dtype=np.uint8).reshape(-1, fmt.block_bytes)  # a copy: the file stays untouched
     d = _fp16(blocks, fmt.scale_at)
-    dmin = _fp16(blocks, fmt.min_at) if fmt.min_at is not None else np.zeros_like(d)
+    m = _fp16(blocks, fmt.min_at) if fmt.min_at is not None else None
     unit = blocks.copy()
     unit[:, fmt.scale_at:fmt.scale_at + 2] = np.array([1.0], dtype=np.float16).view(np.uint8)
     if fmt.min_at is not None:
         unit[:, fmt.min_at:fmt.min_at + 2] = 0
+    sub_scales = None
     if fmt.k_scales_at is not None:
         sc, mn = Q4_K.get_scale_min(blocks[:, fmt.k_scales_at:fmt.k_scales_at + 12].copy())
         unit[:, fmt.k_scales_at:fmt.k_scales_at + 12] = _UNIT_K_SCALES
-        scale = d[:, None] * sc.astype(np.float32)
-        minimum = -(dmin[:, None] * mn.astype(np.float32))
-    else:
-        scale = d[:, None]
-        minimum = dmin[:, None] if fmt.min_at is not None else fmt.code_offset * d[:, None]
+        sub_scales = np.stack([sc, mn], axis=-1).astype(np.uint8).reshape(rows, columns // GROUP, 2)
     codes = dequantize(unit, qtype).reshape(-1) - fmt.code_offset
     del unit
-    codes = codes.astype(np.uint8).reshape(rows, columns)
-    groups = columns // GROUP
-    return codes, scale.reshape(rows, groups), minimum.reshape(rows, groups), fmt.bits
+    per_row = d.size // rows
+    return BlockFields(codes.astype(np.uint8).reshape(rows, columns), d.reshape(rows, per_row),
+                       None if m is None else m.reshape(rows, per_row), sub_scales, fmt)
+
+
+def affine_groups(raw: np.ndarray, qtype, columns: int):
+    """Codes and per-group scale and minimum of one tensor's rows (arguments as :func:`block_fields`).
+
+    Returns:
+        ``None`` when ``qtype`` has no group-32 affine form, else ``(codes, scale, minimum, bits)``: ``codes``
+        ``(rows, columns)`` uint8 in ``[0, 2**bits)``, ``scale`` and ``minimum`` ``(rows, columns // 32)`` float32,
+        exact (fp16 fields and 6-bit sub-scales multiplied in float32), with ``w = scale * code + minimum``.
+    """
+    fields = block_fields(raw, qtype, columns)
+    if fields is None:
+        return None
+    fmt, groups = fields.format, columns // GROUP
+    d = np.repeat(fields.d.astype(np.float32), groups // fields.d.shape[1], axis=1)  # (rows, groups)
+    if fields.sub_scales is not None:
+        dmin = np.repeat(fields.m.astype(np.float32), groups // fields.m.shape[1], axis=1)
+        scale = d * fields.sub_scales[..., 0].astype(np.float32)
+        minimum = -(dmin * fields.sub_scales[..., 1].astype(np.float32))
+    else:
+        scale = d
+        minimum = fields.m.astype(np.float32) if fields.m is not None else fmt.code_offset * d
+    return fields.codes, scale, minimum, fmt.bits
 
 
 def nibble_planes(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray, bits: int):
