@@ -91,7 +91,8 @@ def quality_of(source: str, gguf: str, num_tokens: int) -> dict:
                                else {})}
                      for name, (nll, arg) in scored.items()}
         print(json.dumps({source: {text: out[text]}}), file=sys.stderr)
-    out["native_layers"] = {k: len(v) for k, v in models["native"][0].toolkit_native.items() if isinstance(v, dict)}
+    out["native_layers"] = {k: len(models["native"][0].toolkit_native[k]) for k in ("native", "dequantized")}
+    out["native_embedding"] = models["native"][0].toolkit_native["embedding"]
     out["native_dequantized_types"] = sorted({v["gguf_type"] for v in
                                               models["native"][0].toolkit_native["dequantized"].values()})
     return out
@@ -285,8 +286,10 @@ def markdown(report: dict) -> str:
             for name, q in texts[text].items():
                 lines.append(f"| {text} | {name} | {q['ppl']:.3f} | {q['top1_vs_fp32']:.3f} | "
                              f"{q.get('top1_vs_llamacpp', float('nan')):.3f} |")
+        embedding = texts.get("native_embedding", {})
         lines += ["", f"Native layers: {texts['native_layers']}; kept dequantized: "
-                  f"{texts['native_dequantized_types'] or 'none'}.", ""]
+                  f"{texts['native_dequantized_types'] or 'none'}; input embedding: "
+                  f"{embedding.get('gguf_type', '?')} kept as {embedding.get('kept_as', 'bf16')}.", ""]
     if "speed" in report:
         s = report["speed"]
         lines += ["## Speed: the main recipe, native vs torchao int4 (compiled engine, interleaved, median of "

@@ -30,6 +30,7 @@ import torch
 from gpu_kit import shapes
 from gpu_kit.checks import compare, hf_greedy, ours, ours_batch
 from toolkit.engine.planner import ConstantK, CostAwareK
+from toolkit.quant.block_embedding import embedding_table
 from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.drafters import DraftModel, LookupDrafter
 from toolkit.speculative.drafters.eagle import EagleDrafter
@@ -60,7 +61,7 @@ def _cycle_copy(model, succ: torch.Tensor, mix: float):
     ``succ[x]`` highest) and whose decoder layers' output projections are scaled by ``mix``."""
     target = copy.deepcopy(model)
     with torch.no_grad():
-        embed = target.get_input_embeddings().weight
+        embed = embedding_table(target.get_input_embeddings())  # a GGUF block embedding's rows dequantized
         head = torch.empty_like(embed)
         head[succ.to(embed.device)] = embed
         target.get_output_embeddings().weight = torch.nn.Parameter(head, requires_grad=False)

@@ -12,9 +12,11 @@ def build_head(target, draft_vocab: int, counts: torch.Tensor, seed: int, varian
     EAGLE-3's copies its highest feature layer and its ``norm`` is the target's final norm (a logit lens of that
     layer); the LM head starts as the target's rows of the draft vocabulary, frozen for EAGLE-1, trained for
     EAGLE-3 (its own, as in the EAGLE-3 paper)."""
+    from toolkit.eagle.checkpoint import dense_weight
     from toolkit.eagle.features import final_norm
     from toolkit.eagle.head import EagleHead, HeadConfig
     from toolkit.eagle.vocab import frequent_tokens
+    from toolkit.quant.block_embedding import embedding_table
 
     torch.manual_seed(seed)
     config = HeadConfig.from_target(target.config, variant, draft_vocab)
@@ -36,8 +38,8 @@ def build_head(target, draft_vocab: int, counts: torch.Tensor, seed: int, varian
         target.config.eos_token_id or [])
     ids = frequent_tokens(counts, draft_vocab, eos)
     head.draft_to_target = ids
-    embedding = target.get_input_embeddings().weight.detach().float().cpu()
-    lm = target.get_output_embeddings().weight.detach().float().cpu()
+    embedding = embedding_table(target.get_input_embeddings()).float().cpu()  # a GGUF block embedding: dequantized
+    lm = dense_weight(target.get_output_embeddings()).float().cpu()
     head.embed_tokens.weight.data.copy_(embedding)
     head.lm_head.weight.data.copy_(lm[ids])
     head.embed_tokens.requires_grad_(False)

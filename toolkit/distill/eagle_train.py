@@ -63,7 +63,7 @@ from toolkit.distill.eagle_loss import (  # noqa: F401 (target_log_probs, ttt_ma
     ttt_mask,
     unroll,
 )
-from toolkit.eagle.checkpoint import save_head
+from toolkit.eagle.checkpoint import dense_weight, save_head
 from toolkit.eagle.head import VARIANTS
 from toolkit.errors import ConfigError
 from toolkit.io import atomic_write_json, atomic_write_png, recover_dir, replace_dir
@@ -183,7 +183,7 @@ class _HeadRun:
         self.device = next(target.parameters()).device  # the head trains where the target runs (a GPU: there)
         self.head = build_head(target, config.draft_vocab, counts, config.seed, config.variant).to(self.device)
         self.head.draft_to_target = self.head.draft_to_target.to(self.device)
-        self.full_lm = target.get_output_embeddings().weight.detach().float().to(self.device)
+        self.full_lm = dense_weight(target.get_output_embeddings()).float().to(self.device)
         self.target_lm = self.full_lm[self.head.draft_to_target]  # the target's law over the draft vocabulary
         self.inputs = input_key(self.head)
         self.std = train["features"][:64][train["mask"][:64]].float().std(0).clamp_min(1e-3).to(self.device)

@@ -124,7 +124,7 @@ def _read_state(directory: Path, field: str) -> dict[str, torch.Tensor]:
     raise ConfigError(field, f"{directory} holds no head weights ({' or '.join(WEIGHT_FILES)})")
 
 
-def _dense_weight(module: torch.nn.Module) -> torch.Tensor:
+def dense_weight(module: torch.nn.Module) -> torch.Tensor:
     """The weight of ``module`` as a plain ``(out, in)`` tensor. A quantized linear (a torchao tensor subclass such
     as ``Int4OpaqueTensor``, which supports neither row indexing nor ``dequantize``) is read through its own kernel:
     ``module(I) = I @ W.T`` on an identity batch gives ``W.T`` at the compute dtype; so is a linear that keeps no
@@ -230,8 +230,9 @@ def _head_config(raw: dict, state: dict, variant: str, target_config, field: str
 
 
 def _mapped_state(state: dict, config: HeadConfig, target, field: str) -> tuple[dict, torch.Tensor]:
-    """``(tensors named as EagleHead's state dict, draft_to_target)``: published names mapped, the embedding and
-    (without one of its own) the LM head rows of the draft vocabulary taken from the target."""
+    """``(tensors named as EagleHead's state dict, draft_to_target)``: published names mapped and (without one of
+    its own) the LM head rows of the draft vocabulary taken from the target. A missing embedding stays missing: the
+    head shares the target's module (:func:`load_head`)."""
     mapped = to_head_names(state, config.variant)
     if "d2t" in state:
         draft_to_target = from_d2t(state["d2t"])
@@ -239,11 +240,18 @@ def _mapped_state(state: dict, config: HeadConfig, target, field: str) -> tuple[
             raise ConfigError(field, f"d2t maps draft ids outside the target vocabulary of {config.vocab_size}")
     else:
         draft_to_target = torch.arange(config.draft_vocab_size)
-    mapped.setdefault("embed_tokens.weight", target.get_input_embeddings().weight.detach())
     if "lm_head.weight" not in mapped:
-        lm = _dense_weight(target.get_output_embeddings())
+        lm = dense_weight(target.get_output_embeddings())
         mapped["lm_head.weight"] = lm[draft_to_target.to(lm.device)]
     return mapped, draft_to_target
+
+
+def _check_shared_embedding(embedding: torch.nn.Module, shape: tuple, field: str) -> None:
+    """ConfigError (``field``) unless the target's input embedding (an ``nn.Embedding`` or a GGUF's
+    :class:`~toolkit.quant.block_embedding.BlockEmbedding`) has the head's ``(vocab, H)`` shape."""
+    held = (getattr(embedding, "num_embeddings", None), getattr(embedding, "embedding_dim", None))
+    if held != shape:
+        raise ConfigError(field, f"the target's input embedding is {held}, the head needs {shape}")
 
 
 def check_tensors(mapped: dict, expected: dict, variant: str, directory: Path, field: str,
@@ -309,15 +317,19 @@ def load_head(source: str | Path, target, field: str = "draft.source", dtype: to
     directory, raw, state, variant = read_checkpoint(source, field)
     head = build_checked(_head_config(raw, state, variant, target.config, field), field)
     mapped, draft_to_target = _mapped_state(state, head.config, target, field)
-    check_tensors(mapped, head.state_dict(), head.config.variant, directory, field)
-    head.load_state_dict({k: v.float().cpu() for k, v in mapped.items()})
+    shared = "embed_tokens.weight" not in mapped
+    expected = head.state_dict()
+    check_tensors(mapped, expected, head.config.variant, directory, field, {"embed_tokens.weight"} if shared else set())
+    if shared:
+        _check_shared_embedding(target.get_input_embeddings(), tuple(expected["embed_tokens.weight"].shape), field)
+    head.load_state_dict({k: v.float().cpu() for k, v in mapped.items()}, strict=not shared)  # else checked above
     head.draft_to_target = draft_to_target
     param = next(target.parameters())
     if dtype is None:
         dtype = param.dtype if param.is_floating_point() else torch.float32
     head.to(device=param.device, dtype=dtype)
-    if "embed_tokens.weight" not in state:
-        head.embed_tokens = target.get_input_embeddings()  # shared: no copy of the (vocab, H) table
+    if shared:  # no copy of the (vocab, H) table; a GGUF's block embedding dequantizes only the rows looked up
+        head.embed_tokens = target.get_input_embeddings()
     head.draft_to_target = head.draft_to_target.to(param.device)
     head.eval()
     head.requires_grad_(False)

@@ -171,7 +171,8 @@ def _load_native(spec: ModelSpec, device: torch.device, field: str):
     if location not in _SAID_NATIVE:
         _SAID_NATIVE.add(location)
         log.info("native GGUF weights (%s): %d linear layers on the file's own %s codes (ATen int4 kernel, bf16 "
-                 "activations)%s", report["source"], len(report["native"]), "/".join(kinds),
+                 "activations); %s%s", report["source"], len(report["native"]), "/".join(kinds),
+                 _embedding_said(report["embedding"]),
                  "; kept dequantized at bf16 (no int4 kernel holds their format): " + ", ".join(
                      f"{name} ({entry['gguf_type']})" for name, entry in report["dequantized"].items())
                  if report["dequantized"] else "")
@@ -180,3 +181,12 @@ def _load_native(spec: ModelSpec, device: torch.device, field: str):
 
 
 _SAID_NATIVE: set[str] = set()
+
+
+def _embedding_said(embedding: dict) -> str:
+    """What a native model's input embedding became (``native.json``'s ``embedding``), in words."""
+    size = f"{embedding['bytes'] / 2 ** 20:.1f} MiB"
+    if embedding["kept_as"] == "blocks":
+        return (f"input embedding {embedding['name']} in the file's own {embedding['gguf_type']} blocks ({size}), "
+                "looked-up rows dequantized")
+    return f"input embedding {embedding['name']} ({embedding['gguf_type']}) kept as a bf16 table ({size})"

@@ -58,11 +58,16 @@ def bytes_read_per_token(model: torch.nn.Module) -> int:
     """Weight bytes one decode step reads: every weight once, except the input embedding, of which a step reads
     one row (unless the embedding is also the LM head: tied weights are read whole). A quantized LM head next to a
     half-precision embedding (torchao int4 quantizes ``lm_head`` and leaves the embedding; a native GGUF head has
-    its own int4 planes, :mod:`toolkit.models.gguf_native`) counts at its packed size."""
-    embedding = model.get_input_embeddings().weight
+    its own int4 planes, :mod:`toolkit.models.gguf_native`) counts at its packed size; an embedding held in a GGUF's
+    blocks (:class:`~toolkit.quant.block_embedding.BlockEmbedding`: codes and scales, every tensor one row per
+    token) counts one row of each."""
+    embedding = model.get_input_embeddings()
     head = model.get_output_embeddings()
-    tied = head is not None and getattr(head, "weight", None) is embedding
+    weight = getattr(embedding, "weight", None)
+    tied = weight is not None and head is not None and getattr(head, "weight", None) is weight
     total = weight_bytes(model)
     if not tied:
-        total -= tensor_bytes(embedding) - tensor_bytes(embedding) // max(1, embedding.shape[0])
+        held = sum(tensor_bytes(t) for t in list(embedding.parameters()) + list(embedding.buffers()))
+        rows = getattr(embedding, "num_embeddings", None) or weight.shape[0]
+        total -= held - held // max(1, rows)
     return total
