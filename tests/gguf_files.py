@@ -11,6 +11,7 @@ Llama-3.1-8B's shape with it). Tensors are F32 by default; ``types`` gives a GGU
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -30,22 +31,31 @@ def _overrides(shape: dict) -> dict:
             "general.file_type": 0}
 
 
-def _copy_tokenizer(writer, shape: dict) -> None:
+@functools.lru_cache(maxsize=1)
+def _embedded_fields() -> tuple:
+    """``((name, value, type, sub_type), ...)``: the embedded file's metadata, the tokenizer cut to ``VOCAB``
+    tokens; read once per process (reading 49k tokens and their merges takes seconds)."""
     import gguf
 
     reader = gguf.GGUFReader(embedded_gguf_path())
-    overrides = _overrides(shape)
+    kept = set(reader.fields["tokenizer.ggml.tokens"].contents()[:VOCAB])
+    out = []
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name in ("general.architecture", "general.quantization_version"):
             continue
-        value = overrides.get(name, field.contents())
+        value = field.contents()
         if name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
             value = value[:VOCAB]
         elif name == "tokenizer.ggml.merges":
-            kept = set(reader.fields["tokenizer.ggml.tokens"].contents()[:VOCAB])
             value = [m for m in value if "".join(m.split(" ")) in kept and all(p in kept for p in m.split(" "))]
-        sub_type = field.types[1] if len(field.types) > 1 else None
-        writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
+        out.append((name, value, field.types[0], field.types[1] if len(field.types) > 1 else None))
+    return tuple(out)
+
+
+def _copy_tokenizer(writer, shape: dict) -> None:
+    overrides = _overrides(shape)
+    for name, value, main_type, sub_type in _embedded_fields():
+        writer.add_key_value(name, overrides.get(name, value), main_type, sub_type=sub_type)
 
 
 def random_k_blocks(rows: int, columns: int, qtype, rng, scale: float = 0.002) -> np.ndarray:

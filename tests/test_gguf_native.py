@@ -2,8 +2,9 @@
 
 Layers: the block decoder reproduces the ``gguf`` package's own dequantization exactly (every format with a group-32
 affine form); the int4 planes hold the same weights up to the bf16 rounding of the scales; a tiny llama GGUF of
-mixed block types loads natively, its weights equal transformers' dequantized ones within that rounding (so the names,
-llama.cpp's Q/K row permutation and the tied head are right) and its logits follow; bad inputs end in one clear error;
+mixed block types loads natively (its Q8_0 embedding in its blocks), its weights equal transformers' dequantized ones
+within that rounding (so the names, llama.cpp's Q/K row permutation and the tied head are right) and its logits
+follow; bad inputs end in one clear error;
 on the embedded model (slow) native weights score like the file itself.
 """
 
@@ -16,6 +17,7 @@ from gguf_files import VOCAB, random_k_blocks, write_llama_gguf
 
 from toolkit.errors import ConfigError, ModelLoadError
 from toolkit.models.gguf_native import TENSORS
+from toolkit.quant.block_embedding import BlockEmbedding
 from toolkit.quant.gguf_blocks import affine_groups, nibble_planes
 from toolkit.quant.int4_linear import (
     GEMM_ROWS,
@@ -141,7 +143,11 @@ def test_native_model_runs_the_files_codes_and_lists_what_it_dequantized(mixed):
     assert report["tied_head"] and report["native"]["lm_head.weight"]["gguf_type"] == "Q8_0"
     assert report["dequantized"] == {"model.layers.0.mlp.down_proj.weight": {"gguf_type": "Q6_K", "kept_as": "bf16"}}
     assert isinstance(layer.mlp.down_proj, torch.nn.Linear) and layer.mlp.down_proj.weight.dtype == torch.bfloat16
-    assert not model.config.tie_word_embeddings and model.get_input_embeddings().weight.shape == (VOCAB, 256)
+    assert not model.config.tie_word_embeddings
+    embedding = model.get_input_embeddings()  # Q8_0: its blocks as they are (tests/test_block_embedding.py)
+    assert isinstance(embedding, BlockEmbedding) and (embedding.num_embeddings, embedding.embedding_dim) == (VOCAB, 256)
+    assert report["embedding"] == {"name": "model.embed_tokens.weight", "gguf_type": "Q8_0", "kept_as": "blocks",
+                                   "bytes": VOCAB * 256 + VOCAB * 256 // 32 * 2}
 
 
 def test_native_weights_equal_the_dequantized_file_up_to_bf16_scales(mixed):

@@ -34,6 +34,7 @@ conversion made before.
 from __future__ import annotations
 
 import logging
+import warnings
 
 import numpy as np
 import torch
@@ -42,6 +43,9 @@ from toolkit.quant.gguf_blocks import GROUP, BlockFields, block_format
 from toolkit.quant.int4_linear import pack_nibbles
 
 log = logging.getLogger(__name__)
+# inductor's CPU code generation notes that a compiled lookup loads fp16 fields and stores bf16 rows in one kernel;
+# it computes such a kernel in float32, as the eager forward does (compiled rows equal eager rows bit for bit)
+warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node", category=UserWarning)
 
 #: rows dequantized at once by :meth:`BlockEmbedding.dequantized` (float32 temporaries of rows x hidden)
 TABLE_CHUNK_ROWS = 4096
