@@ -145,6 +145,7 @@ class _Plan:
 
 
 def _plan(model, reader, mapping: dict, processor, rows_only: bool) -> _Plan:
+    """The :class:`_Plan` for an empty ``model`` and its GGUF ``reader`` (``mapping``: GGUF names -> model names)."""
     by_id = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     linear = frozenset(f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Linear))
     head = model.get_output_embeddings()
