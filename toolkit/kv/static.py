@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from toolkit.kv.static_tree import TreeRows
+
 #: capacities are rounded up to a multiple of this many tokens (one compiled graph serves requests up to it)
 CAPACITY_STEP = 256
 #: the attended span (slots a forward reads) is rounded up to a multiple of this many tokens on CPU
@@ -126,7 +128,7 @@ class StaticLayer(CacheLayerMixin):
         return self.keys.shape[-2]
 
 
-class StaticKV(Cache):
+class StaticKV(TreeRows, Cache):
     """The static KV cache of ``rows`` rows (see the module docstring).
 
     Args:
