@@ -241,6 +241,7 @@ class TargetForward:
             padded[:rows, width:] = input_ids[:, -1:]
             input_ids = padded
         kwargs = cache.prepare(run_width, range(run_rows)) if tree is None else cache.prepare_tree(tree, run_width)
+        kwargs["position_ids"] = kwargs["position_ids"].clone()  # not the write index (a chain's): a tree's is not
         self._mark_dynamic(input_ids, kwargs, cache, span=not self.buckets and cache.dynamic_span)
         key = (run_rows if self.buckets else min(run_rows, 2), run_width if self.buckets else min(run_width, 2))
         key += (hidden,) if hidden else ()  # a graph returning features is a graph of its own

@@ -138,7 +138,8 @@ class TreeRows:
                 return rows, None
             region = index[0]
             by_position = rows.index_select(3, region.index_select(0, depth))
-            return rows.index_copy(3, region, by_position & sees), index[:, earlier:].contiguous()
+            return rows.index_copy(3, region, by_position & sees), \
+                index[:, earlier:].clone(memory_format=torch.contiguous_format)  # the strides of a chain's
 
         positions = kwargs["position_ids"][:, :1] + queries[None]
         return {"position_ids": positions, "attention_mask": self.tree_view(view), "past_key_values": self}
