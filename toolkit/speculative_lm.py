@@ -214,10 +214,10 @@ class SpeculativeLM:
 
         check_int("tokens", tokens, low=1)
         check_int("batch_size", batch_size, low=1)
-        engine = self.engine
+        engine, spec = self.engine, self.recipe.spec
         if not engine.compiled:
             return 0.0
-        widest = engine.width_for(self.plan.max_query_tokens)
+        widest = engine.width_for(max(self.plan.max_query_tokens, spec.tree_budget + 1 if spec.tree else 0))
         capacity = capacity_for(tokens + widest)
         widths = tuple(w for w in engine.widths if w <= widest) if engine.buckets else (1, 2)
         rows = (1,) if batch_size == 1 else (1, batch_size)
@@ -226,7 +226,7 @@ class SpeculativeLM:
         draft = self.draft_engine
         if draft is not None and draft.compiled:  # the draft network's graphs on its own static cache
             seconds += draft.warm_up(lambda r: draft.cache_for(self.draft_policy, r, capacity, widest), widths, rows)
-        if self.recipe.spec.adaptive == "cost":
+        if spec.adaptive == "cost":
             self.verify_cost_for(max(16, self.plan.max_query_tokens))
         return seconds
 

@@ -90,12 +90,8 @@ def _verify_inputs(decoder, row, tree) -> tuple[torch.Tensor, TreeInputs, torch.
     """The verify forward's tokens ``(1, n + 1)`` (the root, then the nodes), its region
     (:class:`~toolkit.kv.static_tree.TreeInputs`: depths and the tree mask) and each entry's parent's query index
     ``(n + 1,)`` (the root's: 0), on the device in the round's one upload."""
-    n = len(tree)
-    seen = [[1] + [0] * n]  # the tree mask's rows (TokenTree.mask), built on the host as lists: one upload
-    for i, parent in enumerate(tree.parent_list()):
-        seen.append(seen[parent + 1][:])
-        seen[-1][i + 1] = 1
     parents = [0] + [p + 1 for p in tree.parent_list()]
-    staged, _ = decoder._stage([[row.ids[-1]] + tree.token_list(), [0] + tree.depth_list(), parents, *seen], [])
-    region = TreeInputs(staged[1], staged[3:].bool(), n + 1, tree.max_depth, rooted=True)
+    staged, _ = decoder._stage([[row.ids[-1]] + tree.token_list(), [0] + tree.depth_list(), parents,
+                                *tree.mask_rows()], [])
+    region = TreeInputs(staged[1], staged[3:].bool(), len(tree) + 1, tree.max_depth, rooted=True)
     return staged[:1], region, staged[2]
