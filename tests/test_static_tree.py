@@ -139,15 +139,20 @@ def test_greedy_tree_decoding_equals_ar_under_the_same_policy(llama, sliding, na
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_greedy_eagle_trees_equal_ar_under_the_same_policy(eagle_pair, name):
     """EAGLE-2 trees of an EAGLE head: its expansions on its static head cache, the target's verify on the policy's
-    static form (fp32: the head's target)."""
+    static form (fp32: the head's target); with no policy, the head's steps and the target's forwards compiled too
+    (dynamo traces: the head's tree step is a graph of its own, the target's verify the chains')."""
     target, head = eagle_pair
-    prompt = prompt_of(2)
+    prompt, shape = prompt_of(2), TreeShape(budget=10, depth=5, topk=2)
     ar, _, _ = decode(target, None, prompt, policy_of(name))
-    ids, stats, decoder = decode(target, EagleDrafter(target, head), prompt, policy_of(name),
-                                 TreeShape(budget=10, depth=5, topk=2))
+    ids, stats, decoder = decode(target, EagleDrafter(target, head), prompt, policy_of(name), shape)
     assert ids == ar
     assert_real_tree_rounds(stats)
     assert isinstance(decoder.cache, StaticKV) and isinstance(decoder.drafter.cache, StaticKV)
+    if name == "none":
+        drafter = EagleDrafter(target, head, compile=True, backend="eager")
+        forward = TargetForward(target, compile=True, backend="eager")
+        assert decode(target, drafter, prompt, None, shape, forward)[0] == ar
+        assert (False, 1, 2, "tree") in drafter.step._seen and (1, 2, drafter.features) in forward.compile_s
 
 
 def test_tree_rounds_keep_exact_lengths_through_compressions(llama):

@@ -125,7 +125,7 @@ class HeadForward:
             out = _head_step(*args)
         else:
             self._mark_dynamic(args, cache)
-            key = (first, min(rows, 2), min(width, 2), tree is not None)
+            key = (first, min(rows, 2), min(width, 2)) + (("tree",) if tree is not None else ())  # a graph of its own
             began = time.perf_counter()
             if key not in self._seen:
                 log.info("compiling the EAGLE head's %s step (%s rows x %s tokens) with torch.compile: seconds",

@@ -271,8 +271,8 @@ class StaticQuantKV(StaticKV):
 
     def check_tree_room(self, start: int, tree) -> None:
         """No quantization group may hold a tree node below the root (its scales would depend on the path): the
-        deepest query's boundary stays at or below the region's first node (:func:`~toolkit.kv.quantized.
-        check_quant_tree`, which the plan checks)."""
+        deepest query's boundary stays at or below the region's first node, as
+        :func:`~toolkit.kv.quantized.check_quant_tree` (which the plan checks) ensures."""
         if boundary(start + tree.deepest, self.policy) > start + tree.rooted:
             raise ValueError(f"StaticQuantKV: a token tree {tree.deepest + (not tree.rooted)} levels deep reaches a "
                              "quantization group; residual_length must be >= tree_depth + quant_group_size - 2")
