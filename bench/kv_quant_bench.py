@@ -61,19 +61,14 @@ def hf_cache_class():
     class HFQuantizedCacheBytes(QuantizedCache):
         """HF ``QuantizedCache`` through the toolkit's cache contract (:mod:`toolkit.kv.contract`): exact
         ``kv_bytes`` (the backend's packed data, scales and zero points + the full-precision residual); HF
-        quantizes whenever its residual fills, so a commit point has nothing to do and trees are not supported."""
+        quantizes whenever its residual fills, so a commit point has nothing to do."""
 
         compressions = 0
 
         def commit(self) -> None:
             pass
 
-        def keep_tail(self, keep) -> None:
-            raise NotImplementedError("HF's QuantizedCache cannot keep a token-tree path")
-
-        def forward_kwargs(self, position_ids, tree_mask=None) -> dict:
-            if tree_mask is not None:
-                raise NotImplementedError("HF's QuantizedCache takes no tree mask here")
+        def forward_kwargs(self, position_ids) -> dict:
             return {"position_ids": position_ids}
 
         def kv_bytes(self) -> int:

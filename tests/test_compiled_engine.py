@@ -114,8 +114,9 @@ def test_the_static_cache_is_reused_and_its_capacity_only_grows(setup):
 
 
 def test_what_the_static_cache_does_not_hold_runs_eager(setup):
-    """forward_for compiles only where the static cache holds the recipe (a KV policy with a static form, no token
-    trees, full-attention layers); elsewhere it names why and the decoder runs eager on the policy's cache."""
+    """forward_for compiles only where the static cache holds the recipe (a KV policy with a static form, full-attention
+    and sliding-window layers; token trees too, within the widest CUDA graph bucket); elsewhere it names why and the
+    decoder runs eager on the policy's cache."""
     target = setup[0]
     base = Recipe.from_dict({"name": "compiled", "target": {"device": "cpu"}, "draft": None, "compile": "on",
                              "spec": {"drafter": "lookup", "num_draft_tokens": 4},
@@ -139,8 +140,18 @@ def test_what_the_static_cache_does_not_hold_runs_eager(setup):
     compiled, why = engine(kv({"policy": "streaming", "sink_tokens": 4, "window": 32, "exact_window": False,
                                "quant_bits": 4, "quant_group_size": 16, "residual_length": 8}))
     assert not compiled and "StreamingLLM composed with quantization" in why
-    compiled, why = engine(base.replace(spec=SpeculationSpec(drafter="suffix", tree=True)))
-    assert not compiled and "token trees" in why
+    assert engine(base.replace(spec=SpeculationSpec(drafter="suffix", tree=True)))[0]  # trees on the static engine
+    wide = base.replace(spec=SpeculationSpec(drafter="suffix", tree=True, tree_budget=100))
+    original = TargetForward.__init__
+
+    def bucketed(self, *args, **kwargs):  # CUDA's bucketed shapes, on the CPU
+        original(self, *args, **kwargs)
+        self.buckets = self.compiled
+
+    with pytest.MonkeyPatch.context() as patch:  # a 101-token tree verify is past the widest CUDA graph (64 tokens)
+        patch.setattr(TargetForward, "__init__", bucketed)
+        forward, why = forward_for(wide, target, plan(wide))
+    assert not forward.compiled and "past the widest CUDA graph bucket, 64 tokens" in why
     chunked = tiny_llama(seed=0)
     chunked.config.layer_types = ["chunked_attention", "full_attention"]
     assert "chunked_attention" in supports_static(chunked)

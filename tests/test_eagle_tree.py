@@ -51,7 +51,7 @@ def test_tree_and_linear_agree_on_the_first_path(target, trained_head):  # noqa:
         features = select_hidden(target(prompt, output_hidden_states=True), drafters[False].features)
     rows = {}
     for tree, drafter in drafters.items():
-        drafter.start(1, 256, 8, GenerationSpec(), tree=tree)
+        drafter.start(1, 256, 8, GenerationSpec(), tree=TreeShape(4, 4, 1) if tree else None)
         rows[tree] = Row(0, len(ids) - 1, list(ids), GenerationStats(), None, 0.0, [5])
         drafter.join(rows[tree], features)
     drafters[False].propose_rows([rows[False]], [4])

@@ -8,7 +8,9 @@ device-to-host transfers on a GPU, plus one per request that is not: the prompt'
 host tensor. Drafters (``toolkit.speculative.drafters``) are not counted: model-free ones keep their state on the host
 by design (the main recipe's lookup drafter) — except in the network drafters' test, which watches the draft model
 and the EAGLE head too (``toolkit.speculative.drafters``, ``toolkit.eagle``): under a planner that does not read draft
-confidences they leave their tokens on the device, and the decoder reads them with the round's one transfer.
+confidences they leave their tokens on the device, and the decoder reads them with the round's one transfer. Greedy
+token trees read once per round too (verified on the device: the deepest accepted node and the next token); sampled
+trees walk recursive rejection sampling on the host (``toolkit.speculative.tree_verify``: reads per tried child).
 """
 
 from __future__ import annotations
@@ -137,3 +139,35 @@ def test_compiled_network_drafters_read_the_device_once_per_round(eagle_pair, dr
         list(decoder.decode(make_prompt(101, length=8), gen, stats))
     assert stats.rounds >= 4 and stats.drafted > 0 and stats.tokens_per_round > 1
     assert counts["n"] == stats.rounds + 2, counts["where"]
+
+
+@pytest.mark.parametrize("do_sample,compiled,policy", [(False, False, "none"), (False, True, "quantized"),
+                                                        (True, False, "none")],
+                         ids=["greedy-eager", "greedy-compiled-quantized", "sampling-eager"])
+def test_tree_rounds_read_the_device_once_per_round(compiled, do_sample, policy):
+    """Token trees of a model-free drafter on the static engine: greedy trees are verified on the device, and the
+    decoder and the cache (the tree forward, the gather of the accepted path in place, the commit point) read it once
+    per round. Sampled trees walk recursive rejection sampling on the host instead (``tree_verify``): the decoder
+    reads nothing more, but the walk reads per tried child — more than one read per round in all."""
+    from toolkit.engine.planner import ConstantK
+    from toolkit.kv import make_policy
+    from toolkit.recipe import KVSpec
+    from toolkit.speculative.drafters.suffix import SuffixDrafter
+    from toolkit.speculative.tree import TreeShape
+
+    target = tiny_llama(seed=0, **INIT)
+    forward = TargetForward(target, compile=compiled, backend="eager")
+    kv = None if POLICIES[policy] is None else make_policy(KVSpec(policy, POLICIES[policy]))
+    drafter = SuffixDrafter(max_spec_factor=2.0, min_token_prob=0.05)  # remembers the warm-up request
+    decoder = SpeculativeDecoder(target, drafter, ConstantK(4), kv, tree=TreeShape(8, 5, 1), forward=forward)
+    gen = GenerationSpec(max_new_tokens=30, ignore_eos=True, do_sample=do_sample, temperature=0.3, top_k=5, seed=3)
+    list(decoder.decode(repetitive(0), gen, GenerationStats()))  # warm: graphs traced outside the count
+    stats = GenerationStats()
+    with counted_reads(WATCHED + ("toolkit.speculative.tree_verify",)) as counts:
+        list(decoder.decode(repetitive(1), gen, stats))
+    assert stats.rounds >= 5 and stats.accepted > 0
+    ours = [w for w in counts["where"] if w.startswith(WATCHED)]
+    if do_sample:
+        assert len(ours) <= stats.rounds + 2 < counts["n"], counts["where"]
+    else:
+        assert len(ours) == counts["n"] == stats.rounds + 2, counts["where"]

@@ -44,25 +44,21 @@ def test_every_policy_and_its_cache_keep_the_contract(name, spec):
     assert cache.get_seq_length() == before + 1 and cache.kv_bytes() > 0 and cache.compressions >= 0
 
 
-def test_plain_cache_keeps_a_tree_path_and_counts_bytes():
+def test_plain_cache_rolls_back_and_counts_bytes():
     model = tiny_llama(seed=0)
     cache = new_cache(None, model)
     assert isinstance(cache, PlainCache) and isinstance(cache, CacheProtocol)
     with torch.no_grad():
-        model(input_ids=torch.arange(10)[None], past_key_values=cache, use_cache=True)
+        model(input_ids=torch.arange(10)[None], past_key_values=cache, use_cache=True,
+              **cache.forward_kwargs(torch.arange(10)[None]))
         cache.commit()
         keys = cache.layers[0].keys.clone()
         model(input_ids=torch.arange(4)[None], past_key_values=cache, use_cache=True,
-              position_ids=torch.arange(10, 14)[None])
-        appended = cache.layers[0].keys[:, :, 10:].clone()
-    cache.keep_tail([0, 2])
-    assert cache.get_seq_length() == 12
-    assert torch.equal(cache.layers[0].keys[:, :, :10], keys)
-    assert torch.equal(cache.layers[0].keys[:, :, 10:], appended[:, :, [0, 2]])
+              **cache.forward_kwargs(torch.arange(10, 14)[None]))
+    cache.crop(-2)
+    assert cache.get_seq_length() == 12 and torch.equal(cache.layers[0].keys[:, :, :10], keys)
     layers = model.config.num_hidden_layers
     assert cache.kv_bytes() == 2 * layers * 12 * 2 * 16 * 4  # keys+values x layers x tokens x heads x dim x fp32
-    with pytest.raises(ValueError):
-        cache.keep_tail([1, 0])
 
 
 def test_eagle_head_cache_reports_memory():

@@ -63,9 +63,13 @@ def test_a_quantized_draft_cache_proposes_what_its_single_sequence_cache_propose
     from toolkit.speculative.drafters import DraftModel
     from toolkit.speculative.stats import GenerationStats
 
+    from toolkit.kv.rows import SingleRowCache
+    from toolkit.speculative.drafters.draft_model import CATCH_UP_CHUNK
+
     class SingleSequenceDraft(DraftModel):
-        def start(self, rows, capacity, widest, gen, tree=False):
-            super().start(rows, capacity, widest, gen, tree=True)  # the policy's single-sequence cache
+        def start(self, rows, capacity, widest, gen, tree=None):
+            super().start(rows, capacity, widest, gen, tree)
+            self.cache, self._chunk = SingleRowCache(self.policy, self.model), CATCH_UP_CHUNK  # the policy's own
 
     policy = make_policy(KVSpec("quantized", QUANT | {"quant_bits": 2}))
     draft_model = perturbed_copy(target, scale=0.05)

@@ -1,13 +1,11 @@
-"""Token trees (toolkit/speculative/tree*.py) and the tree commit of every cache class (``cache.keep_tail``).
+"""Token trees (toolkit/speculative/tree*.py, toolkit/engine/tree.py) on the decoder's static cache.
 
-* mask and positions of hand-built trees, greedy tree verification on hand-built logits;
-* exact cache length and contents after a tree commit, for every cache class (dynamic, StreamingLLM absolute and
-  reindex, L2 with per-layer lengths, head-aware tiers), after compression has already run: the tree forward's
-  logits on the accepted path and the cache after :func:`keep_tail` equal a plain forward over that path;
+* the mask of hand-built trees, greedy tree verification on the device on hand-built logits;
 * greedy tree speculation is token-identical to AR decoding for the draft model (EAGLE-2 dynamic trees) and the
   suffix drafter, with and without StreamingLLM, with rejections and >= 2 rounds;
-* the draft model's own cache holds exactly the committed prefix after every tree round;
-* trees under a quantized KV cache plan when its residual has room (their exactness: tests/test_kv_quantized.py).
+* the draft model's own static cache holds exactly the committed prefix after every tree round;
+* trees under a quantized KV cache plan when its residual has room (their exactness: tests/test_kv_quantized.py);
+  the tree forward and the gather on every static form: tests/test_static_tree.py.
 """
 
 from __future__ import annotations
@@ -16,9 +14,8 @@ import pytest
 import torch
 from conftest import perturbed_copy, tiny_llama, tiny_neox
 
+from toolkit.engine.accept import accept_tree
 from toolkit.kv import make_policy
-from toolkit.kv.contract import new_cache, policy_attached
-from toolkit.kv.tail import tree_additive_mask
 from toolkit.recipe import GenerationSpec, KVSpec
 from toolkit.engine.planner import ConstantK
 from toolkit.engine.decoder import SpeculativeDecoder
@@ -27,7 +24,6 @@ from toolkit.speculative.drafters.suffix import SuffixDrafter
 from toolkit.speculative.stats import GenerationStats
 from toolkit.speculative.tree import TokenTree, TreeShape
 from toolkit.speculative.tree_dynamic import build_dynamic_tree
-from toolkit.speculative.tree_verify import greedy_tree_accept
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 INIT = {"initializer_range": 0.2}
@@ -46,7 +42,7 @@ def hand_tree() -> TokenTree:
     return TokenTree(torch.tensor([10, 11, 12, 13, 14]), torch.tensor([-1, -1, 0, 0, 2]))
 
 
-def test_mask_and_positions_of_a_hand_built_tree():
+def test_mask_of_a_hand_built_tree():
     tree = hand_tree()
     assert tree.depth.tolist() == [1, 1, 2, 2, 3]
     expected = torch.tensor([
@@ -57,8 +53,7 @@ def test_mask_and_positions_of_a_hand_built_tree():
         [1, 1, 0, 0, 1, 0],  # d
         [1, 1, 0, 1, 0, 1],  # e
     ], dtype=torch.bool)
-    assert torch.equal(tree.mask(), expected)
-    assert tree.positions(20).tolist() == [[20, 21, 21, 22, 22, 23]]
+    assert torch.equal(tree.mask(), expected) and tree.mask_rows() == expected.long().tolist()
     assert tree.path_to(4) == [0, 2, 4] and tree.path_to(-1) == []
     assert tree.children() == {-1: [0, 1], 0: [2, 3], 1: [], 2: [4], 3: [], 4: []}
 
@@ -73,34 +68,36 @@ def test_chain_is_a_tree_and_bad_trees_raise():
         TokenTree(torch.tensor([1, 2]), torch.tensor([-1, 0]), depth=torch.tensor([1, 1]))
 
 
-def test_tree_additive_mask_layout():
-    tree_mask = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)
-    mask = tree_additive_mask(tree_mask, held=3, dtype=torch.float32)
-    assert mask.shape == (1, 1, 2, 5)
-    visible = mask[0, 0] == 0
-    assert visible.tolist() == [[True] * 3 + [True, False], [True] * 5]
-
-
 def logits_for(argmax: list[int], vocab: int = 32) -> torch.Tensor:
     logits = torch.zeros(len(argmax), vocab)
     logits[torch.arange(len(argmax)), torch.tensor(argmax)] = 5.0
     return logits
 
 
+def greedy_tree_accept(tree: TokenTree, logits: torch.Tensor) -> tuple[list[int], int, list[bool]]:
+    """``(path, next token, kept entries)`` of :func:`toolkit.engine.accept.accept_tree` (the root's token: 0)."""
+    tokens = torch.cat([torch.zeros(1, dtype=torch.long), tree.tokens])
+    parents = torch.tensor([0] + [p + 1 for p in tree.parent_list()])
+    depth = torch.tensor([0] + tree.depth_list())
+    (deepest, nxt), keep = accept_tree(logits, tokens, parents, depth, tree.mask())
+    return tree.path_to(int(deepest) - 1), int(nxt), keep.tolist()
+
+
 def test_greedy_tree_accept_takes_the_deepest_matching_path():
     tree = hand_tree()
     # root predicts a (10); a predicts c (12); c predicts e (14); e predicts 7 (bonus)
-    path, nxt = greedy_tree_accept(tree, logits_for([10, 12, 0, 14, 0, 7]))
-    assert (path, nxt) == ([0, 2, 4], 7)
+    assert greedy_tree_accept(tree, logits_for([10, 12, 0, 14, 0, 7])) == ([0, 2, 4], 7, [1, 1, 0, 1, 0, 1])
     # root predicts b: only b is accepted, bonus = b's argmax
-    path, nxt = greedy_tree_accept(tree, logits_for([11, 12, 9, 14, 0, 7]))
-    assert (path, nxt) == ([1], 9)
+    assert greedy_tree_accept(tree, logits_for([11, 12, 9, 14, 0, 7]))[:2] == ([1], 9)
     # a accepted, but a predicts 13 = d; d's row gives the bonus
-    path, nxt = greedy_tree_accept(tree, logits_for([10, 13, 0, 14, 3, 7]))
-    assert (path, nxt) == ([0, 3], 3)
-    # nothing matches: the correction from the root row
-    path, nxt = greedy_tree_accept(tree, logits_for([2, 12, 0, 14, 0, 7]))
-    assert (path, nxt) == ([], 2)
+    assert greedy_tree_accept(tree, logits_for([10, 13, 0, 14, 3, 7]))[:2] == ([0, 3], 3)
+    # nothing matches: the correction from the root row, the root alone kept
+    assert greedy_tree_accept(tree, logits_for([2, 12, 0, 14, 0, 7])) == ([], 2, [1, 0, 0, 0, 0, 0])
+    # c matches its parent a, but a does not match the root: c is not accepted
+    assert greedy_tree_accept(tree, logits_for([11, 12, 0, 14, 0, 7]))[:2] == ([1], 0)
+    # two accepted siblings of one depth: the first one listed
+    twins = TokenTree(torch.tensor([10, 10]), torch.tensor([-1, -1]))
+    assert greedy_tree_accept(twins, logits_for([10, 4, 5]))[:2] == ([0], 4)
 
 
 def test_dynamic_tree_budget_topk_and_ancestor_closure():
@@ -122,97 +119,6 @@ def test_dynamic_tree_budget_topk_and_ancestor_closure():
     assert set(root_children) <= set(root.topk(3).indices.tolist())
 
 
-# ------------------------------------------------------------------------------------------ exact tree commit
-CACHES = {
-    "dynamic": None,
-    "streaming": KVSpec("streaming", {"sink_tokens": 2, "window": 12, "compress_interval": 2}),
-    "streaming-reindex": KVSpec("streaming", {"sink_tokens": 2, "window": 12, "compress_interval": 2,
-                                              "position_mode": "reindex"}),
-    "l2norm": KVSpec("l2norm", {"budget": 14, "sink_tokens": 2, "protect_recent": 4, "skip_layers": [0],
-                                "compress_interval": 2}),
-    "head_aware": KVSpec("head_aware", {"budget": 14, "sink_tokens": 2, "protect_recent": 4, "skip_layers": [0],
-                                        "compress_interval": 2, "tiers": 2,
-                                        "importance": [[0.1, 0.9], [0.8, 0.2]]}),
-}
-
-
-def layer_tensors(cache) -> list[torch.Tensor]:
-    out = []
-    for layer in cache.layers:
-        if hasattr(layer, "tier_keys"):
-            out += layer.tier_keys + layer.tier_values
-        else:
-            out += [layer.keys, layer.values]
-    return out
-
-
-def forward(model, cache, tokens, positions, tree_mask=None):
-    with policy_attached(getattr(cache, "policy", None), model):  # per-layer / per-tier attention for this forward
-        out = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=tokens.shape[1],
-                    **cache.forward_kwargs(positions, tree_mask=tree_mask))
-    return out.logits[0]
-
-
-@pytest.mark.parametrize("name", list(CACHES))
-def test_tree_commit_equals_a_forward_over_the_accepted_path(name):
-    model = tiny_llama(seed=0, **INIT)
-    prompt = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(1))
-
-    def fresh():
-        policy = make_policy(CACHES[name]) if CACHES[name] is not None else None
-        cache = new_cache(policy, model)
-        with torch.no_grad():
-            forward(model, cache, prompt, torch.arange(30).unsqueeze(0))
-        cache.commit()  # compresses (every policy's budget is below 30)
-        return cache
-
-    tree = hand_tree()
-    tree = TokenTree(torch.tensor([3, 9, 40, 41, 77]), tree.parents)
-    root = torch.tensor([[5]])
-    with torch.no_grad():
-        cache = fresh()
-        length = cache.get_seq_length()
-        assert length == 30
-        if CACHES[name] is not None:
-            assert cache.compressions == 1
-        tokens = torch.cat([root, tree.tokens.view(1, -1)], 1)
-        tree_logits = forward(model, cache, tokens, tree.positions(length), tree.mask())
-        path = tree.path_to(4)  # root -> a -> c -> e
-        cache.keep_tail([0] + [i + 1 for i in path])
-        assert cache.get_seq_length() == length + 1 + len(path)
-
-        ref = fresh()
-        path_tokens = torch.cat([root, tree.tokens[path].view(1, -1)], 1)
-        ref_logits = forward(model, ref, path_tokens, torch.arange(length, length + 4).unsqueeze(0))
-    assert torch.allclose(tree_logits[[0] + [i + 1 for i in path]], ref_logits, atol=1e-5)
-    assert ref.get_seq_length() == cache.get_seq_length()
-    got, want = layer_tensors(cache), layer_tensors(ref)
-    assert [t.shape for t in got] == [t.shape for t in want]
-    for a, b in zip(got, want):
-        assert torch.allclose(a, b, atol=1e-5)
-    assert cache.kv_bytes() == ref.kv_bytes()
-    # the kept entries are still pending: the next commit compresses exactly like the reference
-    cache.commit(), ref.commit()
-    for a, b in zip(layer_tensors(cache), layer_tensors(ref)):
-        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
-
-
-def test_keep_tail_rejects_bad_offsets():
-    model = tiny_llama(seed=0)
-    cache = new_cache(None, model)
-    with torch.no_grad():
-        forward(model, cache, torch.tensor([[1, 2, 3]]), torch.arange(3).unsqueeze(0))
-    cache.commit()
-    with torch.no_grad():
-        forward(model, cache, torch.tensor([[4, 5]]), torch.arange(3, 5).unsqueeze(0))
-    with pytest.raises(ValueError, match="ascending"):
-        cache.keep_tail([1, 0])
-    with pytest.raises(ValueError, match=r"\[0, 2\)"):
-        cache.keep_tail([2])
-    cache.keep_tail([1])
-    assert cache.get_seq_length() == 4
-
-
 # ------------------------------------------------------------------------------------------ greedy == AR
 def decode(target, drafter, prompt, policy=None, tree=None, k=3, new=NEW):
     stats = GenerationStats()
@@ -226,8 +132,7 @@ def assert_real_tree_rounds(stats):
     assert 0 < stats.accepted < stats.drafted  # acceptances and rejections both happened
 
 
-# StreamingLLM ``reindex`` is left out here: its slot positions depend on when evictions happen, so not even linear
-# speculation reproduces AR under it; its tree commit is checked exactly above.
+# StreamingLLM ``reindex`` has no static form: trees refuse it (tests/test_static_tree.py).
 POLICIES = {
     "none": None,
     "streaming": KVSpec("streaming", {"sink_tokens": 2, "window": 10, "compress_interval": 3}),
@@ -289,6 +194,11 @@ def test_greedy_suffix_tree_matches_ar_and_remembers_requests(policy):
 
 
 def test_draft_cache_holds_the_committed_prefix_after_every_tree_round():
+    """After every tree round the draft model's static cache represents a committed prefix (the accepted path's
+    expanded nodes gathered behind the tokens it held, the rest rolled back), with exactly the entries a forward over
+    that prefix makes."""
+    from transformers import DynamicCache
+
     target = tiny_llama(seed=0, **INIT)
     draft_lm = perturbed_copy(target, scale=0.1, seed=1)
     prompt = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -298,18 +208,18 @@ def test_draft_cache_holds_the_committed_prefix_after_every_tree_round():
     checked = 0
     for chunk in decoder.decode(prompt, GenerationSpec(max_new_tokens=NEW, ignore_eos=True), GenerationStats(), []):
         sequence += chunk
-        cache, held = drafter.cache.cache, drafter.cache.length  # trees: the draft's single-sequence cache
-        if cache is None or held == 0:
-            continue
-        assert cache.get_seq_length() == held <= len(sequence) - 1
-        ref = new_cache(None, draft_lm)
+        if len(sequence) == prompt.shape[1] + 1:
+            continue  # the prefill's token: the draft's row joins after it
+        cache, held = drafter.cache, drafter.cache.held[0]
+        assert held == drafter._held[0] == int(cache.lengths[0]) and len(sequence) - 3 <= held < len(sequence)
+        ref = DynamicCache()
         with torch.no_grad():
-            forward(draft_lm, ref, torch.tensor([sequence[:held]]), torch.arange(held).unsqueeze(0))
-        for a, b in zip(layer_tensors(cache), layer_tensors(ref)):
-            assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+            draft_lm(input_ids=torch.tensor([sequence[:held]]), past_key_values=ref, use_cache=True)
+        for layer, single in zip(cache.layers, ref.layers):
+            assert torch.allclose(layer.keys[0, :, :held], single.keys[0], atol=1e-5)
+            assert torch.allclose(layer.values[0, :, :held], single.values[0], atol=1e-5)
         checked += 1
     assert checked >= 2
-
 
 def test_tree_sampling_in_the_decoder_is_reproducible_and_exact_in_length():
     target = tiny_llama(seed=0, **INIT)
@@ -349,25 +259,3 @@ def test_embedded_greedy_tree_matches_ar(embedded, embedded_int4, embedded_greed
             assert stats.rounds >= 2
             taus.append(stats.tokens_per_round)
     assert max(taus) > 1.5
-
-
-@pytest.mark.parametrize("name", ["l2norm", "head_aware"])
-def test_tree_rounds_under_compressing_policies_keep_exact_lengths(name):
-    """Per-layer (L2 skip_layers) and per-tier (head-aware) lengths under tree masks, through many compressions:
-    after every round the target cache represents exactly the committed sequence minus its last token."""
-    target = tiny_llama(seed=0, **INIT)
-    draft = perturbed_copy(target, scale=0.1, seed=1)
-    prompt = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
-    policy = make_policy(CACHES[name])
-    decoder = SpeculativeDecoder(target, DraftModel(draft), ConstantK(3), policy, tree=TreeShape(8, 4, 2))
-    factor = max(policy.plan(target)[1][1]) if name == "head_aware" else 1.0
-    bound = round(factor * 14) + 2  # the compressed layer's largest (tier) budget + compress_interval
-    stats = GenerationStats()
-    committed = prompt.shape[1]
-    for chunk in decoder.decode(prompt, GenerationSpec(max_new_tokens=60, ignore_eos=True), stats, []):
-        committed += len(chunk)
-        cache = decoder.cache.cache  # token trees: the policy's single-sequence cache (a SingleRowCache's)
-        assert cache.get_seq_length() == committed - 1 == decoder.cache.length
-        assert cache.physical_length(0) == committed - 1  # skip layer: every committed entry, nothing else
-        assert cache.physical_length(1) <= min(bound, committed - 1)
-    assert stats.new_tokens == 60 and stats.compressions_target >= 3 and 0 < stats.accepted < stats.drafted

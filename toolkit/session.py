@@ -47,7 +47,7 @@ class Plan:
 def max_query_tokens(recipe: Recipe) -> int:
     """Tokens a verify forward leaves in a cache after its commit point: the last committed token plus the longest
     draft that can be accepted (K, ``k_max`` with adaptive K, ``tree_depth`` under tree speculation; a tree's
-    rejected branches are dropped by ``keep_tail`` before any policy compresses)."""
+    rejected branches are gathered away before any policy compresses)."""
     spec = recipe.spec
     if not spec.config.speculates:
         return 1
@@ -78,6 +78,10 @@ def plan(recipe: Recipe) -> Plan:
     policies = {}
     for section in ("kv", "draft_kv"):
         policy = make_policy(getattr(recipe, section), section)
+        if recipe.spec.tree and (section == "kv" or recipe.spec.config.uses_draft_model):
+            from toolkit.engine.tree import check_tree_support
+
+            check_tree_support(policy, None, "target" if section == "kv" else "draft")  # trees: static caches only
         if policy is not None:
             policy.check_compatible(widest, section)
             if recipe.spec.tree:

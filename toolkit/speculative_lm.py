@@ -24,9 +24,9 @@ from toolkit.engine.cost import load_or_measure
 from toolkit.engine.decoder import SpeculativeDecoder
 from toolkit.engine.forward import TargetForward, forward_for
 from toolkit.engine.planner import ForwardCost, make_controller
+from toolkit.engine.tree import check_tree_support
 from toolkit.errors import ConfigError
 from toolkit.models import model_vocab_size, weight_bytes, weights_note
-from toolkit.models.capabilities import check_tree_support
 from toolkit.models.llamacpp import is_llamacpp
 from toolkit.recipe import GenerationSpec, Recipe
 from toolkit.session import ModelPool, Plan, load_models, plan
@@ -62,10 +62,10 @@ class SpeculativeLM:
                              "draft": weight_bytes(draft_model) if draft_model is not None else 0}
         self.weights = {"target": weights_note(target),
                         "draft": weights_note(draft_model) if draft_model is not None else ""}
-        if plan.recipe.spec.tree:  # fail at build time, not at the first tree round
-            check_tree_support(target, "target")
+        if plan.recipe.spec.tree:  # the models too (the plan checked the policies): at build time, not at a first round
+            check_tree_support(self.target_policy, target, "target")
             if plan.recipe.spec.config.uses_draft_model:
-                check_tree_support(draft_model, "draft")
+                check_tree_support(self.draft_policy, draft_model, "draft")
         self._persistent_drafter = None  # a drafter whose config is `persistent` (memory across requests): ONE
         self._verify_cost = None  # the target's verify cost curve (adaptive: cost), measured or read once
         self._engine = None  # the target's forward (recipe.compile: compiled static engine or eager), at first use
@@ -214,10 +214,10 @@ class SpeculativeLM:
 
         check_int("tokens", tokens, low=1)
         check_int("batch_size", batch_size, low=1)
-        engine = self.engine
+        engine, spec = self.engine, self.recipe.spec
         if not engine.compiled:
             return 0.0
-        widest = engine.width_for(self.plan.max_query_tokens)
+        widest = engine.width_for(max(self.plan.max_query_tokens, spec.tree_budget + 1 if spec.tree else 0))
         capacity = capacity_for(tokens + widest)
         widths = tuple(w for w in engine.widths if w <= widest) if engine.buckets else (1, 2)
         rows = (1,) if batch_size == 1 else (1, batch_size)
@@ -226,7 +226,7 @@ class SpeculativeLM:
         draft = self.draft_engine
         if draft is not None and draft.compiled:  # the draft network's graphs on its own static cache
             seconds += draft.warm_up(lambda r: draft.cache_for(self.draft_policy, r, capacity, widest), widths, rows)
-        if self.recipe.spec.adaptive == "cost":
+        if spec.adaptive == "cost":
             self.verify_cost_for(max(16, self.plan.max_query_tokens))
         return seconds
 

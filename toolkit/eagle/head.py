@@ -16,7 +16,8 @@ Two layouts, matching the published checkpoints (see :mod:`toolkit.eagle.checkpo
 Either layout may read a reduced draft vocabulary (EAGLE-3 ``d2t`` / FR-Spec): draft id ``i`` is target id
 ``i + d2t[i]``; a target token outside it is never drafted.
 
-The head keeps its own KV cache (:class:`HeadCache`) with exact rollback (``crop``). Shapes: features
+The head attends over a KV cache of its own: the drafter's static one (:mod:`toolkit.eagle.static_head`, chains and
+token trees), or :class:`HeadCache`, the eager reference with exact rollback (``crop``). Shapes: features
 ``(batch, seq, F)``, embeddings ``(batch, seq, H)``, KV ``(batch, kv_heads, seq, head_dim)``.
 """
 

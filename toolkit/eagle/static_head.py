@@ -14,6 +14,9 @@ written by slot index, a boolean mask from per-row lengths, rollback by moving l
 
 and is ONE compiled graph per (first step or not) x (one row or more) x (one token or more): on CPU inductor with
 the rows, the width and the attended span dynamic, so a process compiles at most eight small graphs, seconds each.
+A token tree's expansion step (``tree``: one row, the expanded nodes appended to the head cache's tree region under
+a tree mask, :mod:`toolkit.kv.static_tree`) returns every node's output and logits ``(1, W, ...)``: a graph of its
+own.
 A graph's first call compiles it (logged on ``toolkit.engine``; its time is counted in :attr:`HeadForward.compile_ms`,
 which the decoder keeps out of a request's timings).
 """
@@ -67,10 +70,11 @@ class _StaticLayerCache:
 
 def _head_step(head, source: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                cache: _StaticLayerCache, last: torch.Tensor, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One head step (the compiled region; see the module docstring): ``(last output (B, H), logits (B, d))``."""
+    """One head step (the compiled region; see the module docstring): the outputs at the inputs ``last`` ``(B, k)``
+    picks, ``(B, k, H)``, and their logits ``(B, k, d)``."""
     x = head.input_features(source, tokens) if first else head.step_input(source, tokens)
     out, _ = head(x, tokens, positions, cache, mask)
-    out = out.gather(1, last.view(-1, 1, 1).expand(-1, 1, out.shape[-1]))[:, 0]
+    out = out.gather(1, last[:, :, None].expand(-1, -1, out.shape[-1]))
     return out, head.logits(out)
 
 
@@ -105,30 +109,34 @@ class HeadForward:
         return self._compiled is not None
 
     def __call__(self, cache: StaticKV, source: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor,
-                 counts_host: list[int], first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 counts_host: list[int], first: bool, tree=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run a step over ``tokens`` ``(B, W)`` with ``source`` ``(B, W, F)`` (the target's features for the first
         step, the head's own outputs after it) appended to the cache's ``B`` rows, which keep their first
         ``counts[r]`` entries (``counts_host`` the same on the host). Returns ``(out (B, H), logits (B, d))`` at each
-        row's last real input."""
+        row's last real input; with ``tree`` (a token tree's region on row 0,
+        :class:`~toolkit.kv.static_tree.TreeInputs`) ``(out (1, W, H), logits (1, W, d))`` at every input."""
         rows, width = tokens.shape
-        kwargs = cache.prepare(width)
+        kwargs = cache.prepare(width) if tree is None else cache.prepare_tree(tree, width)
+        last = (counts - 1).clamp_min(0)[:, None] if tree is None else \
+            torch.arange(width, device=tokens.device)[None]
         args = (self.head, source.to(self.dtype), tokens, kwargs["position_ids"], kwargs["attention_mask"],
-                _StaticLayerCache(cache), (counts - 1).clamp_min(0), first)
+                _StaticLayerCache(cache), last, first)
         if self._compiled is None:
             out = _head_step(*args)
         else:
             self._mark_dynamic(args, cache)
-            key = (first, min(rows, 2), min(width, 2))
+            key = (first, min(rows, 2), min(width, 2)) + (("tree",) if tree is not None else ())  # a graph of its own
             began = time.perf_counter()
             if key not in self._seen:
                 log.info("compiling the EAGLE head's %s step (%s rows x %s tokens) with torch.compile: seconds",
-                         "first" if first else "later", *("2+" if n > 1 else "1" for n in key[1:]))
+                         "tree" if tree is not None else "first" if first else "later",
+                         *("2+" if n > 1 else "1" for n in key[1:3]))
             out = self._compiled(*args)
             if key not in self._seen:
                 self._seen.add(key)
                 self.compile_ms += (time.perf_counter() - began) * 1000
         cache.accept(counts, counts_host)
-        return out
+        return out if tree is not None else (out[0][:, 0], out[1][:, 0])
 
     @staticmethod
     def _mark_dynamic(args: tuple, cache: StaticKV) -> None:
@@ -136,7 +144,7 @@ class HeadForward:
         _, source, tokens, positions, mask, _, last, _ = args
         rows, width = tokens.shape
         torch._dynamo.mark_dynamic(mask, 3)
-        for tensor in (tokens, positions, cache.write_index, source):
+        for tensor in (tokens, positions, cache.write_index, source, *((last,) if last.shape[1] > 1 else ())):
             if width > 1:
                 torch._dynamo.mark_dynamic(tensor, 1)
             if rows > 1:

@@ -6,6 +6,8 @@
   target's argmax with the drafts and counts the agreeing prefix (one ``cumprod`` over the batch); sampling runs
   lossless speculative sampling per row (Leviathan et al., 2023, Alg. 1; :func:`toolkit.speculative.verify.
   speculative_sample`) with the row's own generator. Nothing is read back to the host here.
+* :func:`accept_tree` — greedy acceptance of a token tree (one row): the deepest node whose every ancestor's token,
+  and its own, is the target's argmax at its parent, found with a few tensor ops on the device.
 """
 
 from __future__ import annotations
@@ -55,3 +57,30 @@ def accept(logits: torch.Tensor, inputs: torch.Tensor, drafted: torch.Tensor, co
         q = None if row.q is None else row.q[:d]
         results.append(torch.stack(speculative_sample(inputs[i, 1: d + 1], q, p, row.generator)))
     return torch.stack(results)
+
+
+def accept_tree(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
+                ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification of a token tree's forward, on the device (the same path as
+    :func:`~toolkit.speculative.tree_verify.tree_speculative_sample` would take with one-hot target distributions:
+    the output of greedy autoregressive decoding).
+
+    Args:
+        logits: ``(W, vocab)`` target logits of ``[root, nodes]`` (query ``i`` predicts the token after node ``i``).
+        tokens: ``(W,)`` long: the root's and the nodes' tokens.
+        parents: ``(W,)`` long: the query index of each entry's parent (the root: 0).
+        depth: ``(W,)`` long: each entry's depth (the root: 0).
+        ancestors: ``(W, W)`` bool: ``ancestors[i, k]`` iff ``k`` is ``i`` or one of its ancestors.
+
+    Returns:
+        ``(result, keep)``: ``result`` ``(2,)`` long — the deepest accepted entry's query index (0: no node was
+        accepted; the first such index among equally deep ones) and the target's argmax after it (the correction or
+        the bonus token); ``keep`` ``(W,)`` bool — the root and the accepted path.
+    """
+    width = tokens.shape[0]
+    index = torch.arange(width, device=tokens.device)
+    best = logits.argmax(-1)
+    match = (tokens == best.index_select(0, parents)) | (index == 0)
+    accepted = ~(ancestors & ~match[None, :]).any(-1)  # it and every ancestor match
+    deepest = torch.where(accepted, depth * width + (width - 1 - index), -1).argmax()
+    return torch.stack([deepest, best[deepest]]), ancestors[deepest]

@@ -26,9 +26,9 @@ graph, and the drafter gets them at ``join`` / ``commit_rows``.
 Greedy output of every row is the target's own greedy output for its prompt (fp32: token-identical to AR and to the
 prompt decoded alone, whatever the batch); sampling reproduces the target's distribution (chi-square tests).
 
-Token trees (``tree`` and a drafter whose ``trees`` is true) are the one exception to the shared path: one row, on the
-policy's single-sequence cache (:mod:`toolkit.engine.tree`), because a tree's nodes share positions and its
-accepted path is gathered out of the forward's entries.
+Token trees (``tree`` and a drafter whose ``trees`` is true) run one row on the same cache and forward
+(:mod:`toolkit.engine.tree`): the tree's nodes are written at the row's next slots under a tree mask, and the accepted
+path is gathered into place before the commit point.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from toolkit.engine.forward import TargetForward
 from toolkit.engine.planner import ConstantK, CostAwareK, batch_weights
 from toolkit.engine.rows import Row, finish
 from toolkit.kv.contract import policy_attached
-from toolkit.kv.rows import SingleRowCache
 from toolkit.kv.static import StaticKV, capacity_for
 from toolkit.speculative.drafters.rows import RowDrafter, RowDrafters
 from toolkit.speculative.stats import GenerationStats
@@ -66,18 +65,20 @@ class SpeculativeDecoder:
             :class:`~toolkit.speculative.drafters.rows.RowDrafters` giving every row its own.
         controller: how many draft tokens to ask and verify (:mod:`toolkit.engine.planner`; default K = 4).
         target_policy: the target cache's KV policy (``None`` = uncompressed).
-        tree: :class:`~toolkit.speculative.tree.TreeShape` for token trees (a drafter with ``propose_tree``).
+        tree: :class:`~toolkit.speculative.tree.TreeShape` for token trees (a drafter with ``propose_tree``; one row,
+            on the static cache).
         forward: the target's :class:`~toolkit.engine.forward.TargetForward` (default: eager).
         batch_size: most rows per forward (continuous batching past it).
 
     Raises:
         TypeError: a drafter that is not a row drafter; ``tree`` with a drafter that proposes no trees.
         ValueError: ``batch_size > 1`` with token trees (or, at the first call, a single-sequence drafter instance).
+        ConfigError: ``tree`` where the static cache does not hold ``target_policy`` on ``target`` (``spec.tree``).
     """
 
     def __init__(self, target, drafter=None, controller=None, target_policy=None, tree=None,
                  forward: TargetForward | None = None, batch_size: int = 1):
-        from toolkit.models.capabilities import check_tree_support
+        from toolkit.engine.tree import check_tree_support
 
         self.target, self.target_policy, self.batch_size = target, target_policy, batch_size
         if drafter is not None and (isinstance(drafter, type) or not isinstance(drafter, RowDrafter)):
@@ -87,7 +88,7 @@ class SpeculativeDecoder:
             raise TypeError(f"tree: {type(drafter).__name__} proposes no token trees (no propose_tree/commit_tree)")
         self.tree = tree if drafter is not None else None
         if self.tree is not None:
-            check_tree_support(target, "target")
+            check_tree_support(target_policy, target, "target")
         if batch_size > 1 and self.tree is not None:
             raise ValueError("batch_size: token trees decode one sequence at a time")
         if batch_size > 1:
@@ -134,7 +135,7 @@ class SpeculativeDecoder:
         """The row drafter of this call, started for it (``rows`` at once, requests of up to ``capacity`` positions,
         forwards of up to ``widest`` tokens)."""
         drafting = self.drafter if self.drafter is not None else RowDrafters(lambda: None, trees=False)
-        drafting.start(rows, capacity, widest, gen, tree=self.tree is not None)
+        drafting.start(rows, capacity, widest, gen, tree=self.tree)
         return drafting
 
     def _widest(self) -> int:
@@ -158,10 +159,7 @@ class SpeculativeDecoder:
         return min(self.batch_size, len(prompts)), capacity_for(longest), widest
 
     def _new_cache(self, prompts: list[torch.Tensor], gen):
-        rows, capacity, widest = self._call_shape(prompts, gen)
-        if self.tree is not None:
-            return SingleRowCache(self.target_policy, self.target)
-        return self.forward.cache_for(self.target_policy, rows, capacity, widest)
+        return self.forward.cache_for(self.target_policy, *self._call_shape(prompts, gen))
 
     # ------------------------------------------------------------------------------------------------ the loop
     @torch.inference_mode()  # cheaper than no_grad: no version counters or view tracking (~5% on CPU here)

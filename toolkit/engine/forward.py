@@ -16,9 +16,9 @@ model on the cache's ``prepare(W)`` inputs and returns logits ``(B, W, vocab)``.
   graph per (batch bucket, width bucket) from them at its first call; the cost model's curve then has the buckets'
   steps, which the verify planner reads.
 
-Eager forwards (no compile, or a cache that is not static: token trees, policies without a static form) call the
-model as it is. A padded forward's extra positions are never kept: the caller's :meth:`accept` counts only real
-tokens, and padding rows are never accepted into.
+Eager forwards (no compile, or a cache that is not static) call the model as it is. A padded forward's extra positions
+are never kept (the caller's :meth:`accept` counts only real tokens; padding rows are never accepted into). Token
+trees run through the same graphs, on the static cache's tree inputs (:mod:`toolkit.kv.static_tree`).
 
 Compiled code is cached on disk by inductor (``TORCHINDUCTOR_CACHE_DIR``, the toolkit's cache directory unless the user
 set it), so a second process starts warm. A graph's first call compiles it: the engine logs one INFO line on the
@@ -221,16 +221,18 @@ class TargetForward:
                          **model_kwargs(self.model, kwargs))
         return (out.logits[0, -1], select_hidden(out, hidden)) if hidden else out.logits[0, -1]
 
-    def __call__(self, cache, input_ids: torch.Tensor, hidden: tuple[int, ...] = ()):
+    def __call__(self, cache, input_ids: torch.Tensor, hidden: tuple[int, ...] = (), tree=None):
         """Forward over ``input_ids`` ``(B, W)`` appending ``W`` tokens to each of the cache's ``B`` rows; returns
         logits ``(B, W, vocab)``, or with ``hidden`` (indices into HF's ``hidden_states``: what a drafter reading the
         target's features asked for, :func:`select_hidden`) ``(logits, features (B, W, F))`` from the same graph.
-        Compiled where the cache is static and compiling is on (padded to buckets where shapes are bucketed; the
-        padding is cut from the outputs), else eager."""
+        ``tree``: a token tree's region on row 0 (:class:`~toolkit.kv.static_tree.TreeInputs`). Compiled where the
+        cache is static and compiling is on (padded to buckets where shapes are bucketed; the padding is cut from the
+        outputs), else eager."""
         rows, width = input_ids.shape
         if not (self.compiled and getattr(cache, "static", False)) or self._hooked():
+            kwargs = cache.prepare(width) if tree is None else cache.prepare_tree(tree, width)
             out = self.model(input_ids=input_ids, use_cache=True, output_hidden_states=bool(hidden),
-                             **model_kwargs(self.model, cache.prepare(width)))
+                             **model_kwargs(self.model, kwargs))
             return (out.logits, select_hidden(out, hidden)) if hidden else out.logits
         run_rows, run_width = self.rows_for(rows, cache.allocated), self.width_for(width)
         if (run_rows, run_width) != (rows, width):
@@ -238,7 +240,8 @@ class TargetForward:
             padded[:rows, :width] = input_ids
             padded[:rows, width:] = input_ids[:, -1:]
             input_ids = padded
-        kwargs = cache.prepare(run_width, range(run_rows))
+        kwargs = cache.prepare(run_width, range(run_rows)) if tree is None else cache.prepare_tree(tree, run_width)
+        kwargs["position_ids"] = kwargs["position_ids"].clone()  # not the write index (a chain's): a tree's is not
         self._mark_dynamic(input_ids, kwargs, cache, span=not self.buckets and cache.dynamic_span)
         key = (run_rows if self.buckets else min(run_rows, 2), run_width if self.buckets else min(run_width, 2))
         key += (hidden,) if hidden else ()  # a graph returning features is a graph of its own
@@ -261,9 +264,7 @@ class TargetForward:
             self.compile_s.setdefault(key, seconds)
             what = "compiled" if new_key else "recompiled (a new cache shape)"
             log.info("%s the %s's %s forward in %.1f s", what, self.name, self._shape(key), seconds)
-        if hidden:
-            return out[0][:rows, :width], out[1][:rows, :width]
-        return out[:rows, :width]
+        return (out[0][:rows, :width], out[1][:rows, :width]) if hidden else out[:rows, :width]
 
     def _shape(self, key: tuple) -> str:
         """A graph key in words: rows x width, ``2+`` where the size is dynamic past 1 (unbucketed shapes)."""
@@ -374,11 +375,10 @@ def compile_pays(target) -> bool:
 
 def forward_for(recipe, target, plan) -> tuple[TargetForward, str]:
     """``(TargetForward, why)`` for a :class:`~toolkit.recipe.Recipe`'s ``compile`` field and its
-    :class:`~toolkit.session.Plan`: ``on`` compiles where the static cache holds the recipe (no token trees, a KV
-    policy with a static form, full-attention and sliding-window layers); ``auto`` also needs :func:`compile_pays`; ``max`` is ``on``
-    with :data:`TUNED_CPU_OPTIONS` on CPU."""
+    :class:`~toolkit.session.Plan`: ``on`` compiles where the static cache holds the recipe (a KV policy with a
+    static form, full-attention and sliding-window layers; token trees too, within the widest CUDA graph bucket);
+    ``auto`` also needs :func:`compile_pays`; ``max`` is ``on`` with :data:`TUNED_CPU_OPTIONS` on CPU."""
     from toolkit.kv.rows import static_why
-    from toolkit.kv.static import static_form
     from toolkit.models.loading import weights_note
 
     mode = recipe.compile
@@ -387,11 +387,13 @@ def forward_for(recipe, target, plan) -> tuple[TargetForward, str]:
     if mode == "auto" and not compile_pays(target):
         return TargetForward(target), (f"eager (compile: auto; {weights_note(target)} weights on CPU are "
                                        "bytes-bound or opaque kernels: compiling was measured to gain nothing there)")
-    why = static_form(plan.target_policy) or ("token trees" if recipe.spec.tree else None) or \
-        static_why(plan.target_policy, target)
+    why = static_why(plan.target_policy, target)
     if why:
         return TargetForward(target), f"eager (compile: {mode}, but the static cache does not hold {why})"
     engine = TargetForward(target, compile=True, tuned=mode == "max")
+    if engine.buckets and recipe.spec.tree and recipe.spec.tree_budget + 1 > engine.widths[-1]:
+        return TargetForward(target), (f"eager (compile: {mode}, but a tree of {recipe.spec.tree_budget} nodes "
+                                       f"is verified past the widest CUDA graph bucket, {engine.widths[-1]} tokens)")
     shapes = "bucketed widths and batch sizes, CUDA graphs" if engine.buckets else "dynamic widths and spans"
     if mode == "max" and not engine.buckets:
         shapes += ", frozen weights, C++ wrapper"

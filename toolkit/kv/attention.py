@@ -11,7 +11,8 @@ last ``q`` keys are the current queries, so key ``j`` is visible to query ``i`` 
 
 Supported: batch inputs without padding (the decoder's batch size 1, ``model.generate`` on one prompt); a 4D
 additive mask passed explicitly is honoured; one narrower than a layer's keys covers the *last* keys and is
-right-aligned (:func:`align_mask`: token-tree masks, whose committed part is all visible). The math is ``torch.nn.functional.scaled_dot_product_attention``.
+right-aligned (:func:`align_mask`: the keys before it are visible). The math is
+``torch.nn.functional.scaled_dot_product_attention``.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def compressed_attention(module, query, key, value, attention_mask, scaling=None
         if mask is not None and mask.shape[-1] > key.shape[-2]:
             raise ValueError(f"attention mask covers {mask.shape[-1]} keys but layer {module.layer_idx} holds "
                              f"{key.shape[-2]}; pass no mask (causal) to a cache with per-layer lengths")
-        if mask is not None:  # a mask over the last t keys (token trees) is right-aligned: earlier keys visible
+        if mask is not None:  # a mask over the last t keys is right-aligned: earlier keys visible
             mask = align_mask(mask, key.shape[-2])
         out = sdpa(query, key, value, mask, scaling)
     return out.transpose(1, 2).contiguous(), None

@@ -33,6 +33,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from toolkit.checks import TOKENS_MAX, check_int
+from toolkit.dtypes import mask_dtype
 
 
 @dataclass
@@ -157,9 +158,7 @@ class CompressedCache(DynamicCache):
         config = model.config.get_text_config(decoder=True)
         Cache.__init__(self, layers=policy.new_layers(model))
         self.policy = policy
-        self.dtype = next(model.parameters()).dtype
-        if not self.dtype.is_floating_point:
-            self.dtype = torch.float32
+        self.dtype = mask_dtype(model)
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.compressions = 0
         self.auto_commit = True
@@ -210,31 +209,6 @@ class CompressedCache(DynamicCache):
         self._length -= remove
         self._pending -= remove
 
-    def keep_tail(self, keep) -> None:
-        """Keep only the pending entries (appended since the last commit point) at offsets ``keep`` (token trees).
-
-        Per layer: ``layer.keep_tail(pending, keep)`` when the layer class defines it (tiered, quantized layers),
-        else a gather on ``layer.keys`` / ``layer.values``. The logical length becomes ``committed + len(keep)`` and
-        the kept entries stay pending (a later ``crop`` may still remove them) until :meth:`commit`.
-
-        Raises:
-            ValueError: offsets out of ``[0, pending)``, unsorted or repeated.
-        """
-        from toolkit.kv.tail import check_keep, gather_tail
-
-        pending = self._pending
-        keep = check_keep(keep, pending)
-        for layer in self.layers:
-            if not layer.is_initialized:
-                continue
-            if hasattr(layer, "keep_tail"):
-                layer.keep_tail(pending, keep)
-            else:
-                layer.keys = gather_tail(layer.keys, pending, keep)
-                layer.values = gather_tail(layer.values, pending, keep)
-        self._length += len(keep) - pending
-        self._pending = len(keep)
-
     def commit(self) -> None:
         """Commit point: everything in the cache is final; over-budget layers are compressed here."""
         self.auto_commit = False
@@ -257,24 +231,9 @@ class CompressedCache(DynamicCache):
     def after_compress(self) -> None:
         """Hook for subclasses (bookkeeping after a compression event)."""
 
-    def forward_kwargs(self, position_ids: torch.Tensor, tree_mask: torch.Tensor | None = None) -> dict:
-        """Forward kwargs for queries at absolute ``position_ids`` ``(1, q)``: no extra mask by default.
-
-        With a ``tree_mask`` ``(q, t)`` (see :mod:`toolkit.kv.contract`): the additive mask over
-        ``[held entries, new tokens]``, or, when layers/heads hold different lengths (the policy installs
-        :mod:`toolkit.kv.attention`), only its last ``t`` columns ``(1, 1, q, t)``, which that attention right-aligns
-        per layer and tier.
-        """
-        if tree_mask is None:
-            return {"position_ids": position_ids, "attention_mask": None}
-        from toolkit.kv.tail import tree_additive_mask
-
-        if self.policy.uses_attention_hook:
-            return {"position_ids": position_ids,
-                    "attention_mask": tree_additive_mask(tree_mask, tree_mask.shape[1] - tree_mask.shape[0],
-                                                         self.dtype)}
-        return {"position_ids": position_ids,
-                "attention_mask": tree_additive_mask(tree_mask, self.physical_length(0), self.dtype)}
+    def forward_kwargs(self, position_ids: torch.Tensor) -> dict:
+        """Forward kwargs for queries at absolute ``position_ids`` ``(1, q)``: no extra mask by default."""
+        return {"position_ids": position_ids, "attention_mask": None}
 
     def kv_bytes(self) -> int:
         """Exact bytes of every cached key and value tensor (sum of ``nbytes``)."""

@@ -62,8 +62,8 @@ class TieredLayer(DynamicLayer):
     def attend(self, query: torch.Tensor, scaling: float, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attention ``(batch, q_heads, q, head_dim)`` of ``query`` ``(batch, q_heads, q, head_dim)``, per tier.
 
-        ``mask``: ``None`` (causal) or an additive ``(1, 1, q, t)`` mask over the last ``t`` keys (token trees),
-        right-aligned to each tier's length (:func:`toolkit.kv.attention.align_mask`).
+        ``mask``: ``None`` (causal) or an additive ``(1, 1, q, t)`` mask over the last ``t`` keys, right-aligned to
+        each tier's length (:func:`toolkit.kv.attention.align_mask`).
         """
         groups = query.shape[1] // self.num_kv_heads
         out = query.new_empty(query.shape[:-1] + (self.tier_values[0].shape[-1],))
@@ -82,13 +82,6 @@ class TieredLayer(DynamicLayer):
         n = abs(tokens_to_remove)
         self.tier_keys = [k[:, :, :-n] for k in self.tier_keys]
         self.tier_values = [v[:, :, :-n] for v in self.tier_values]
-
-    def keep_tail(self, pending: int, keep: list[int]) -> None:
-        """Keep only the last-``pending`` entries at offsets ``keep`` in every tier (token-tree commit)."""
-        from toolkit.kv.tail import gather_tail
-
-        self.tier_keys = [gather_tail(k, pending, keep) for k in self.tier_keys]
-        self.tier_values = [gather_tail(v, pending, keep) for v in self.tier_values]
 
     def tensors(self) -> list[torch.Tensor]:
         return self.tier_keys + self.tier_values

@@ -15,7 +15,7 @@ Layout of one layer (all layers alike), oldest to newest::
   :meth:`QuantizedKVCache.boundary` ``(n) = S + G * min(floor((n - S) / G), ceil((n - S - R) / G))`` (``S`` sinks,
   ``G`` group, ``R`` ``residual_length``; never negative), so after a commit the residual holds at most
   ``max(R, G - 1)`` tokens. Tokens appended since the last commit always sit at the residual's tail, so
-  ``crop(-n)`` and ``keep_tail`` are exact slices and quantized data never needs restoring.
+  ``crop(-n)`` is an exact slice and quantized data never needs restoring.
 * **per-query semantics, exactly as autoregressive decoding**: the prompt (the first forward into an empty cache)
   attends at full precision and is packed at the commit after it, as KIVI and HF's ``QuantizedCache`` prefill; from
   then on a query at absolute position ``p`` sees the tokens before ``boundary(p)`` quantized and the later ones at
@@ -24,17 +24,16 @@ Layout of one layer (all layers alike), oldest to newest::
   the tokens that become quantized inside it are appended once more as dequantized *shadow* entries and a 4D
   additive mask (:meth:`QuantizedKVCache.forward_kwargs`) shows each query the shadow or the full-precision copy.
   Hence greedy speculative output under this cache equals AR under this cache, as for the other policies.
-* **token trees**: the cache records the absolute position of every pending entry, so a tree forward (siblings share
-  a position) gets each query's autoregressive view too, its ancestors through the tree mask. A quantization group
-  must never hold a tree node below the root (the group's scale would depend on the path): that holds when
-  ``residual_length >= tree_depth + quant_group_size - 2`` (:func:`check_quant_tree`, checked by the plan) and is
-  verified at every tree forward.
+* **token trees** run on the static form (:mod:`toolkit.kv.static_quant`), with each query's autoregressive view too.
+  A quantization group must never hold a tree node below the root (the group's scale would depend on the path):
+  that holds when ``residual_length >= tree_depth + quant_group_size - 2`` (:func:`check_quant_tree`, checked by the
+  plan) and is verified at every tree forward.
 * **attention** dequantizes the quantized part of a layer once per forward (dequantize-then-concat).
 * **bytes** (:meth:`CompressedCache.kv_bytes`): packed codes + scales + zero points + sinks + residual, exactly.
 
 The decoder runs this policy on its static form (:mod:`toolkit.kv.static_quant`: fixed per-row buffers, the same
-per-query view, compiled forwards, batches); this cache is the reference it is tested against, and the form of token
-trees and of ``model.generate``.
+per-query view, compiled forwards, batches, token trees); this cache is the reference it is tested against, and the
+form of ``model.generate``.
 
 Composition with StreamingLLM (``sink_tokens`` fp sinks, ``window``): when a layer holds more than
 ``sink_tokens + window + compress_interval`` entries at a commit, the oldest whole quantized key groups that lie
@@ -234,17 +233,11 @@ def boundary(n, policy):
 
 
 class QuantizedKVCache(CompressedCache):
-    """The cache of :class:`QuantizedKV` / :class:`QuantizedStreamingLLM` (see the module docstring).
-
-    Besides the base bookkeeping it records the absolute position of every pending entry (``_pending_pos``, in the
-    order the entries sit at the residual's tail): a chain's are consecutive, a tree's repeat (siblings).
-    """
+    """The cache of :class:`QuantizedKV` / :class:`QuantizedStreamingLLM` (see the module docstring)."""
 
     def __init__(self, policy, model):
         super().__init__(policy, model)
         self._shadow: tuple[int, int] = (0, 0)
-        self._pending_pos: list[int] = []
-        self._query_pos: list[int] | None = None  # positions of the next update (set by forward_kwargs)
 
     def boundary(self, n: int) -> int:
         """Absolute position before which a query at position ``n`` (or a commit of ``n`` tokens) sees tokens
@@ -256,10 +249,6 @@ class QuantizedKVCache(CompressedCache):
         if layer_idx == 0:
             self._maybe_auto_commit()
             q = key_states.shape[-2]
-            positions = self._query_pos if self._query_pos is not None and len(self._query_pos) == q else \
-                list(range(self._length, self._length + q))
-            self._pending_pos.extend(positions)
-            self._query_pos = None
             self._length += q
             self._pending += q
         layer = self.layers[layer_idx]
@@ -268,65 +257,28 @@ class QuantizedKVCache(CompressedCache):
             self._shadow = (0, 0)  # the mask of forward_kwargs is for one forward only
         return layer.update(key_states, value_states)
 
-    def crop(self, max_length: int) -> None:
-        super().crop(max_length)
-        if max_length < 0:
-            del self._pending_pos[len(self._pending_pos) + max_length:]
-
-    def keep_tail(self, keep) -> None:
-        from toolkit.kv.tail import check_keep
-
-        keep = check_keep(keep, self._pending)
-        super().keep_tail(keep)
-        self._pending_pos = [self._pending_pos[k] for k in keep]
-
-    def _commit(self) -> None:
-        self._pending_pos = []
-        super()._commit()
-
     # ------------------------------------------------------------------------------------------------ masks
-    def _check_tree_view(self, committed: int, new_pos: list[int], last: int) -> None:
-        """Entries at positions before ``last`` (the deepest query's boundary) must be one chain — committed, then
-        pending/new entries at ``committed, committed + 1, ...`` — so that every query reads them (quantized in the
-        shadow, or at full precision) as its own ancestors. Raises ValueError when a tree would straddle it."""
-        later = self._pending_pos + new_pos
-        k = max(0, last - committed)
-        if later[:k] != list(range(committed, committed + k)) or any(p < last for p in later[k:]):
-            raise ValueError(f"a token tree reaches a quantization group (boundary {last}, tree positions "
-                             f"{sorted(set(later))[:8]}...): residual_length must be >= tree_depth + "
-                             "quant_group_size - 2")
-
-    def forward_kwargs(self, position_ids: torch.Tensor, tree_mask: torch.Tensor | None = None) -> dict:
-        """``position_ids`` ``(1, q)`` absolute (starting at the logical length; contiguous for a chain, committed
-        length + depth for a token tree) -> the additive mask ``(1, 1, q, held + shadow + q)`` that gives every query
-        exactly its autoregressive view (see the module docstring), or ``None`` when the model's causal mask already
-        does. ``tree_mask`` ``(q, t)`` (:mod:`toolkit.kv.contract`) further restricts the last ``t`` keys to
-        each node's ancestors; a tree never reaches a quantization group (:func:`check_quant_tree`).
+    def forward_kwargs(self, position_ids: torch.Tensor) -> dict:
+        """``position_ids`` ``(1, q)`` absolute (contiguous, starting at the logical length) -> the additive mask
+        ``(1, 1, q, held + shadow + q)`` that gives every query exactly its autoregressive view (see the module
+        docstring), or ``None`` when the model's causal mask already does.
 
         Raises:
-            ValueError: ``position_ids`` do not continue the cache (a chain: the logical length; a tree level: at
-                least the committed length), or a tree would reach a quantization group.
+            ValueError: ``position_ids`` do not start at the logical length.
         """
         self._maybe_auto_commit()
         policy = self.policy
-        start, committed = int(position_ids[0, 0]), self._length - self._pending
-        if (start != self._length) if tree_mask is None else (start < committed):
+        start, q = int(position_ids[0, 0]), position_ids.shape[-1]
+        if start != self._length:
             raise ValueError(f"position_ids start at {start} but the quantized cache holds {self._length} tokens")
-        query_pos = position_ids[0]
-        self._query_pos = query_pos.tolist()
-        prompt = self._length == 0 and tree_mask is None  # the prompt attends at full precision (KIVI's prefill)
-        first, last = (policy.sink_tokens,) * 2 if prompt else \
-            (self.boundary(min(self._query_pos)), self.boundary(max(self._query_pos)))
+        prompt = self._length == 0  # the prompt attends at full precision (KIVI's prefill)
+        first, last = (policy.sink_tokens,) * 2 if prompt else (self.boundary(start), self.boundary(start + q - 1))
         self._shadow = (first, last)
-        if tree_mask is None and last == first and not policy.exact_window:
+        if last == first and not policy.exact_window:
             return {"position_ids": position_ids, "attention_mask": None}
-        if tree_mask is not None:
-            self._check_tree_view(committed, self._query_pos, last)
-        return {"position_ids": position_ids, "attention_mask": self._mask(query_pos, committed, first, last,
-                                                                           tree_mask, prompt)}
+        return {"position_ids": position_ids, "attention_mask": self._mask(position_ids[0], first, last, prompt)}
 
-    def _mask(self, query_pos: torch.Tensor, committed: int, first: int, last: int,
-              tree_mask: torch.Tensor | None, prompt: bool = False) -> torch.Tensor:
+    def _mask(self, query_pos: torch.Tensor, first: int, last: int, prompt: bool = False) -> torch.Tensor:
         """The additive mask ``(1, 1, q, keys)`` over ``[sinks, quantized, shadow, residual]`` (see
         :meth:`forward_kwargs`; ``prompt``: every query sees the residual at full precision)."""
         policy, device = self.policy, query_pos.device
@@ -334,9 +286,8 @@ class QuantizedKVCache(CompressedCache):
         held_pos = [torch.arange(layer.sinks), torch.arange(layer.q_start, layer.q_start + layer.q_len)]
         if not layer.is_initialized:
             held_pos = []
-        residual_pos = torch.cat((torch.arange(layer.res_start if layer.is_initialized else 0, committed),
-                                  torch.tensor(self._pending_pos, dtype=torch.long),
-                                  query_pos.cpu()))  # committed residual, pending entries, this forward's tokens
+        # the residual: committed and pending entries, then this forward's tokens (one run of positions)
+        residual_pos = torch.arange(layer.res_start if layer.is_initialized else 0, self._length + query_pos.numel())
         shadow_pos = torch.arange(first, last)
         key_pos = torch.cat((*held_pos, shadow_pos, residual_pos)).to(device)
         kind = torch.cat((torch.zeros(sum(p.numel() for p in held_pos), dtype=torch.long),
@@ -350,8 +301,5 @@ class QuantizedKVCache(CompressedCache):
         visible &= (kd != 2) | (kp >= bound) | (kp < policy.sink_tokens)  # residual copy: before the boundary
         if policy.exact_window:
             visible &= (kp < policy.sink_tokens) | (kp > query_pos[:, None] - policy.window)
-        if tree_mask is not None:
-            width = tree_mask.shape[1]
-            visible[:, -width:] &= tree_mask.to(device)
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
         return mask.masked_fill(~visible, torch.finfo(self.dtype).min)[None, None]

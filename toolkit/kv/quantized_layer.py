@@ -1,6 +1,6 @@
 """One layer of the KIVI-style quantized KV cache (:mod:`toolkit.kv.quantized`): full-precision sinks, quantized key
-groups (per channel) and value groups (per token), and the full-precision residual of the newest tokens; crop and
-keep_tail touch only the residual's tail, commit moves whole groups from the residual into the quantized part."""
+groups (per channel) and value groups (per token), and the full-precision residual of the newest tokens; crop
+touches only the residual's tail, commit moves whole groups from the residual into the quantized part."""
 
 from __future__ import annotations
 
@@ -103,25 +103,6 @@ class QuantizedLayer(DynamicLayer):
         if n > self.residual:
             raise ValueError(f"cannot crop {n} tokens: the full-precision residual holds {self.residual}")
         self.keys, self.values = self.keys[:, :, :-n], self.values[:, :, :-n]
-
-    def keep_tail(self, pending: int, keep: torch.LongTensor | list[int]) -> None:
-        """Keep, of the ``pending`` newest entries (appended since the last commit point), only those at offsets
-        ``keep`` (a 1-D tensor or a list, ascending, in ``[0, pending)``) — the accepted path of a token tree.
-        Committed entries stay.
-
-        Raises:
-            ValueError: ``pending`` exceeds the residual, or ``keep`` is out of range / not ascending.
-        """
-        if not self.is_initialized:
-            return
-        if pending > self.residual:
-            raise ValueError(f"pending={pending} exceeds the full-precision residual ({self.residual} entries)")
-        keep = torch.as_tensor(keep, dtype=torch.long).to(self.keys.device).flatten()
-        if keep.numel() and (int(keep.min()) < 0 or int(keep.max()) >= pending or bool((keep.diff() <= 0).any())):
-            raise ValueError(f"keep must be ascending offsets in [0, {pending}), got {keep.tolist()}")
-        base = self.residual - pending
-        index = torch.cat((torch.arange(base, device=keep.device), base + keep))
-        self.keys, self.values = self.keys.index_select(2, index), self.values.index_select(2, index)
 
     # ------------------------------------------------------------------------------------------------ commit
     def commit(self, sink_tokens: int, boundary: int, evict_before: int | None) -> bool:

@@ -13,6 +13,8 @@ policy, for one row or a batch::
     kv_bytes() / compressions / rows / static     reports; whether compiled forwards may run on it
 
 Between forwards row ``r`` represents the tokens committed so far but its last one (the next forward's first input).
+Token trees (one row) add ``prepare_tree`` / ``keep_tree``, which only the static cache has
+(:mod:`toolkit.kv.static_tree`).
 
 Which cache a policy gets (:func:`rows_cache`): a static cache where the policy has a static form — the plain
 :class:`~toolkit.kv.static.StaticKV` (none, StreamingLLM with absolute positions and the exact window) or the
@@ -60,9 +62,9 @@ class RowCache(Protocol):
 
 class SingleRowCache:
     """One sequence on a policy's single-sequence cache (:class:`~toolkit.kv.contract.CacheProtocol`: ``crop``,
-    ``commit``, ``forward_kwargs``): the form of every policy for token trees, and of policies without a static form
-    (StreamingLLM with reindexed positions or without the exact window, alone or composed with quantization) or on
-    models the static cache does not hold.
+    ``commit``, ``forward_kwargs``): the form of policies without a static form (StreamingLLM with reindexed positions
+    or without the exact window, alone or composed with quantization) and of models the static cache does not hold;
+    chains only (token trees run on the static cache).
 
     Args:
         policy: the KV policy (``None``: an uncompressed ``DynamicCache``; the decoder uses the static cache there).
@@ -99,16 +101,12 @@ class SingleRowCache:
         self.cache.commit()
         self.length = length
 
-    def prepare(self, width: int, rows: range | None = None, positions: torch.Tensor | None = None,
-                tree_mask: torch.Tensor | None = None) -> dict:
-        """Inputs of a forward of ``width`` tokens at the next positions (or at ``positions`` ``(1, width)``:
-        token trees, whose nodes share depths, under ``tree_mask``)."""
+    def prepare(self, width: int, rows: range | None = None) -> dict:
+        """Inputs of a forward of ``width`` tokens at the next positions."""
         self._width = width
-        if positions is None:
-            device = next(self.model.parameters()).device
-            positions = torch.arange(self.length, self.length + width, device=device).view(1, -1)
-        kwargs = self.cache.forward_kwargs(positions, tree_mask=tree_mask)
-        return {**kwargs, "past_key_values": self.cache}
+        device = next(self.model.parameters()).device
+        positions = torch.arange(self.length, self.length + width, device=device).view(1, -1)
+        return {**self.cache.forward_kwargs(positions), "past_key_values": self.cache}
 
     def accept(self, kept: torch.Tensor, kept_host: list[int]) -> None:
         """Keep the first ``kept_host[0]`` of the forward's tokens: ``crop`` the rest (exact rollback)."""
@@ -116,12 +114,6 @@ class SingleRowCache:
         if rejected > 0:
             self.cache.crop(-rejected)
         self.length += kept_host[0]
-
-    def keep_path(self, keep: list[int]) -> None:
-        """After a token-tree forward: keep the forward's entries at offsets ``keep`` (the root and the accepted
-        path), a gather over the tail (``keep_tail`` of :class:`~toolkit.kv.contract.CacheProtocol`)."""
-        self.cache.keep_tail(keep)
-        self.length += len(keep)
 
     def commit(self) -> None:
         self.cache.commit()

@@ -8,7 +8,7 @@ change, which is what compiled graphs and CUDA graphs need) and attends under a 
 alone. Nothing is moved afterwards: the decoder then calls :meth:`StaticKV.accept` with how many of the ``W`` tokens
 each row keeps (``1 + accepted``), which only adds to ``lengths``. Entries of rejected draft tokens stay in slots past
 a row's length, invisible to every later query, and the row's next forward overwrites them — rollback is exact and
-costs nothing.
+costs nothing. Token trees write a row's next slots too, and keep their path in place (:mod:`toolkit.kv.static_tree`).
 
 Two slot maps, one mask rule (a query at position ``q`` sees the slot holding position ``p`` iff ``p <= q`` and the
 policy keeps ``p`` for ``q``):
@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from toolkit.kv.static_tree import TreeRows
 
 #: capacities are rounded up to a multiple of this many tokens (one compiled graph serves requests up to it)
 CAPACITY_STEP = 256
@@ -126,7 +128,7 @@ class StaticLayer(CacheLayerMixin):
         return self.keys.shape[-2]
 
 
-class StaticKV(Cache):
+class StaticKV(TreeRows, Cache):
     """The static KV cache of ``rows`` rows (see the module docstring).
 
     Args:
@@ -167,8 +169,7 @@ class StaticKV(Cache):
         self.static_span = static_span
         # a forward reads a span of at most `capacity` slots; the buffers are one SPAN_STEP longer when the span is a
         # dynamic size of a compiled graph, so that it never equals the buffer's own length (torch.compile would
-        # specialise that case into a graph of its own)
-        # likewise the batch size (spare_rows)
+        # specialise that case into a graph of its own); likewise the batch size (spare_rows)
         shape = (rows + spare_rows(rows, static_span), kv_heads, self.capacity + (0 if static_span else SPAN_STEP),
                  head_dim)
         layers = [StaticLayer(self, static_buffer(shape, dtype, device), static_buffer(shape, dtype, device))

@@ -188,6 +188,20 @@ class StaticEvictKV(StaticKV):
         """``(masks, write indices)`` of the current forward; only the uncompressed mask's span is dynamic."""
         return list(self.masks.values()), list(self.write_index_of.values())
 
+    def tree_view(self, view) -> torch.Tensor:
+        """Token trees (:mod:`toolkit.kv.static_tree`): ``view`` over every factor's mask and write index."""
+        for factor in self.masks:
+            self.masks[factor], self.write_index_of[factor] = view(self.masks[factor], self.write_index_of[factor])
+        self.write_index, self.attention_mask = self.write_index_of[FULL], self.masks[FULL]
+        return self.attention_mask
+
+    def tree_entries(self):
+        """Every tier's keys and values, at its factor's write index."""
+        for layer in self.layers:
+            for tier in layer.tiers:
+                yield tier.keys, self.write_index_of[tier.factor]
+                yield tier.values, self.write_index_of[tier.factor]
+
     def accept(self, kept: torch.Tensor, kept_host: list[int], rows: range | None = None) -> None:
         rows = rows if rows is not None else range(self.active)
         for factor in self.factors:

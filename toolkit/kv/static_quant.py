@@ -261,6 +261,22 @@ class StaticQuantKV(StaticKV):
     def dynamic_inputs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         return [self.packed_mask, self.fp_mask], [self.write_index]
 
+    def tree_view(self, view) -> torch.Tensor:
+        """Token trees (:mod:`toolkit.kv.static_tree`): ``view`` over the packed mask (no written slot) and the fp
+        slots' mask (its shadow columns follow the rows only)."""
+        self.packed_mask, _ = view(self.packed_mask, None)
+        self.fp_mask, self.write_index = view(self.fp_mask, self.write_index)
+        self.attention_mask = self.packed_mask
+        return self.packed_mask
+
+    def check_tree_room(self, start: int, tree) -> None:
+        """No quantization group may hold a tree node below the root (its scales would depend on the path): the
+        deepest query's boundary stays at or below the region's first node, as
+        :func:`~toolkit.kv.quantized.check_quant_tree` (which the plan checks) ensures."""
+        if boundary(start + tree.deepest, self.policy) > start + tree.rooted:
+            raise ValueError(f"StaticQuantKV: a token tree {tree.deepest + (not tree.rooted)} levels deep reaches a "
+                             "quantization group; residual_length must be >= tree_depth + quant_group_size - 2")
+
     # ------------------------------------------------------------------------------------------------ commit points
     def commit(self) -> None:
         """The commit point: every row of ``n`` tokens packs its residual's oldest whole groups up to

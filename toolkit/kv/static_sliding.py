@@ -150,17 +150,28 @@ class SlidingStaticKV(StaticKV):
         self.first = rows.start
         self.row_index = torch.arange(rows.start, rows.stop, device=self.lengths.device)
         positions = self.lengths[rows.start:rows.stop, None] + torch.arange(width, device=self.lengths.device)
-        masks = {}
         if FULL in self.kinds:
             span = span if span is not None else self.span_for(width, rows)
             self.write_index, self.attention_mask = positions, self.visibility(positions, span)
-            masks[FULL] = self.attention_mask
         if SLIDING in self.kinds:
             self.ring_index = torch.remainder(positions, self.ring_size)
             self.ring_mask = window_visibility(positions, self.ring_size, self.sliding_window)
+        return {"position_ids": positions, "attention_mask": self._masks(), "past_key_values": self}
+
+    def _masks(self):
+        """The model's ``attention_mask``: the masks by layer type where both kinds are present, else the one."""
+        masks = {FULL: self.attention_mask} if FULL in self.kinds else {}
+        if SLIDING in self.kinds:
             masks[SLIDING] = self.ring_mask
-        mask = masks if len(masks) > 1 else next(iter(masks.values()))
-        return {"position_ids": positions, "attention_mask": mask, "past_key_values": self}
+        return masks if len(masks) > 1 else next(iter(masks.values()))
+
+    def tree_view(self, view):
+        """Token trees (:mod:`toolkit.kv.static_tree`): ``view`` over the full layers' and the rings' masks."""
+        if FULL in self.kinds:
+            self.attention_mask, self.write_index = view(self.attention_mask, self.write_index)
+        if SLIDING in self.kinds:
+            self.ring_mask, self.ring_index = view(self.ring_mask, self.ring_index)
+        return self._masks()
 
     def dynamic_inputs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``(masks, write indices)`` of the current forward; only the full layers' span is dynamic."""

@@ -135,12 +135,8 @@ class StreamingCache(CompressedCache):
         super().__init__(policy, model)
         self.inv_freq = find_inv_freq(model) if policy.position_mode == "reindex" else None
 
-    def forward_kwargs(self, position_ids: torch.Tensor, tree_mask: torch.Tensor | None = None) -> dict:
+    def forward_kwargs(self, position_ids: torch.Tensor) -> dict:
         """``position_ids`` ``(1, q)`` absolute -> slot positions (reindex) and the band mask (exact_window).
-
-        ``tree_mask`` ``(q, t)``: token-tree visibility of the last ``t`` keys (see :mod:`toolkit.kv.contract`),
-        which replaces the band over those keys (a node sees the sinks and its window of committed entries, then
-        exactly its ancestors; the policy's ``window >= depth + 1`` keeps every ancestor inside the window).
 
         Returns ``{"position_ids": (1, q), "attention_mask": (1, 1, q, held + q) additive or None}``.
 
@@ -158,19 +154,13 @@ class StreamingCache(CompressedCache):
                 raise ValueError(f"reindexed position {int(positions.max())} >= max_position_embeddings="
                                  f"{self.max_positions}: the prompt is longer than the model's context")
         mask = None
-        if tree_mask is not None and not policy.exact_window:
-            from toolkit.kv.tail import tree_additive_mask
-
-            mask = tree_additive_mask(tree_mask, held, self.dtype)
-        elif policy.exact_window:
+        if policy.exact_window:
             device = position_ids.device
             slots = torch.arange(held, device=device)
             cached_pos = torch.where(slots < policy.sink_tokens, slots, slots + evicted)
             key_pos = torch.cat((cached_pos, position_ids[0].to(device)))[None, :]
             query_pos = position_ids[0][:, None]
             visible = (key_pos <= query_pos) & policy.in_window(key_pos, query_pos)
-            if tree_mask is not None:  # tree nodes share positions: their slots say nothing, ancestry decides
-                visible[:, visible.shape[1] - tree_mask.shape[1]:] = tree_mask.to(device)
             mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
             mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[None, None]
         return {"position_ids": positions, "attention_mask": mask}

@@ -4,8 +4,8 @@ A token tree (SpecInfer, Miao et al. 2024; Medusa tree attention, Cai et al. 202
 ``n`` draft nodes below the *root*, the last committed token. One target forward scores the root and every node
 (``n + 1`` queries) under a tree attention mask: a node sees the committed cache, the root, its ancestors and
 itself, never its siblings or cousins. Verification then accepts one root-to-node path
-(:mod:`toolkit.speculative.tree_verify`) and the caches keep exactly that path's entries
-(``cache.keep_tail``, :mod:`toolkit.kv.contract`).
+(:mod:`toolkit.engine.accept`, :mod:`toolkit.speculative.tree_verify`) and the caches keep exactly that path's
+entries, gathered into place on the static cache (:mod:`toolkit.kv.static_tree`).
 
 Conventions (the contract for every drafter's ``propose_tree``):
 
@@ -112,44 +112,19 @@ class TokenTree:
             node = self._parents[node]
         return path[::-1]
 
-    def mask(self, device=None) -> torch.Tensor:
-        """Boolean ``(n + 1, n + 1)`` tree attention mask over ``[root, nodes]`` (True = attend).
-
-        Row ``r`` (query ``r``) sees column ``c`` iff ``c`` is ``r`` itself or one of its ancestors (the root
-        included). The committed cache before the root is visible to every query and is not part of this mask.
-        """
-        n = len(self)
-        visible = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        visible[:, 0] = True
+    def mask_rows(self) -> list[list[int]]:
+        """The tree attention mask over ``[root, nodes]`` as host lists of 0 / 1 (``(n + 1) x (n + 1)``): row ``r``
+        (query ``r``) sees column ``c`` iff ``c`` is ``r`` itself or one of its ancestors (the root included). The
+        committed cache before the root is visible to every query and is not part of this mask."""
+        rows = [[1] + [0] * len(self)]
         for i, p in enumerate(self._parents):
-            visible[i + 1] = visible[p + 1]
-            visible[i + 1, i + 1] = True
-        return visible.to(device) if device is not None else visible
+            rows.append(rows[p + 1][:])
+            rows[-1][i + 1] = 1
+        return rows
 
-    def positions(self, root_position: int, device=None) -> torch.Tensor:
-        """Absolute ``position_ids`` ``(1, n + 1)``: ``root_position`` for the root, ``+ depth`` for the nodes."""
-        return (torch.cat([torch.zeros(1, dtype=torch.long), self.depth]) + root_position).to(device).unsqueeze(0)
-
-
-def expansion_mask(parents: list[int], slot_of: dict[int, int], parent_of: dict[int, int], held: int,
-                   prefix: int = 0, device=None) -> torch.Tensor:
-    """Visibility ``(m, held + m)`` for ``m`` tree nodes expanded in one draft forward (EAGLE-2 dynamic trees):
-    row ``r`` sees the first ``prefix`` of the ``held`` cached entries (the committed context), the cache slots of
-    its ancestors and itself (its own new entry, at ``held + r``), nothing else.
-
-    ``parents[r]`` is node ``r``'s parent (``-1`` = the root); ``slot_of[node]`` is the cache slot of an already
-    expanded node and ``parent_of[node]`` its parent, for every ancestor of the expanded nodes (ancestors are always
-    expanded before their children).
-    """
-    m = len(parents)
-    visible = torch.zeros(m, held + m, dtype=torch.bool)
-    visible[:, :prefix] = True
-    for row, parent in enumerate(parents):
-        while parent >= 0:
-            visible[row, slot_of[parent]] = True
-            parent = parent_of[parent]
-        visible[row, held + row] = True
-    return visible.to(device) if device is not None else visible
+    def mask(self, device=None) -> torch.Tensor:
+        """:meth:`mask_rows` as a boolean ``(n + 1, n + 1)`` tensor (True = attend)."""
+        return torch.tensor(self.mask_rows(), dtype=torch.bool, device=device)
 
 
 @dataclass(frozen=True)

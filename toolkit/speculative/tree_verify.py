@@ -1,7 +1,6 @@
-"""Verification of a token tree scored in one target forward: greedy, and lossless multi-candidate sampling.
+"""Lossless multi-candidate sampling over a token tree scored in one target forward (greedy trees are verified on the
+device: :func:`toolkit.engine.accept.accept_tree`).
 
-* :func:`greedy_tree_accept` — accept the deepest root-to-node path whose every token equals the target's argmax at
-  its parent, then the target's argmax at that node (the bonus token). Same output as greedy autoregressive decoding.
 * :func:`tree_speculative_sample` — recursive rejection sampling over the tree (SpecInfer's multi-step speculative
   sampling, Miao et al. 2024, Alg. 2; Jeon et al. 2024 for candidates drawn without replacement): at the current
   node with target distribution p, try its children in order; child token x drawn from q is accepted with
@@ -19,29 +18,6 @@ from __future__ import annotations
 import torch
 
 from toolkit.speculative.tree import TokenTree
-
-
-def greedy_tree_accept(tree: TokenTree, target_logits: torch.Tensor) -> tuple[list[int], int]:
-    """Greedy tree verification.
-
-    Args:
-        tree: the round's :class:`TokenTree` (``n`` nodes).
-        target_logits: ``(n + 1, vocab)`` target logits of ``[root, nodes]``.
-
-    Returns:
-        ``(path, next_token)``: accepted node indices from the root's child down (possibly ``[]``), and the target's
-        argmax after the last accepted node (the correction, or the bonus token).
-    """
-    argmax = target_logits.argmax(dim=-1).tolist()  # the round's one host sync
-    tokens, parents, depth = tree.token_list(), tree.parent_list(), tree.depth_list()
-    ok = [False] * len(tokens)
-    best, best_depth = -1, 0
-    for i, p in enumerate(parents):
-        if (p < 0 or ok[p]) and tokens[i] == argmax[p + 1]:
-            ok[i] = True
-            if depth[i] > best_depth:
-                best, best_depth = i, depth[i]
-    return tree.path_to(best), argmax[best + 1]
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -62,7 +38,8 @@ def tree_speculative_sample(tree: TokenTree, target_probs: torch.Tensor,
         generator: source of randomness (seeded by the caller).
 
     Returns:
-        ``(path, next_token)`` as in :func:`greedy_tree_accept`.
+        ``(path, next_token)``: accepted node indices from the root's child down (possibly ``[]``), and the token
+        sampled after the last accepted node.
     """
     device = target_probs.device
     tokens = tree.token_list()

@@ -100,7 +100,7 @@ class Drafter:
             rows = self.__dict__["_row_protocol"] = RowDrafters(lambda: self)
         return rows
 
-    def start(self, rows: int, capacity: int, widest: int, gen, tree: bool = False) -> None:
+    def start(self, rows: int, capacity: int, widest: int, gen, tree=None) -> None:
         """A call of at most ``rows`` rows. Raises ValueError for more than one: an instance drafts one request at a
         time (a batch takes ``RowDrafters(maker)``)."""
         if rows > 1:

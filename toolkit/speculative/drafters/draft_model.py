@@ -4,8 +4,8 @@ every row in flight at once — one sequence is a batch of one — on its own ca
 The draft network runs on the same engine as the target (:class:`~toolkit.engine.forward.TargetForward`): on its
 own static cache (:class:`~toolkit.kv.static.StaticKV`, gpt-fast's layout) its forwards are compiled where the
 recipe compiles (CPU: a graph for one-token steps and one for wider forwards; CUDA: CUDA graphs over buckets), and
-rollback is moving per-row lengths. A draft KV policy without a static form drafts one request at a time on the
-policy's single-sequence cache (:class:`~toolkit.kv.rows.SingleRowCache`), eager, as token trees do.
+rollback is moving per-row lengths. A draft KV policy without a static form drafts chains one request at a time on
+the policy's single-sequence cache (:class:`~toolkit.kv.rows.SingleRowCache`), eager.
 
 A round (the row protocol of :mod:`toolkit.speculative.drafters.rows`)::
 
@@ -27,9 +27,11 @@ the draft length shrinks as the batch grows). This is HF assisted generation's d
 2023) over a batch.
 
 Token trees (one row, :meth:`DraftModel.propose_tree_row`): an EAGLE-2 dynamic tree
-(:mod:`toolkit.speculative.tree_dynamic`), one draft forward per level over the expanded nodes under a tree mask;
-the accepted path's entries are kept with the cache's ``keep_tail``. Tree children are the top-k of q (chosen, not
-sampled), so sampling verification treats them as one-hot drafts (lossless).
+(:mod:`toolkit.speculative.tree_dynamic`) on the same static cache and forward: the catch-up, then one draft forward
+per level over the expanded nodes, appended to the row's tree region under a tree mask
+(:mod:`toolkit.kv.static_tree`); after verification the accepted path's expanded nodes are gathered into place and
+the rest rolled back (``keep_tree``, then lengths). Tree children are the top-k of q (chosen, not sampled), so
+sampling verification treats them as one-hot drafts (lossless).
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ import torch
 from toolkit.checks import check_float
 from toolkit.engine.forward import TargetForward
 from toolkit.kv.contract import policy_attached
-from toolkit.kv.rows import SingleRowCache
-from toolkit.kv.static import StaticKV
+from toolkit.kv.static import StaticKV, capacity_for
+from toolkit.kv.static_tree import TreeInputs
 from toolkit.speculative.drafters.registry import DRAFT_MODEL, DRAFT_TARGET, DrafterConfig, register_drafter
 from toolkit.speculative.drafters.rows import ModelDrafter
 from toolkit.speculative.verify import process_logits
@@ -119,6 +121,7 @@ class DraftModel(ModelDrafter):
         self._held: list[int] = []  # per row: tokens its draft cache represents (host-side)
         self._steps = 0  # draft forwards of the current round (the catch-up and the steps after it)
         self._chunk = CATCH_UP_CHUNK
+        self._region, self._region_of = 0, {}  # a tree round's expanded nodes: how many, candidate -> region index
 
     @classmethod
     def from_config(cls, config: DraftModelConfig, context):
@@ -134,19 +137,26 @@ class DraftModel(ModelDrafter):
                    forward=context.draft_forward)
 
     # ------------------------------------------------------------------------------------------------ rows
-    def start(self, rows: int, capacity: int, widest: int, gen, tree: bool = False) -> None:
+    def start(self, rows: int, capacity: int, widest: int, gen, tree=None) -> None:
         """The draft cache of this call: the engine's static cache (kept across calls) where it holds the policy,
-        else the policy's single-sequence cache (token trees, compressed draft caches: one row).
+        else the policy's single-sequence cache (compressed draft caches without a static form: one row, chains).
+        Token trees (``tree``, a :class:`~toolkit.speculative.tree.TreeShape`) widen what it holds between commit
+        points to a catch-up (at most 2 tokens after a tree round) and an expansion region (``depth - 1`` levels of
+        ``topk`` nodes).
 
         Raises:
             ValueError: ``rows > 1`` where the draft cache holds one sequence.
+            ConfigError: ``tree`` where the static cache does not hold the draft (``spec.tree``).
         """
         self._start_rows()
         self._held = []
-        if tree:
-            self.cache = SingleRowCache(self.policy, self.model)
-        else:
-            self.cache = self.forward.cache_for(self.policy, rows, capacity, widest)
+        if tree is not None:
+            from toolkit.engine.tree import check_tree_support
+
+            check_tree_support(self.policy, self.model, "draft")
+            region = 2 + (tree.depth - 1) * self.forward.width_for(tree.topk)
+            capacity, widest = capacity_for(capacity + max(0, region - widest)), max(widest, region)
+        self.cache = self.forward.cache_for(self.policy, rows, capacity, widest)
         static, self._chunk = isinstance(self.cache, StaticKV), CATCH_UP_CHUNK
         if not static and rows > 1:
             raise ValueError("batch_size: a draft cache without a static form holds one sequence; decode one at a time")
@@ -270,50 +280,56 @@ class DraftModel(ModelDrafter):
     def propose_tree_row(self, row, budget: int, depth: int, topk: int):
         """EAGLE-2 dynamic tree after the row's committed tokens: at most ``budget`` nodes, ``depth`` levels. Draft
         forwards: the catch-up, then one per level below the first over the (at most ``topk``) expanded nodes, whose
-        entries stay in the draft cache until :meth:`commit_tree_row`."""
+        entries stay in the draft cache's tree region until :meth:`commit_tree_row`."""
         started, compiled = time.perf_counter(), self.forward.compile_ms
         tree = _dynamic_tree(self, row, budget, depth, topk)
-        self._observe_time(1, (time.perf_counter() - started) * 1000 - (self.forward.compile_ms - compiled))
+        compile_ms = self.forward.compile_ms - compiled
+        self.compile_ms += compile_ms
+        self._observe_time(1, (time.perf_counter() - started) * 1000 - compile_ms)
         return tree
 
     def commit_tree_row(self, row, path: list[int], features=None) -> None:
-        """Keep the committed tokens fed this round and the accepted path's expanded nodes; drop the rest."""
-        path_fed = [self._tree_fed[node] for node in path if node in self._tree_fed]
-        self.cache.cache.keep_tail(list(range(self._fresh)) + [self._fresh + off for off in path_fed])
-        self._held[0] = self._committed_before + len(path_fed)
-        self.cache.length = self._held[0]
+        """Keep the accepted path's expanded nodes (gathered behind the committed tokens, in depth order); roll back
+        the rest of the tree region."""
+        region = self._region
+        kept = [self._region_of[node] for node in path if node in self._region_of]  # ascending: parents first
+        if region:
+            order = kept + [k for k in range(region) if k not in kept]
+            self.cache.keep_tree(torch.tensor(order, device=self.device), behind=region)
+            self._rollback([region - len(kept)])
+        self._region = 0
         self.cache.commit()
 
 
 def _dynamic_tree(drafter: DraftModel, row, budget: int, depth: int, topk: int):
-    """The tree of :meth:`DraftModel.propose_tree_row` (one row, on the single-sequence cache)."""
-    from toolkit.engine.forward import model_kwargs
-    from toolkit.speculative.tree import TreeShape, expansion_mask
+    """The tree of :meth:`DraftModel.propose_tree_row` (one row, on the static draft cache): after the catch-up the
+    draft cache holds every committed token, and the expanded nodes form the tree region after them (region entry
+    ``k`` at position ``committed - 1 + depth``, its depth offset ``depth - 1``)."""
+    from toolkit.speculative.tree import TreeShape
     from toolkit.speculative.tree_dynamic import build_dynamic_tree
 
-    model, cache, device = drafter.model, drafter.cache, drafter.device
-    committed = len(row.ids)
-    drafter._committed_before, drafter._fresh = committed, committed - drafter._held[0]
-    root = drafter._catch_up([row])[0]  # the fresh tokens' entries stay past the commit point until commit_tree_row
+    device = drafter.device
+    root = drafter._catch_up([row])[0]
     row.stats.draft_forwards += 1
-    fed: list[int] = []  # candidate indices whose entries were appended to the draft cache, in order
-    offset_of: dict[int, int] = {}
-    parent_of: dict[int, int] = {}
+    parents: list[int] = []  # per region entry: its parent's region index (-1: the root, a committed token)
+    offsets: list[int] = []  # per region entry: depth - 1
+    region_of: dict[int, int] = {}  # candidate index -> region index
 
-    def expand(nodes: list[int], tokens: list[int], parents: list[int], depths: list[int]) -> torch.Tensor:
+    def expand(nodes: list[int], tokens: list[int], node_parents: list[int], depths: list[int]) -> torch.Tensor:
         m = len(nodes)
-        visible = expansion_mask(parents, offset_of, parent_of, len(fed))  # over the entries fed this round
-        positions = (committed - 1 + torch.tensor(depths, device=device)).unsqueeze(0)
-        inputs = cache.cache.forward_kwargs(positions, tree_mask=visible.to(device))
-        out = model(input_ids=torch.tensor([tokens], device=device), use_cache=True, logits_to_keep=m,
-                    **model_kwargs(model, {**inputs, "past_key_values": cache.cache}))
+        for node, parent, d in zip(nodes, node_parents, depths):
+            region_of[node] = len(parents)
+            parents.append(region_of.get(parent, -1))
+            offsets.append(d - 1)
+        region = TreeInputs.build(parents, offsets, m, rooted=False, device=device)
+        logits = drafter.forward(drafter.cache, torch.tensor([tokens], device=device), tree=region)
+        drafter.cache.accept(torch.full((1,), m, dtype=torch.long, device=device), [m])
+        drafter._held[0] += m
         row.stats.draft_forwards += 1
-        for node, parent in zip(nodes, parents):
-            offset_of[node], parent_of[node] = len(fed), parent
-            fed.append(node)
-        return torch.log_softmax(out.logits[0].float(), dim=-1)
+        return torch.log_softmax(logits[0].float(), dim=-1)
 
     tree, kept = build_dynamic_tree(torch.log_softmax(root.float(), dim=-1), expand, TreeShape(budget, depth, topk),
                                     depth)
-    drafter._tree_fed = {new: offset_of[old] for new, old in enumerate(kept) if old in offset_of}
+    drafter._region = len(parents)
+    drafter._region_of = {new: region_of[old] for new, old in enumerate(kept) if old in region_of}
     return tree

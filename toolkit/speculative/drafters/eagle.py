@@ -22,10 +22,11 @@ static cache (:func:`toolkit.eagle.static_head.head_cache`); the head's step is 
                overwritten); the verify forward's features of the row's last committed token and its accepted drafts
                become its pending pairs
 
-Tree rounds (EAGLE-2 dynamic trees, one row; the tree decoder of :mod:`toolkit.engine.tree`): the head's eager cache
-(:class:`~toolkit.eagle.head.HeadCache`); ``propose_tree_row`` expands each level's chosen nodes in ONE head forward
-under a tree mask (a node sees the true pairs, its ancestors and itself, at position ``last true pair + depth``);
-``commit_tree_row`` keeps the tree verify forward's features of the root and the accepted path. Trees are
+Tree rounds (EAGLE-2 dynamic trees, one row; the tree decoder of :mod:`toolkit.engine.tree`): the same static head
+cache and step. ``propose_tree_row`` catches up as a chain round does, then expands each level's chosen nodes in ONE
+head step appended to the row's tree region under a tree mask (:mod:`toolkit.kv.static_tree`: a node sees the true
+pairs, its ancestors and itself, at position ``last true pair + depth``); ``commit_tree_row`` rolls the region back
+and keeps the tree verify forward's features of the root and the accepted path as pending pairs. Trees are
 deterministic top-k proposals (one-hot drafts to verification: lossless under sampling too).
 
 Draft tokens come from the head's (reduced) draft vocabulary; under sampling q is the head's distribution scattered
@@ -40,8 +41,9 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.eagle.features import hidden_indices
-from toolkit.eagle.head import EagleHead, HeadCache
+from toolkit.eagle.head import EagleHead
 from toolkit.eagle.static_head import HeadForward, head_cache
+from toolkit.kv.static_tree import TreeInputs
 from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DrafterConfig, register_drafter
 from toolkit.speculative.drafters.rows import ModelDrafter
 from toolkit.speculative.verify import process_logits
@@ -86,10 +88,11 @@ class EagleDrafter(ModelDrafter):
         self.device = head.lm_head.weight.device
         self.dtype = next(head.parameters()).dtype
         self.step = HeadForward(head, compile=compile, backend=backend)
-        self.cache = None  # the head's cache: static (chains) or a HeadCache (token trees)
+        self.cache = None  # the head's static cache
         self.pending: list[torch.Tensor] = []  # per row: features (p, F) of the true pairs not yet fed
         self._held: list[int] = []  # per row: true pairs (and, during a round, draft steps) in the head cache
         self._steps = 0
+        self._region = 0  # a tree round's expanded nodes in the head cache
 
     @classmethod
     def from_config(cls, config: EagleConfig, context) -> EagleDrafter:
@@ -98,11 +101,16 @@ class EagleDrafter(ModelDrafter):
                    compile=context.compile, backend=context.backend)
 
     # ------------------------------------------------------------------------------------------------ rows
-    def start(self, rows: int, capacity: int, widest: int, gen, tree: bool = False) -> None:
-        """The head cache of this call: static rows for chains, the eager :class:`HeadCache` for token trees."""
+    def start(self, rows: int, capacity: int, widest: int, gen, tree=None) -> None:
+        """The head cache of this call: static rows; token trees (``tree``, a
+        :class:`~toolkit.speculative.tree.TreeShape`) widen its forwards to an expansion region (``depth - 1`` levels
+        of ``topk`` nodes)."""
         self._start_rows()
-        self.pending, self._held, self._tree = [], [], tree
-        self.cache = HeadCache() if tree else head_cache(self.head, rows, capacity, widest)
+        self.pending, self._held, self._region = [], [], 0
+        if tree is not None:
+            region = (tree.depth - 1) * tree.topk
+            capacity, widest = capacity + max(0, region - widest), max(widest, region)
+        self.cache = head_cache(self.head, rows, capacity, widest)
 
     def draft_cache(self, row):
         return self.cache
@@ -117,15 +125,11 @@ class EagleDrafter(ModelDrafter):
                                "hidden states this drafter asks for)")
         self.pending.append(features[0, :row.prompt_len])
         self._held.append(0)
-        if not self._tree:
-            self.cache.add_row(self.cache.begin_row(0)[0], 0)  # an empty row: true pairs come with the catch-up
+        self.cache.add_row(self.cache.begin_row(0)[0], 0)  # an empty row: true pairs come with the catch-up
         self._join_generator(row, self.device)
 
     def remove(self, keep: list[int]) -> None:
-        if not self._tree:
-            self.cache.keep_rows(keep)
-        elif not keep:
-            self.cache = HeadCache()
+        self.cache.keep_rows(keep)
         self.pending = [self.pending[i] for i in keep]
         self._held = [self._held[i] for i in keep]
         self._remove_generators(keep)
@@ -196,59 +200,55 @@ class EagleDrafter(ModelDrafter):
         return self._sample(q), q.max(-1).values, q
 
     # ------------------------------------------------------------------------------------------------ trees
-    def _feed_tree_pending(self, row) -> torch.Tensor:
-        """Crop the eager head cache to the true pairs, append the pending ones; returns the last output
-        ``(1, 1, H)``."""
-        head, fed = self.head, self._held[0]
-        self.cache.crop(fed)
-        pending = self.pending[0][None].to(dtype=self.dtype)
-        p = pending.shape[1]
-        if fed + p != len(row.ids) - 1:
-            raise RuntimeError(f"EAGLE drafter out of step: {fed} + {p} features for {len(row.ids)} tokens")
-        tokens = torch.tensor([row.ids[fed + 1: fed + p + 1]], device=self.device)
-        positions = torch.arange(fed, fed + p, device=self.device).unsqueeze(0)
-        out, _ = head(head.input_features(pending, tokens), tokens, positions, self.cache)
-        row.stats.draft_forwards += 1
-        self._held[0] += p
-        self.pending[0] = self.pending[0][:0]
-        return out[:, -1:]
-
-    def _log_probs(self, out: torch.Tensor) -> torch.Tensor:
-        """Head outputs ``(m, H)`` -> target-vocabulary log-probabilities ``(m, vocab)`` (``-inf`` outside)."""
-        return self.head.to_target_vocab(torch.log_softmax(self.head.logits(out).float(), dim=-1))
+    def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Head logits ``(m, draft_vocab)`` -> target-vocabulary log-probabilities ``(m, vocab)`` (``-inf``
+        outside)."""
+        return self.head.to_target_vocab(torch.log_softmax(logits.float(), dim=-1))
 
     @torch.inference_mode()
     def propose_tree_row(self, row, budget: int, depth: int, topk: int):
         """EAGLE-2 dynamic tree after the row's committed tokens: at most ``budget`` nodes, ``depth`` levels, ``topk``
-        children per expanded node. Head forwards: one over the pending true pairs, then one per level below the
-        first over the (at most ``topk``) expanded nodes. Returns a ``TokenTree`` (``draft_probs = None``)."""
-        from toolkit.speculative.tree import TreeShape, expansion_mask
+        children per expanded node. Head steps: the catch-up over the pending true pairs, then one per level below
+        the first over the (at most ``topk``) expanded nodes, appended to the head cache's tree region (entry ``k``
+        at position ``true pairs - 1 + depth``, depth offset ``depth - 1``). Returns a ``TokenTree``
+        (``draft_probs = None``)."""
+        from toolkit.speculative.tree import TreeShape
         from toolkit.speculative.tree_dynamic import build_dynamic_tree
 
-        head, device = self.head, self.device
-        root = self._feed_tree_pending(row)
-        base = len(self.cache)  # true pairs only
-        outputs: dict[int, torch.Tensor] = {-1: root[0, 0]}
-        offset_of: dict[int, int] = {}
-        parent_of: dict[int, int] = {}
+        device, started, compiled = self.device, time.perf_counter(), self.step.compile_ms
+        root, root_logits = self._catch_up([row])
+        row.stats.draft_forwards += 1
+        outputs: dict[int, torch.Tensor] = {-1: root[0]}
+        parents: list[int] = []  # per region entry: its parent's region index (-1: the root, the last true pair)
+        offsets: list[int] = []  # per region entry: depth - 1
+        region_of: dict[int, int] = {}
 
-        def expand(nodes: list[int], tokens: list[int], parents: list[int], depths: list[int]) -> torch.Tensor:
-            fed_now = len(self.cache)
-            visible = expansion_mask(parents, offset_of, parent_of, fed_now, prefix=base, device=device)
-            tok = torch.tensor([tokens], device=device)
-            prev = torch.stack([outputs[p] for p in parents]).unsqueeze(0)  # (1, m, H)
-            positions = (base - 1 + torch.tensor(depths, device=device)).unsqueeze(0)
-            out, _ = head(head.step_input(prev, tok), tok, positions, self.cache, visible)
+        def expand(nodes: list[int], tokens: list[int], node_parents: list[int], depths: list[int]) -> torch.Tensor:
+            m = len(nodes)
+            for node, parent, d in zip(nodes, node_parents, depths):
+                region_of[node] = len(parents)
+                parents.append(region_of.get(parent, -1))
+                offsets.append(d - 1)
+            region = TreeInputs.build(parents, offsets, m, rooted=False, device=device)
+            source = torch.stack([outputs[p] for p in node_parents]).unsqueeze(0)  # (1, m, H)
+            out, logits = self.step(self.cache, source, torch.tensor([tokens], device=device),
+                                    torch.full((1,), m, dtype=torch.long, device=device), [m], False, tree=region)
             row.stats.draft_forwards += 1
-            for r, (node, parent) in enumerate(zip(nodes, parents)):
-                offset_of[node], parent_of[node] = fed_now + r, parent
+            for r, node in enumerate(nodes):
                 outputs[node] = out[0, r]
-            return self._log_probs(out[0])
+            return self._log_probs(logits[0])
 
-        tree, _ = build_dynamic_tree(self._log_probs(root[0])[0], expand, TreeShape(budget, depth, topk), depth)
+        tree, _ = build_dynamic_tree(self._log_probs(root_logits)[0], expand, TreeShape(budget, depth, topk), depth)
+        self._region = len(parents)
+        compile_ms = self.step.compile_ms - compiled
+        self.compile_ms += compile_ms
+        self._observe_time(1, (time.perf_counter() - started) * 1000 - compile_ms)
         return tree
 
     def commit_tree_row(self, row, path: list[int], features: torch.Tensor | None = None) -> None:
-        """Keep the tree verify forward's features of the root and the accepted path's nodes."""
+        """Roll the tree region back (true pairs only); the tree verify forward's features of the root and the
+        accepted path's nodes become the row's pending pairs."""
+        if self._region:
+            self.cache.accept(torch.full((1,), -self._region, device=self.device), [-self._region])
+            self._region = 0
         self.pending[0] = features[0, [0] + [node + 1 for node in path]]
-        self.cache.crop(self._held[0])

@@ -5,8 +5,9 @@ A call::
 
     start(rows, capacity, widest, gen, tree)  the call begins: at most ``rows`` rows at once, requests of up to
                                          ``capacity`` positions, target forwards of up to ``widest`` tokens per row;
-                                         ``gen`` its generation settings; ``tree``: token-tree rounds (a drafter
-                                         allocates its caches here)
+                                         ``gen`` its generation settings; ``tree``: the
+                                         :class:`~toolkit.speculative.tree.TreeShape` of token-tree rounds (``None``:
+                                         chains; a drafter allocates its caches here)
     begin(row)                           a request is about to be prefilled (its prompt in ``row.ids``)
     join(row, features)                  it joined at the end of the batch (prompt and first token in ``row.ids``);
                                          ``features`` ``(1, n, F)``: the target's hidden states of the prompt's
@@ -70,7 +71,7 @@ class RowDrafter(Protocol):
     @property
     def trees(self) -> bool: ...
 
-    def start(self, rows: int, capacity: int, widest: int, gen, tree: bool = False) -> None: ...
+    def start(self, rows: int, capacity: int, widest: int, gen, tree=None) -> None: ...
 
     def begin(self, row) -> None: ...
 
@@ -119,7 +120,7 @@ class RowDrafters:
             self._trees = isinstance(self.make(), TreeDrafterProtocol)
         return self._trees
 
-    def start(self, rows: int, capacity: int, widest: int, gen, tree: bool = False) -> None:
+    def start(self, rows: int, capacity: int, widest: int, gen, tree=None) -> None:
         self.gen = gen
 
     def begin(self, row) -> None:
