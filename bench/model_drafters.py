@@ -14,6 +14,8 @@ Methods, timed interleaved per prompt with the order rotated between repetitions
   step is compiled too;
 * ``ours draft model K=4``: the embedded model at int4 as a separate draft model, constant K, on its own static
   cache through the compiled engine;
+* ``ours EAGLE tree`` / ``ours draft model tree`` (``--no-trees`` skips them): the same drafters proposing EAGLE-2
+  dynamic token trees (8 nodes, depth 4, 2 children per node), verified in one forward on the static engine;
 * with ``--eager-forms`` (default on), each network drafter's recipe also at ``compile: off`` (``... [eager]``): the
   issue-46 target is compiled >= 1.3x its own eager form.
 
@@ -49,9 +51,14 @@ from toolkit.speculative_lm import build  # noqa: E402
 SUITES = {"short": "short", "short-heldout": "short-heldout", "unseen": str(ROOT / "bench/prompts/unseen.yaml")}
 
 
-def variants(recipe: Recipe, eagle_ks: list[int], eager_forms: bool = True) -> dict[str, Recipe]:
-    """``{method: recipe}``: the recipe without a drafter, as it is, with the EAGLE head, with a draft model (and
-    each network drafter's recipe at ``compile: off`` with ``eager_forms``)."""
+#: the token-tree shape of the tree variants (EAGLE-2 dynamic trees: nodes, levels, children per node)
+TREE = {"tree": True, "tree_budget": 8, "tree_depth": 4, "tree_topk": 2}
+
+
+def variants(recipe: Recipe, eagle_ks: list[int], eager_forms: bool = True, trees: bool = True) -> dict[str, Recipe]:
+    """``{method: recipe}``: the recipe without a drafter, as it is, with the EAGLE head, with a draft model, with
+    ``trees`` each of the two as a token tree (:data:`TREE`) on the static engine, and with ``eager_forms`` each
+    network drafter's recipe at ``compile: off``."""
     out = {"ours AR": recipe.replace(spec=SpeculationSpec(drafter="none", adaptive="constant")),
            "ours lookup": recipe}
     head_draft = ModelSpec(source="embedded", precision="bf16", device=recipe.target.device)
@@ -61,6 +68,9 @@ def variants(recipe: Recipe, eagle_ks: list[int], eager_forms: bool = True) -> d
     draft = dataclasses.replace(recipe.target)
     out["ours draft model K=4"] = recipe.replace(
         draft=draft, spec=SpeculationSpec(drafter="draft_model", num_draft_tokens=4, adaptive="constant"))
+    if trees:
+        out["ours EAGLE tree"] = recipe.replace(draft=head_draft, spec=SpeculationSpec(drafter="eagle", **TREE))
+        out["ours draft model tree"] = recipe.replace(draft=draft, spec=SpeculationSpec(drafter="draft_model", **TREE))
     if eager_forms:
         for name in [n for n in out if "EAGLE" in n or "draft model" in n]:
             out[f"{name} [eager]"] = out[name].replace(compile="off")
@@ -116,12 +126,14 @@ def main() -> None:
     parser.add_argument("--eagle-k", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--no-eager-forms", dest="eager_forms", action="store_false",
                         help="skip the network drafters' compile: off forms")
+    parser.add_argument("--no-trees", dest="trees", action="store_false",
+                        help="skip the token-tree variants of the EAGLE head and the draft model")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/reports/model-drafters")
     args = parser.parse_args()
     recipe = Recipe.load(resolve(args.recipe, "", "--recipe"))
     recipe = recipe.replace(generation=dataclasses.replace(recipe.generation, max_new_tokens=args.max_new_tokens,
                                                            ignore_eos=True))
-    lms = {name: build(r, pool=SHARED_POOL) for name, r in variants(recipe, args.eagle_k, args.eager_forms).items()}
+    lms = {name: build(r, pool=SHARED_POOL) for name, r in variants(recipe, args.eagle_k, args.eager_forms, args.trees).items()}
     first = next(iter(lms.values()))
     prompts = [Prompt(p.id, p.kind, first.encode(p.prompt)) for p in load_suite(SUITES[args.suite])]
     prompts = prompts[: args.num_prompts]
