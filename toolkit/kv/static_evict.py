@@ -213,12 +213,18 @@ class StaticEvictKV(StaticKV):
         for index, layer in enumerate(self.layers):
             for tier in layer.tiers:
                 if tier.factor == factor:
-                    keys, values = tier.keys[row:row + 1, :, :n], tier.values[row:row + 1, :, :n]
-                    keep = self.policy.select(keys, values, index, budget)
-                    tier.keys[row:row + 1, :, :budget] = gather_seq(keys, keep)
-                    tier.values[row:row + 1, :, :budget] = gather_seq(values, keep)
+                    keys, values = self.kept(tier.keys[row:row + 1, :, :n], tier.values[row:row + 1, :, :n], index,
+                                             budget)
+                    tier.keys[row:row + 1, :, :budget], tier.values[row:row + 1, :, :budget] = keys, values
         self.fill[factor][row] = budget
         self.fill_held[factor][row] = budget
+
+    def kept(self, keys: torch.Tensor, values: torch.Tensor, layer: int, budget: int):
+        """What a compaction of layer ``layer`` keeps of one row's entries ``keys`` / ``values`` ``(1, heads, n,
+        head_dim)``: per head the ``budget`` entries the policy's ``select`` picks, in order, ``(1, heads, budget,
+        head_dim)`` each."""
+        keep = self.policy.select(keys, values, layer, budget)
+        return gather_seq(keys, keep), gather_seq(values, keep)
 
     # ------------------------------------------------------------------------------------------------ rows
     def load_row(self, row: int, source: Cache, length: int) -> None:
@@ -234,8 +240,7 @@ class StaticEvictKV(StaticKV):
                 if tier.factor is not FULL:
                     budget = self.budget(tier.factor, length)
                     if length > budget + self.policy.compress_interval:
-                        keep = self.policy.select(keys, values, index, budget)
-                        keys, values = gather_seq(keys, keep), gather_seq(values, keep)
+                        keys, values = self.kept(keys, values, index, budget)
                 tier.keys[row, :, :keys.shape[-2]] = keys[0]
                 tier.values[row, :, :values.shape[-2]] = values[0]
         compacted = False
