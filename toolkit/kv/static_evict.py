@@ -119,6 +119,8 @@ class StaticEvictKV(StaticKV):
         fill: ``{factor: (rows,) long}`` on the device, slots each row holds in the tiers of ``factor``;
         fill_held: the same on the host.
         slots_of: ``{factor: slots per row}`` of the tiers' buffers.
+        pending_limit: tokens a row may take between commit points (the widest forward): a drafter feeding more
+            commits between its forwards.
     """
 
     def __init__(self, model, rows: int, capacity: int, widest: int, policy, dtype=None, device=None,
@@ -128,6 +130,7 @@ class StaticEvictKV(StaticKV):
         layers_n, kv_heads, head_dim, dtype, device = kv_geometry(model, dtype, device)
         self.policy, self.window, self.widest, self.sinks, self.ring = policy, None, widest, 0, 0
         self.capacity, self.static_span, self.num_kv_heads = capacity, static_span, kv_heads
+        self.pending_limit = widest  # a tier holds budget + interval + widest: one forward between commit points
         plans = policy.plan(model) if hasattr(policy, "plan") else [
             ([torch.arange(kv_heads)], [1.0]) if policy.compresses_layer(i) else None for i in range(layers_n)]
         plans = [([torch.arange(kv_heads)], [FULL]) if p is None else p for p in plans]

@@ -54,8 +54,6 @@ class StaticStreamKV(StaticEvictKV):
 
     Attributes:
         inv_freq: the model's rotary ``inv_freq`` under ``reindex`` (``None`` with absolute positions).
-        pending_limit: tokens a row may take between commit points (the widest forward): a drafter feeding more
-            commits between its forwards.
 
     Raises:
         ValueError: ``rows`` or ``capacity`` < 1, or the ring's mode (absolute positions, exact window).
@@ -70,7 +68,6 @@ class StaticStreamKV(StaticEvictKV):
         policy.check_model(model, getattr(policy, "_prefix", "kv"))
         super().__init__(model, rows, capacity, widest, policy, dtype, device, static_span)
         self.inv_freq = find_inv_freq(model) if policy.position_mode == "reindex" else None
-        self.pending_limit = widest
         (self.factor,) = self.factors  # one tier per layer, every head: StreamingLLM keeps the same entries in all
 
     @property
@@ -99,8 +96,8 @@ class StaticStreamKV(StaticEvictKV):
         value.
 
         Raises:
-            ValueError: a row would write past its slots (more than :attr:`pending_limit` tokens since its last
-                commit point).
+            ValueError: a row would write past its slots (more than ``pending_limit`` tokens since its last commit
+                point).
         """
         rows = rows if rows is not None else range(self.active)
         slots, factor = self.slots_of[self.factor], self.factor
