@@ -213,3 +213,32 @@ def test_the_quantized_ring_holds_every_group_the_single_sequence_cache_keeps():
         assert most <= held_groups(policy), (g, w, r, c, widest)
         reached += most == held_groups(policy)
     assert reached > 0.9 * len(cases)
+
+
+@pytest.mark.parametrize("name,params", [("l2norm", {"budget": 12, "sink_tokens": 2, "protect_recent": 4,
+                                                     "skip_layers": [], "compress_interval": 3}),
+                                         ("streaming", MODES["reindex"])], ids=["l2norm", "reindex"])
+def test_a_compacted_draft_cache_catches_up_after_plain_rounds(target, name, params):
+    """A draft model on a fixed-budget static form (budget + interval + widest slots) falls 25 tokens behind during
+    plain rounds, then catches up in forwards of at most the widest, each a commit point; the target's output is its
+    own greedy output."""
+    from toolkit.engine.decoder import SpeculativeDecoder
+    from toolkit.engine.planner import ConstantK
+    from toolkit.recipe import GenerationSpec
+    from toolkit.speculative.drafters import DraftModel
+    from toolkit.speculative.stats import GenerationStats
+
+    class Pause(ConstantK):  # K = 4, but no drafting in rounds 3 .. 27
+        rounds = 0
+
+        def next_k(self) -> int:
+            self.rounds += 1
+            return 0 if 3 <= self.rounds < 28 else self.num_draft_tokens
+
+    drafter = DraftModel(perturbed_copy(target, scale=0.05), make_policy(KVSpec(name, params)))
+    decoder = SpeculativeDecoder(target, drafter, Pause(4))
+    stats, gen = GenerationStats(), GenerationSpec(max_new_tokens=50, ignore_eos=True)
+    ids = [t for chunk in decoder.decode(repeated_prompt(), gen, stats) for t in chunk]
+    assert ids == decode_one(target, None, repeated_prompt(), drafter=False, new=50)[0]
+    assert type(drafter.cache).__name__ == ("StaticEvictKV" if name == "l2norm" else "StaticStreamKV")
+    assert stats.compressions_draft > 3 and stats.drafted > 30  # drafting resumed after the pause
