@@ -151,7 +151,7 @@ class StaticQuantKV(StaticKV):
         if rows < 1 or capacity < 1:
             raise ValueError(f"rows and capacity: must be >= 1, got {rows} and {capacity}")
         streaming = getattr(policy, "window", None) is not None
-        if streaming and policy.exact_window is not self.exact_window:
+        if streaming and policy.exact_window != self.exact_window:
             raise ValueError(f"policy: {type(self).__name__} holds a StreamingLLM window with exact_window "
                              f"{self.exact_window} only")
         policy.check_model(model, getattr(policy, "_prefix", "kv"))  # groups of values must divide head_dim
@@ -242,7 +242,7 @@ class StaticQuantKV(StaticKV):
             groups = torch.arange(self.packed_span(rows), device=device).view(1, 1, -1) * self.group
             self.packed_mask = (groups < quantized).expand(-1, width, -1).contiguous()[:, None]
         if self.window is not None:
-            parts = [(at, seen & self.kept(at, query, rows)) for at, seen in parts]
+            parts = [(at, seen & self.window_mask(at, query, rows)) for at, seen in parts]
         if self.ring_groups:
             self.packed_mask = parts.pop(0)[1][:, None]
         self.fp_mask = torch.cat([seen for _, seen in parts], dim=-1)[:, None]
@@ -254,7 +254,7 @@ class StaticQuantKV(StaticKV):
         ``(window - 1) // G + 2``."""
         return (self.policy.window - 1) // self.group + 2
 
-    def kept(self, at: torch.Tensor, query: torch.Tensor, rows: range) -> torch.Tensor:
+    def window_mask(self, at: torch.Tensor, query: torch.Tensor, rows: range) -> torch.Tensor:
         """Under a window, whether a query at ``query`` ``(B, W, 1)`` sees the entry at position ``at`` ``(B, 1, T)``
         of rows ``rows``, causality and quantization apart: the exact window."""
         return self.window.in_window(at, query)

@@ -54,7 +54,7 @@ class StaticStreamQuantKV(StaticQuantKV):
         """The most groups a row holds after a commit point (:func:`held_groups`)."""
         return held_groups(self.policy)
 
-    def kept(self, at: torch.Tensor, query: torch.Tensor, rows: range) -> torch.Tensor:
+    def window_mask(self, at: torch.Tensor, query: torch.Tensor, rows: range) -> torch.Tensor:
         """Whether entries at positions ``at`` ``(B, 1, T)`` are held, for every query ``(B, W, T)``: sinks, and
         everything from the first packed group not evicted on (every query sees all a row holds)."""
         held = (at < self.sinks) | (at >= self.sinks + self.evicted[rows.start:rows.stop, None, None])
