@@ -242,3 +242,30 @@ def test_a_compacted_draft_cache_catches_up_after_plain_rounds(target, name, par
     assert ids == decode_one(target, None, repeated_prompt(), drafter=False, new=50)[0]
     assert type(drafter.cache).__name__ == ("StaticEvictKV" if name == "l2norm" else "StaticStreamKV")
     assert stats.compressions_draft > 3 and stats.drafted > 30  # drafting resumed after the pause
+
+
+@pytest.mark.slow
+def test_reindexed_rolling_window_on_the_embedded_model(embedded):
+    """llama.cpp's context shift (reindex, no exact window) on the embedded model, fp32: n-gram drafts over a
+    ~150-token prompt, the window turning over, token for token as on the single-sequence cache."""
+    from toolkit.engine.decoder import SpeculativeDecoder
+    from toolkit.engine.planner import ConstantK
+    from toolkit.kv.rows import SingleRowCache
+    from toolkit.recipe import GenerationSpec
+    from toolkit.speculative.drafters import NGramDrafter
+    from toolkit.speculative.stats import GenerationStats
+
+    model, tokenizer = embedded
+    prompt = tokenizer(open("/usr/share/common-licenses/Apache-2.0").read()[:600], return_tensors="pt").input_ids
+    policy = policy_of({"sink_tokens": 4, "window": 32, "compress_interval": 8, "position_mode": "reindex",
+                        "exact_window": False})
+    runs = []
+    for single in (True, False):
+        decoder = SpeculativeDecoder(model, NGramDrafter(3, 1), ConstantK(4), policy)
+        if single:
+            decoder._new_cache = lambda prompts, gen: SingleRowCache(policy, model)
+        stats = GenerationStats()
+        gen = GenerationSpec(max_new_tokens=40, ignore_eos=True)
+        runs.append(([t for chunk in decoder.decode(prompt, gen, stats) for t in chunk], stats.compressions_target))
+        assert isinstance(decoder.cache, SingleRowCache if single else StaticStreamKV) and stats.accepted > 0
+    assert runs[0] == runs[1] and runs[1][1] >= 3
