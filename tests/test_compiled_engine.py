@@ -114,9 +114,9 @@ def test_the_static_cache_is_reused_and_its_capacity_only_grows(setup):
 
 
 def test_what_the_static_cache_does_not_hold_runs_eager(setup):
-    """forward_for compiles only where the static cache holds the recipe (a KV policy with a static form, full-attention
-    and sliding-window layers; token trees too, within the widest CUDA graph bucket); elsewhere it names why and the
-    decoder runs eager on the policy's cache."""
+    """forward_for compiles only where the static cache holds the recipe (every KV policy has a static form; token
+    trees too, within the widest CUDA graph bucket; layers the static cache holds, full-attention ones under a policy);
+    elsewhere it names why and the decoder runs eager on the policy's cache."""
     target = setup[0]
     base = Recipe.from_dict({"name": "compiled", "target": {"device": "cpu"}, "draft": None, "compile": "on",
                              "spec": {"drafter": "lookup", "num_draft_tokens": 4},
@@ -131,15 +131,13 @@ def test_what_the_static_cache_does_not_hold_runs_eager(setup):
 
     assert engine(base)[0] and "compiled static engine" in engine(base)[1]
     assert engine(kv({"policy": "streaming", "sink_tokens": 4, "window": 32}))[0]  # the ring
-    compiled, why = engine(kv({"policy": "streaming", "sink_tokens": 4, "window": 32, "position_mode": "reindex"}))
-    assert not compiled and "StreamingLLM with reindexed positions" in why
+    for mode in ({"position_mode": "reindex"}, {"exact_window": False}):  # buffers compacted at commit points
+        assert engine(kv({"policy": "streaming", "sink_tokens": 4, "window": 32, **mode}))[0]
     assert engine(kv({"policy": "l2norm", "budget": 16, "sink_tokens": 2, "protect_recent": 4}))[0]  # static tiers
     assert engine(kv({"policy": "quantized", "quant_bits": 4, "quant_group_size": 16}))[0]  # packed groups
-    assert engine(kv({"policy": "streaming", "sink_tokens": 4, "window": 32, "quant_bits": 4,
-                      "quant_group_size": 16, "residual_length": 8}))[0]  # a ring of packed groups
-    compiled, why = engine(kv({"policy": "streaming", "sink_tokens": 4, "window": 32, "exact_window": False,
-                               "quant_bits": 4, "quant_group_size": 16, "residual_length": 8}))
-    assert not compiled and "StreamingLLM composed with quantization" in why
+    for exact in (True, False):  # a ring of packed groups: the window's, or those not evicted
+        assert engine(kv({"policy": "streaming", "sink_tokens": 4, "window": 32, "quant_bits": 4,
+                          "quant_group_size": 16, "residual_length": 8, "exact_window": exact}))[0]
     assert engine(base.replace(spec=SpeculationSpec(drafter="suffix", tree=True)))[0]  # trees on the static engine
     wide = base.replace(spec=SpeculationSpec(drafter="suffix", tree=True, tree_budget=100))
     original = TargetForward.__init__
@@ -162,15 +160,19 @@ def test_what_the_static_cache_does_not_hold_runs_eager(setup):
     assert compiled and "frozen weights, C++ wrapper" in why
     compiled, why = engine(base.replace(compile="auto"))  # fp32 weights on the CPU: compiling does not pay
     assert not compiled and "bytes-bound" in why
-    with pytest.raises(ValueError, match="do not hold StreamingLLM with reindexed positions"):
+    with pytest.raises(ValueError, match="the ring holds StreamingLLM with absolute positions and the exact window"):
         StaticKV(target, 1, 64, window=make_policy(KVSpec("streaming", {"position_mode": "reindex"})))
-    # a compiled forward handed a policy the static cache does not hold runs eager on the policy's own cache
+    # a compiled forward handed a policy the static cache does not hold (on a model with sliding-window layers) runs
+    # eager on the policy's own cache
+    from test_static_sliding import tiny
+
+    mistral = tiny("mistral")
     policy = make_policy(KVSpec("streaming", {"sink_tokens": 2, "window": 12, "position_mode": "reindex",
                                               "compress_interval": 3}))
-    compiled_forward = TargetForward(target, compile=True, backend="eager")
-    ids, stats, decoder = run(target, LookupDrafter(max_cached_requests=0), setup[1], compiled_forward,
+    compiled_forward = TargetForward(mistral, compile=True, backend="eager")
+    ids, stats, decoder = run(mistral, LookupDrafter(max_cached_requests=0), setup[1], compiled_forward,
                               policy=policy)
-    eager_ids, _, _ = run(target, LookupDrafter(max_cached_requests=0), setup[1], TargetForward(target),
+    eager_ids, _, _ = run(mistral, LookupDrafter(max_cached_requests=0), setup[1], TargetForward(mistral),
                           policy=policy)
     assert ids == eager_ids and isinstance(decoder.cache, SingleRowCache) and stats.compressions_target > 0
     assert compiled_forward.compile_s == {}  # nothing was compiled

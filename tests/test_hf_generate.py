@@ -102,7 +102,7 @@ def test_a_draft_model_and_a_kv_policy_run_through_the_recipe(llama):
         # the ring holds sinks + window + the widest forward (+ a span's slack), not the capacity of an uncompressed
         # static cache (capacity_for(prompt + new) = 256 slots)
         assert stats.new_tokens == NEW and 0 < stats.peak_kv_bytes_target < per_slot * 256
-        rolling = toolkit.hf.speculative("none", kv={**policy, "exact_window": False})  # the policy's own cache
+        rolling = toolkit.hf.speculative("none", kv={**policy, "exact_window": False})  # compacted at commit points
         llama.generate(prompt, max_new_tokens=NEW, custom_generate=rolling)
         assert rolling.last_stats[0].compressions_target > 0 and rolling.last_stats[0].new_tokens == NEW
 

@@ -67,13 +67,24 @@ def repetitive(seed: int) -> torch.Tensor:
     return torch.cat([base, base, base[:3]]).view(1, -1)
 
 
-#: KV policies on the static engine: none, L2-norm / head-aware eviction compacted at commit points (budgets small
-#: enough that the 30 new tokens compact several times) and KIVI quantization packing groups at commit points
+#: KV policies on the static engine (test id: policy, fields): none, L2-norm / head-aware eviction and StreamingLLM
+#: with reindexed positions or the rolling window compacted at commit points (budgets small enough that the 30 new
+#: tokens compact several times), KIVI quantization packing groups at commit points, alone or evicting them under the
+#: rolling window
 POLICIES = {"none": None,
-            "l2norm": {"budget": 12, "sink_tokens": 2, "protect_recent": 4, "skip_layers": [0], "compress_interval": 3},
-            "head_aware": {"budget": 12, "sink_tokens": 2, "protect_recent": 4, "skip_layers": [0], "tiers": 2,
-                           "compress_interval": 3, "importance": [[0.5, 0.5], [0.1, 0.9]]},
-            "quantized": {"quant_bits": 8, "quant_group_size": 8, "residual_length": 8, "sink_tokens": 2}}
+            "l2norm": ("l2norm", {"budget": 12, "sink_tokens": 2, "protect_recent": 4, "skip_layers": [0],
+                                  "compress_interval": 3}),
+            "head_aware": ("head_aware", {"budget": 12, "sink_tokens": 2, "protect_recent": 4, "skip_layers": [0],
+                                          "tiers": 2, "compress_interval": 3, "importance": [[0.5, 0.5], [0.1, 0.9]]}),
+            "quantized": ("quantized", {"quant_bits": 8, "quant_group_size": 8, "residual_length": 8,
+                                        "sink_tokens": 2}),
+            "streaming_reindex": ("streaming", {"sink_tokens": 4, "window": 16, "compress_interval": 4,
+                                                "position_mode": "reindex"}),
+            "streaming_rolling": ("streaming", {"sink_tokens": 4, "window": 20, "compress_interval": 2,
+                                                "exact_window": False}),
+            "streaming_quantized": ("streaming", {"sink_tokens": 4, "window": 20, "compress_interval": 3,
+                                                  "exact_window": False, "quant_bits": 8, "quant_group_size": 8,
+                                                  "residual_length": 8})}
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
@@ -86,7 +97,7 @@ def test_the_default_path_reads_the_device_once_per_round(compiled, do_sample, p
     target = tiny_llama(seed=0, **INIT)
     forward = TargetForward(target, compile=compiled, backend="eager")
     controller = CostAwareK(VerifyCost([1.0] * 64, learn=False), Calibrator(), 6, 7)  # the main recipe's planner
-    kv = None if POLICIES[policy] is None else make_policy(KVSpec(policy, POLICIES[policy]))
+    kv = None if POLICIES[policy] is None else make_policy(KVSpec(*POLICIES[policy]))
     decoder = SpeculativeDecoder(target, LookupDrafter(max_cached_requests=0), controller, kv, forward=forward)
     gen = GenerationSpec(max_new_tokens=30, ignore_eos=True, do_sample=do_sample, temperature=0.3, top_k=5, seed=3)
     list(decoder.decode(repetitive(0), gen, GenerationStats()))  # warm: graphs traced outside the count
@@ -94,7 +105,7 @@ def test_the_default_path_reads_the_device_once_per_round(compiled, do_sample, p
     with counted_reads() as counts:
         list(decoder.decode(repetitive(1), gen, stats))
     assert stats.rounds >= 5 and stats.accepted > 0
-    assert kv is None or stats.compressions_target > 2  # commit points compacted the static tiers or packed groups
+    assert kv is None or stats.compressions_target > 2  # commit points compacted the static buffers or packed groups
     # exactly one read per round (+ 2 per request: the prefill's first token, the prompt's host ids): the instrument
     # sees the loop's own reads, and there are no others
     assert counts["n"] == stats.rounds + 2, counts["where"]

@@ -1,5 +1,6 @@
 """StreamingLLM: exact window semantics (speculative == AR == full forward under a banded mask, on the static cache's
-ring and on the policy's own compressing cache) and reindexing."""
+ring and on the policy's own compressing cache) and reindexing (on the policy's own cache and on its static form,
+toolkit/kv/static_stream.py; their token-for-token equality is tests/test_static_stream.py's)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def streaming(**params):
 
 def run(model, drafter, policy, prompt, new_tokens, k=3, own_cache=False):
     """Decode; ``own_cache``: the target on the policy's own single-sequence cache (physical eviction at commit
-    points) instead of the cache the decoder picks (the static cache's ring for absolute positions + exact window)."""
+    points) instead of the policy's static form the decoder picks (the static cache's ring for absolute positions +
+    exact window, else buffers compacted at commit points)."""
     stats = GenerationStats()
     decoder = SpeculativeDecoder(model, drafter, ConstantK(k), policy)
     if own_cache:
@@ -99,29 +101,42 @@ def test_reindex_runs_past_max_positions(make):
     assert max(fed) < limit and all(finite)
 
 
+@pytest.mark.parametrize("own_cache", [True, False], ids=["own_cache", "static"])
 @pytest.mark.parametrize("make", [tiny_llama, tiny_neox])
-def test_reindexed_keys_equal_keys_computed_at_their_slots(make):
-    """Re-rotation is exact: layer-0 keys (context-free) equal a fresh forward of the kept tokens at slots 0..n-1."""
+def test_reindexed_keys_equal_keys_computed_at_their_slots(make, own_cache):
+    """Re-rotation is exact: layer-0 keys (context-free) equal a fresh forward of the kept tokens at slots 0..n-1,
+    on the policy's own cache and in the static form's buffers."""
+    from toolkit.kv.static_stream import StaticStreamKV
+
     target = make()
     policy = make_policy(KVSpec("streaming", {"sink_tokens": 4, "window": 12, "compress_interval": 4,
                                               "position_mode": "reindex"}))
     prompt = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
     decoder = SpeculativeDecoder(target, None, ConstantK(1), policy)
+    if own_cache:
+        decoder._new_cache = lambda prompts, gen: SingleRowCache(policy, target)
     ids = []
     for chunk in decoder.decode(prompt, GenerationSpec(max_new_tokens=50, ignore_eos=True), GenerationStats()):
         ids += chunk
-        assert isinstance(decoder.cache, SingleRowCache)  # reindexed positions: the policy's own cache
-        cache = decoder.cache.cache  # as the last round left it (the decoder lets go of it once done)
-    assert cache.compressions >= 3
+        cache = decoder.cache  # as the last round left it (the row leaves once done)
+        assert isinstance(cache, SingleRowCache if own_cache else StaticStreamKV)
+        if own_cache:
+            cache = cache.cache
+            compressions, held = cache.compressions, cache.physical_length(0)
+            keys, values = cache.layers[0].keys, cache.layers[0].values
+        else:
+            compressions, held = cache.compressions, cache.fill_held[cache.factor][0]
+            tier = cache.layers[0].tiers[0]
+            keys, values = tier.keys[:1, :, :held].clone(), tier.values[:1, :, :held].clone()
+    assert compressions >= 3
     sequence = prompt[0].tolist() + ids[:-1]  # the last token is not in the cache yet
-    held = cache.physical_length(0)
     kept = sequence[:4] + sequence[len(sequence) - (held - 4):]
     from transformers import DynamicCache
 
     fresh = DynamicCache()
     target(input_ids=torch.tensor([kept]), position_ids=torch.arange(held)[None], past_key_values=fresh)
-    torch.testing.assert_close(cache.layers[0].keys, fresh.layers[0].keys, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(cache.layers[0].values, fresh.layers[0].values)
+    torch.testing.assert_close(keys, fresh.layers[0].keys, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(values, fresh.layers[0].values)
 
 
 @pytest.mark.slow

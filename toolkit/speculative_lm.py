@@ -328,9 +328,9 @@ class SpeculativeLM:
     @property
     def batchable(self) -> bool:
         """The recipe runs as batched speculative decoding: a drafter whose config allows batches (model-free, an
-        EAGLE head, or a draft model with the target's vocabulary and an uncompressed draft cache) or AR; an
-        uncompressed target cache or one whose policy runs per row (StreamingLLM with absolute positions and the
-        exact window, KIVI-quantized, L2-norm, head-aware); chains (no token trees)."""
+        EAGLE head, or a draft model with the target's vocabulary and an uncompressed draft cache) or AR; a target
+        cache the static engine holds (every KV policy has a static form; on models with sliding-window layers only
+        the uncompressed cache: :func:`toolkit.kv.rows.static_why`), not llama.cpp's; chains (no token trees)."""
         from toolkit.kv.rows import static_why
 
         spec = self.recipe.spec
@@ -354,8 +354,8 @@ class SpeculativeLM:
         if not self.batchable or batch_size == 1:
             if batch_size > 1:
                 log.info("recipe %s runs its prompts one at a time (batched decoding does not cover token trees, "
-                         "cross-tokenizer drafts, compressed draft caches, StreamingLLM with reindexed positions or "
-                         "composed with quantization, llama.cpp targets)", self.recipe.name)
+                         "cross-tokenizer drafts, compressed draft caches, KV policies on models the static cache "
+                         "does not hold or with sliding-window layers, llama.cpp targets)", self.recipe.name)
             return [self.generate(p, **overrides) for p in prompts]
         gen = self._generation_spec(overrides)
         inputs = [self.encode(p) for p in prompts]

@@ -205,12 +205,15 @@ class QuantizedStreamingLLM(StreamingLLM):
     new_layers = QuantizedKV.new_layers
     compress_layer = QuantizedKV.compress_layer
 
-    @property
-    def static_cache(self):
-        """The static form (:class:`~toolkit.kv.static_quant.StaticQuantKV` with a ring of packed groups) with the
-        exact window, where what a query sees is fixed by its position; ``None`` without it (what a query sees
-        then depends on when groups were evicted)."""
-        return QuantizedKV.static_cache.__get__(self) if self.exact_window else None
+    def static_cache(self, model, rows: int, capacity: int, widest: int, static_span: bool = False):
+        """The decoder's form, one row or a batch: KIVI's static form with a ring of packed groups
+        (:class:`~toolkit.kv.static_quant.StaticQuantKV`), whose mask is the exact window, or without it the groups
+        the commit points have not evicted (:class:`~toolkit.kv.static_stream_quant.StaticStreamQuantKV`)."""
+        if self.exact_window:
+            return QuantizedKV.static_cache(self, model, rows, capacity, widest, static_span)
+        from toolkit.kv.static_stream_quant import StaticStreamQuantKV
+
+        return StaticStreamQuantKV(model, rows, capacity, widest, self, static_span=static_span)
 
     def make_cache(self, model) -> QuantizedKVCache:
         self.check_model(model, getattr(self, "_prefix", "kv"))

@@ -16,12 +16,13 @@ Between forwards row ``r`` represents the tokens committed so far but its last o
 Token trees (one row) add ``prepare_tree`` / ``keep_tree``, which only the static cache has
 (:mod:`toolkit.kv.static_tree`).
 
-Which cache a policy gets (:func:`rows_cache`): a static cache where the policy has a static form — the plain
-:class:`~toolkit.kv.static.StaticKV` (none, StreamingLLM with absolute positions and the exact window) or the
-policy's own ``static_cache`` (L2-norm and head-aware eviction: :mod:`toolkit.kv.static_evict`; KIVI quantization:
-:mod:`toolkit.kv.static_quant`), and for models with sliding-window layers (no policy)
-:class:`~toolkit.kv.static_sliding.SlidingStaticKV`; else, one sequence at a time, the policy's single-sequence cache
-behind :class:`SingleRowCache`. No ``isinstance``: each policy declares its forms.
+Which cache a policy gets (:func:`rows_cache`): a static cache wherever the model's layers allow — the plain
+:class:`~toolkit.kv.static.StaticKV` (no policy), :class:`~toolkit.kv.static_sliding.SlidingStaticKV` (no policy, a
+model with sliding-window layers) or the policy's own ``static_cache`` (StreamingLLM in every mode: the ring or
+:mod:`toolkit.kv.static_stream`; L2-norm and head-aware eviction: :mod:`toolkit.kv.static_evict`; KIVI quantization,
+alone or composed with StreamingLLM: :mod:`toolkit.kv.static_quant`, :mod:`toolkit.kv.static_stream_quant`); else,
+one sequence at a time, the policy's single-sequence cache behind :class:`SingleRowCache`. No ``isinstance``: each
+policy declares its forms.
 """
 
 from __future__ import annotations
@@ -62,9 +63,8 @@ class RowCache(Protocol):
 
 class SingleRowCache:
     """One sequence on a policy's single-sequence cache (:class:`~toolkit.kv.contract.CacheProtocol`: ``crop``,
-    ``commit``, ``forward_kwargs``): the form of policies without a static form (StreamingLLM with reindexed positions
-    or without the exact window, alone or composed with quantization) and of models the static cache does not hold;
-    chains only (token trees run on the static cache).
+    ``commit``, ``forward_kwargs``): the form of policies on models the static cache does not hold
+    (:func:`static_why`); chains only (token trees run on the static cache).
 
     Args:
         policy: the KV policy (``None``: an uncompressed ``DynamicCache``; the decoder uses the static cache there).
@@ -140,7 +140,7 @@ def rows_cache(policy, model, rows: int, capacity: int, widest: int, static_span
             return policy.static_cache(model, rows, capacity, widest, static_span=static_span)
         if SLIDING in layer_kinds(model):
             return SlidingStaticKV(model, rows, capacity, widest, static_span=static_span)
-        return StaticKV(model, rows, capacity, widest, window=policy, static_span=static_span)
+        return StaticKV(model, rows, capacity, widest, static_span=static_span)
     if rows == 1:
         return SingleRowCache(policy, model)
     raise ValueError(f"batch_size: requests cannot share a batch here ({static_why(policy, model)}); decode them one "

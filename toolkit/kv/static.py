@@ -24,10 +24,10 @@ policy keeps ``p`` for ``q``):
 
 Policies that change what they hold at commit points subclass it with buffers of their own, still fixed in size and
 moved only at commit points: L2-norm and head-aware eviction as fixed-budget tiers compacted there
-(:mod:`toolkit.kv.static_evict`), KIVI quantization (standalone, or composed with StreamingLLM's exact window) as
-packed groups, fp sinks and a fixed fp residual whose whole groups are packed there (:mod:`toolkit.kv.static_quant`).
-:func:`static_form` says which policies have a static form: every one but StreamingLLM with reindexed positions or
-without the exact window, alone or composed with quantization (what those hold depends on when they compress).
+(:mod:`toolkit.kv.static_evict`), StreamingLLM with reindexed positions or without the exact window the same way
+(:mod:`toolkit.kv.static_stream`), KIVI quantization (standalone, or composed with StreamingLLM) as packed groups, fp
+sinks and a fixed fp residual whose whole groups are packed there (:mod:`toolkit.kv.static_quant`,
+:mod:`toolkit.kv.static_stream_quant`). Every policy declares its static form (``static_cache``; :func:`static_form`).
 """
 
 from __future__ import annotations
@@ -58,20 +58,12 @@ def spare_rows(rows: int, static_span: bool) -> int:
 
 
 def static_form(policy) -> str | None:
-    """Why ``policy`` has no static form (``None``: it has one). :class:`StaticKV` holds no policy (``None``) and
-    StreamingLLM with absolute positions and the exact window (its ring); a policy whose ``static_cache`` is not
-    ``None`` builds its own (L2-norm and head-aware eviction: :mod:`toolkit.kv.static_evict`; KIVI quantization,
-    composed with StreamingLLM only with the exact window: :mod:`toolkit.kv.static_quant`)."""
+    """Why ``policy`` has no static form (``None``: it has one). :class:`StaticKV` holds no policy (``None``); a
+    policy declares its own form by its ``static_cache(model, rows, capacity, widest, static_span)`` (every torch
+    policy does: StreamingLLM's ring or :mod:`toolkit.kv.static_stream`, L2-norm and head-aware eviction
+    :mod:`toolkit.kv.static_evict`, KIVI :mod:`toolkit.kv.static_quant` and :mod:`toolkit.kv.static_stream_quant`)."""
     if policy is None or getattr(policy, "static_cache", None) is not None:
         return None
-    from toolkit.kv.streaming import StreamingLLM
-
-    if type(policy) is StreamingLLM and policy.ring:
-        return None
-    if isinstance(policy, StreamingLLM):
-        quantized = " composed with quantization" if type(policy) is not StreamingLLM else ""
-        return f"StreamingLLM{quantized} with reindexed positions or without the exact window (what it holds " \
-               "depends on when it compresses)"
     return f"the {policy.name} policy (it has no static form)"
 
 
@@ -148,7 +140,7 @@ class StaticKV(TreeRows, Cache):
         held: the same on the host (kept in step by :meth:`accept`; no device read).
 
     Raises:
-        ValueError: ``rows`` or ``capacity`` < 1, or a ``window`` policy :func:`static_form` refuses.
+        ValueError: ``rows`` or ``capacity`` < 1, or a ``window`` policy the ring does not hold.
     """
 
     compressions = 0
@@ -159,8 +151,8 @@ class StaticKV(TreeRows, Cache):
         if rows < 1 or capacity < 1:
             raise ValueError(f"rows and capacity: must be >= 1, got {rows} and {capacity}")
         if window is not None and (not getattr(window, "ring", False) or hasattr(window, "quant_bits")):
-            problem = static_form(window) or f"the {window.name} policy (its static_cache builds a cache of its own)"
-            raise ValueError(f"window: the plain static cache and its ring do not hold {problem}")
+            raise ValueError(f"window: the ring holds StreamingLLM with absolute positions and the exact window only, "
+                             f"not this {window.name} policy (its static_cache builds a cache of its own)")
         num_layers, kv_heads, head_dim, dtype, device = kv_geometry(model, dtype, device)
         self.policy, self.window, self.widest = window, window, widest
         self.sinks = window.sink_tokens if window is not None else 0
@@ -293,11 +285,9 @@ class StaticKV(TreeRows, Cache):
         if self.active >= self.allocated:
             raise ValueError(f"StaticKV: all {self.allocated} rows are in use")
         device = self.lengths.device
-        positions = torch.arange(length, device=device)
-        kwargs = {"position_ids": positions.view(1, -1)}
+        kwargs = {"position_ids": torch.arange(length, device=device).view(1, -1)}
         if self.window is not None:
-            query, key = positions[:, None], positions[None, :]
-            kwargs["attention_mask"] = ((key <= query) & self.window.in_window(key, query))[None, None]
+            kwargs["attention_mask"] = self.window.prompt_mask(length, device)
         cache = DynamicCache()
         return cache, {**kwargs, "past_key_values": cache}
 

@@ -119,6 +119,8 @@ class StaticEvictKV(StaticKV):
         fill: ``{factor: (rows,) long}`` on the device, slots each row holds in the tiers of ``factor``;
         fill_held: the same on the host.
         slots_of: ``{factor: slots per row}`` of the tiers' buffers.
+        pending_limit: tokens a row may take between commit points (the widest forward): a drafter feeding more
+            commits between its forwards.
     """
 
     def __init__(self, model, rows: int, capacity: int, widest: int, policy, dtype=None, device=None,
@@ -128,6 +130,7 @@ class StaticEvictKV(StaticKV):
         layers_n, kv_heads, head_dim, dtype, device = kv_geometry(model, dtype, device)
         self.policy, self.window, self.widest, self.sinks, self.ring = policy, None, widest, 0, 0
         self.capacity, self.static_span, self.num_kv_heads = capacity, static_span, kv_heads
+        self.pending_limit = widest  # a tier holds budget + interval + widest: one forward between commit points
         plans = policy.plan(model) if hasattr(policy, "plan") else [
             ([torch.arange(kv_heads)], [1.0]) if policy.compresses_layer(i) else None for i in range(layers_n)]
         plans = [([torch.arange(kv_heads)], [FULL]) if p is None else p for p in plans]
@@ -189,10 +192,12 @@ class StaticEvictKV(StaticKV):
         return list(self.masks.values()), list(self.write_index_of.values())
 
     def tree_view(self, view) -> torch.Tensor:
-        """Token trees (:mod:`toolkit.kv.static_tree`): ``view`` over every factor's mask and write index."""
+        """Token trees (:mod:`toolkit.kv.static_tree`): ``view`` over every factor's mask and write index (the model's
+        ``attention_mask`` stays the same factor's: the uncompressed tier's, or a single tier's)."""
+        main = next(f for f, mask in self.masks.items() if mask is self.attention_mask)
         for factor in self.masks:
             self.masks[factor], self.write_index_of[factor] = view(self.masks[factor], self.write_index_of[factor])
-        self.write_index, self.attention_mask = self.write_index_of[FULL], self.masks[FULL]
+        self.write_index, self.attention_mask = self.write_index_of[main], self.masks[main]
         return self.attention_mask
 
     def tree_entries(self):
@@ -227,12 +232,18 @@ class StaticEvictKV(StaticKV):
         for index, layer in enumerate(self.layers):
             for tier in layer.tiers:
                 if tier.factor == factor:
-                    keys, values = tier.keys[row:row + 1, :, :n], tier.values[row:row + 1, :, :n]
-                    keep = self.policy.select(keys, values, index, budget)
-                    tier.keys[row:row + 1, :, :budget] = gather_seq(keys, keep)
-                    tier.values[row:row + 1, :, :budget] = gather_seq(values, keep)
+                    keys, values = self.kept(tier.keys[row:row + 1, :, :n], tier.values[row:row + 1, :, :n], index,
+                                             budget)
+                    tier.keys[row:row + 1, :, :budget], tier.values[row:row + 1, :, :budget] = keys, values
         self.fill[factor][row] = budget
         self.fill_held[factor][row] = budget
+
+    def kept(self, keys: torch.Tensor, values: torch.Tensor, layer: int, budget: int):
+        """What a compaction of layer ``layer`` keeps of one row's entries ``keys`` / ``values`` ``(1, heads, n,
+        head_dim)``: per head the ``budget`` entries the policy's ``select`` picks, in order, ``(1, heads, budget,
+        head_dim)`` each."""
+        keep = self.policy.select(keys, values, layer, budget)
+        return gather_seq(keys, keep), gather_seq(values, keep)
 
     # ------------------------------------------------------------------------------------------------ rows
     def load_row(self, row: int, source: Cache, length: int) -> None:
@@ -248,8 +259,7 @@ class StaticEvictKV(StaticKV):
                 if tier.factor is not FULL:
                     budget = self.budget(tier.factor, length)
                     if length > budget + self.policy.compress_interval:
-                        keep = self.policy.select(keys, values, index, budget)
-                        keys, values = gather_seq(keys, keep), gather_seq(values, keep)
+                        keys, values = self.kept(keys, values, index, budget)
                 tier.keys[row, :, :keys.shape[-2]] = keys[0]
                 tier.values[row, :, :values.shape[-2]] = values[0]
         compacted = False

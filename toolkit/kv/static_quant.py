@@ -28,7 +28,8 @@ holds at most ``max(R, G - 1)`` tokens, so ``S + max(R, G - 1) + widest`` fp slo
 
 Composed with StreamingLLM (:class:`~toolkit.kv.quantized.QuantizedStreamingLLM`, exact window): the packed groups
 form a ring of ``(window - 1) // G + 2`` groups (group ``g`` at ring slot ``g mod groups``) and every part of the mask
-adds the window, so memory is fixed whatever the generation length.
+adds the window, so memory is fixed whatever the generation length. Without the exact window the ring shows the
+groups the commit points have not evicted (:mod:`toolkit.kv.static_stream_quant`).
 
 A prompt is prefilled alone at full precision (a ``DynamicCache``, SDPA's causal kernel; under the window's mask in
 the streaming composition), as KIVI and the single-sequence cache prefill, and packed into its row as that cache's
@@ -137,17 +138,22 @@ class StaticQuantKV(StaticKV):
             commits between its forwards.
 
     Raises:
-        ValueError: ``rows`` or ``capacity`` < 1; a streaming policy without the exact window.
+        ValueError: ``rows`` or ``capacity`` < 1; a streaming policy without the exact window (its form is
+            :class:`~toolkit.kv.static_stream_quant.StaticStreamQuantKV`).
         ConfigError: ``quant_group_size`` does not divide the model's head_dim.
     """
+
+    #: the StreamingLLM window this form holds: the exact one (the band mask)
+    exact_window = True
 
     def __init__(self, model, rows: int, capacity: int, widest: int, policy, dtype=None, device=None,
                  static_span: bool = False):
         if rows < 1 or capacity < 1:
             raise ValueError(f"rows and capacity: must be >= 1, got {rows} and {capacity}")
         streaming = getattr(policy, "window", None) is not None
-        if streaming and not policy.exact_window:
-            raise ValueError("policy: the static quantized cache holds a StreamingLLM window only with exact_window")
+        if streaming and policy.exact_window != self.exact_window:
+            raise ValueError(f"policy: {type(self).__name__} holds a StreamingLLM window with exact_window "
+                             f"{self.exact_window} only")
         policy.check_model(model, getattr(policy, "_prefix", "kv"))  # groups of values must divide head_dim
         layers_n, kv_heads, head_dim, dtype, device = kv_geometry(model, dtype, device)
         self.policy, self.widest, self.capacity = policy, widest, capacity
@@ -161,7 +167,7 @@ class StaticQuantKV(StaticKV):
         # groups, rounded up to SPAN_STEP tokens, one step short of the buffer (see StaticKV)
         self.group_step = 1 if static_span else max(2, SPAN_STEP // self.group)
         if streaming:
-            self.ring_groups = self.groups = (policy.window - 1) // self.group + 2
+            self.ring_groups = self.groups = self.ring_size()
         else:
             self.ring_groups = 0
             whole = max(1, (capacity - self.sinks) // self.group)
@@ -236,12 +242,22 @@ class StaticQuantKV(StaticKV):
             groups = torch.arange(self.packed_span(rows), device=device).view(1, 1, -1) * self.group
             self.packed_mask = (groups < quantized).expand(-1, width, -1).contiguous()[:, None]
         if self.window is not None:
-            parts = [(at, seen & self.window.in_window(at, query)) for at, seen in parts]
+            parts = [(at, seen & self.window_mask(at, query, rows)) for at, seen in parts]
         if self.ring_groups:
             self.packed_mask = parts.pop(0)[1][:, None]
         self.fp_mask = torch.cat([seen for _, seen in parts], dim=-1)[:, None]
         self.attention_mask = self.packed_mask
         return {"position_ids": positions, "attention_mask": self.packed_mask, "past_key_values": self}
+
+    def ring_size(self) -> int:
+        """Packed groups of the ring under a window: every group the exact window shows some query,
+        ``(window - 1) // G + 2``."""
+        return (self.policy.window - 1) // self.group + 2
+
+    def window_mask(self, at: torch.Tensor, query: torch.Tensor, rows: range) -> torch.Tensor:
+        """Under a window, whether a query at ``query`` ``(B, W, 1)`` sees the entry at position ``at`` ``(B, 1, T)``
+        of rows ``rows``, causality and quantization apart: the exact window."""
+        return self.window.in_window(at, query)
 
     def _straddles(self, rows: range) -> bool:
         """Whether a one-token forward's query is past the boundary of a row's last commit point (a drafter's steps
@@ -294,11 +310,14 @@ class StaticQuantKV(StaticKV):
         groups = torch.arange(first, first + count, device=self.lengths.device)
         return torch.remainder(groups, self.ring_groups) if self.ring_groups else groups
 
-    def _pack_row(self, row: int, move: int) -> None:
+    def _pack_row(self, row: int, move: int, skip: int = 0) -> None:
+        """Row ``row`` packs the ``move`` oldest tokens of its residual (whole groups) but the first ``skip`` (whole
+        groups evicted at the same commit point: dropped unpacked) and moves the rest of its residual down."""
         s, done = self.sinks, self.quantized_held[row]
-        slots = self._group_slots(done // self.group, move // self.group)
+        slots = self._group_slots((done + skip) // self.group, (move - skip) // self.group)
         for layer in self.layers:
-            layer.pack(row, slots, layer.keys[row, :, s:s + move], layer.values[row, :, s:s + move])
+            if move > skip:
+                layer.pack(row, slots, layer.keys[row, :, s + skip:s + move], layer.values[row, :, s + skip:s + move])
             for buffer in (layer.keys, layer.values):
                 buffer[row, :, s:self.fp_slots - move] = buffer[row, :, s + move:].clone()
         self.quantized[row] = done + move
@@ -342,7 +361,10 @@ class StaticQuantKV(StaticKV):
         per_slot = (layer.keys[0].nbytes + layer.values[0].nbytes) // self.fp_slots
         total = 0
         for r in range(self.active):
-            groups = self.quantized_held[r] // self.group
-            groups = min(groups, self.ring_groups) if self.ring_groups else groups
-            total += per_group * groups + per_slot * (self.held[r] - self.quantized_held[r])
+            total += per_group * self.groups_held(r) + per_slot * (self.held[r] - self.quantized_held[r])
         return total * len(self.layers)
+
+    def groups_held(self, row: int) -> int:
+        """Packed groups row ``row`` holds (the ring's: at most its size)."""
+        groups = self.quantized_held[row] // self.group
+        return min(groups, self.ring_groups) if self.ring_groups else groups

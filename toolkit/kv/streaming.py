@@ -16,8 +16,9 @@ Position modes (``position_mode``):
   or ``prompt_len - 1`` during the prefill, which sees the whole prompt at positions ``0 .. prompt_len - 1`` (so
   the prompt itself must fit the context: :meth:`toolkit.speculative_lm.SpeculativeLM.check_request`). Needs a RoPE
   model.
-  The toolkit decoder passes absolute positions and :meth:`StreamingCache.forward_kwargs` maps them to slots;
-  ``model.generate`` computes its own absolute positions, so use ``absolute`` there.
+  The toolkit decoder passes absolute positions and the cache maps them to slots (:meth:`StreamingCache.forward_kwargs`;
+  on the static engine a row's slots are its fill, :mod:`toolkit.kv.static_stream`); ``model.generate`` computes
+  its own absolute positions, so use ``absolute`` there.
 
 Window semantics (``exact_window``, default true): every query at absolute position ``p`` attends to exactly the
 sinks plus positions ``p - window + 1 .. p`` (its own last ``window`` positions), through a banded additive 4D mask
@@ -25,6 +26,12 @@ over ``[cache entries, new tokens]`` — so the amortization slack (``compress_i
 verify forward see the same context as one-token autoregressive decoding, and greedy speculative output equals AR
 greedy output under this policy. With ``exact_window: false`` a query attends to everything held (the paper's
 rolling cache; the effective window then varies between ``window`` and ``window + compress_interval + K``).
+
+The decoder's form, one row or a batch (:meth:`StreamingLLM.static_cache`): absolute positions with the exact window
+are the static cache's ring (:mod:`toolkit.kv.static`), what a query sees being fixed by its position alone; every
+other mode holds what its commit points keep, in a fixed buffer of ``sink_tokens + window + compress_interval +
+widest`` slots per row compacted in place at commit points (:mod:`toolkit.kv.static_stream`). This module's
+:class:`StreamingCache` is the reference it is tested against, and the form of token trees and ``model.generate``.
 """
 
 from __future__ import annotations
@@ -111,21 +118,47 @@ class StreamingLLM(KVPolicy):
                               f"forward) = {needed} exceeds max_position_embeddings={limit}: reindexed slots must "
                               "stay below it")
 
+    def prompt_mask(self, length: int, device) -> torch.Tensor | None:
+        """The boolean ``(1, 1, length, length)`` mask of a prompt's forward into an empty cache (positions
+        ``0 .. length - 1``): causal under the exact window, ``None`` (plain causal attention) without it."""
+        if not self.exact_window:
+            return None
+        positions = torch.arange(length, device=device)
+        query, key = positions[:, None], positions[None, :]
+        return ((key <= query) & self.in_window(key, query))[None, None]
+
+    def static_cache(self, model, rows: int, capacity: int, widest: int, static_span: bool = False):
+        """The decoder's form, one row or a batch: with absolute positions and the exact window the static cache's
+        ring (:class:`~toolkit.kv.static.StaticKV`), else the fixed buffers compacted at commit points
+        (:class:`~toolkit.kv.static_stream.StaticStreamKV`; reindexed positions, the rolling cache)."""
+        from toolkit.kv.static import StaticKV
+        from toolkit.kv.static_stream import StaticStreamKV
+
+        if self.ring:
+            return StaticKV(model, rows, capacity, widest, window=self, static_span=static_span)
+        return StaticStreamKV(model, rows, capacity, widest, self, static_span=static_span)
+
     def make_cache(self, model) -> StreamingCache:
         self.check_model(model, getattr(self, "_prefix", "kv"))
         return StreamingCache(self, model)
 
     def compress_layer(self, cache: StreamingCache, layer_idx: int, layer) -> bool:
-        held, budget = layer.keys.shape[-2], self.budget_for()
-        if held <= budget + self.compress_interval:
+        if layer.keys.shape[-2] <= self.budget_for() + self.compress_interval:
             return False
-        sinks, evict = self.sink_tokens, held - budget
-        recent_keys = layer.keys[:, :, held - self.window:]
-        if cache.inv_freq is not None:  # reindex: the kept window moves down by `evict` slots
-            recent_keys = shift_positions(recent_keys, cache.inv_freq, -evict)
-        layer.keys = torch.cat((layer.keys[:, :, :sinks], recent_keys), dim=2)
-        layer.values = torch.cat((layer.values[:, :, :sinks], layer.values[:, :, held - self.window:]), dim=2)
+        layer.keys, layer.values = self.kept(layer.keys, layer.values, cache.inv_freq)
         return True
+
+    def kept(self, keys: torch.Tensor, values: torch.Tensor, inv_freq: torch.Tensor | None):
+        """What a compression keeps of a layer's ``n`` entries ``keys`` / ``values`` ``(batch, kv_heads, n,
+        head_dim)``: the sinks and the last ``window``, ``(batch, kv_heads, sink_tokens + window, head_dim)`` each.
+        With ``inv_freq`` (reindex) the kept window's keys are re-rotated down by the ``n - sink_tokens - window``
+        slots evicted (:func:`toolkit.kv.rope.shift_positions`)."""
+        held, sinks = keys.shape[-2], self.sink_tokens
+        recent_keys = keys[:, :, held - self.window:]
+        if inv_freq is not None:  # reindex: the kept window moves down by the evicted slots
+            recent_keys = shift_positions(recent_keys, inv_freq, -(held - self.budget_for()))
+        return (torch.cat((keys[:, :, :sinks], recent_keys), dim=2),
+                torch.cat((values[:, :, :sinks], values[:, :, held - self.window:]), dim=2))
 
 
 class StreamingCache(CompressedCache):

@@ -4,8 +4,9 @@ every row in flight at once — one sequence is a batch of one — on its own ca
 The draft network runs on the same engine as the target (:class:`~toolkit.engine.forward.TargetForward`): on its
 own static cache (:class:`~toolkit.kv.static.StaticKV`, gpt-fast's layout) its forwards are compiled where the
 recipe compiles (CPU: a graph for one-token steps and one for wider forwards; CUDA: CUDA graphs over buckets), and
-rollback is moving per-row lengths. A draft KV policy without a static form drafts chains one request at a time on
-the policy's single-sequence cache (:class:`~toolkit.kv.rows.SingleRowCache`), eager.
+rollback is moving per-row lengths; a draft KV policy has its static form there too. A draft the static cache does not
+hold (:func:`~toolkit.kv.rows.static_why`) drafts chains one request at a time on the policy's single-sequence cache
+(:class:`~toolkit.kv.rows.SingleRowCache`), eager.
 
 A round (the row protocol of :mod:`toolkit.speculative.drafters.rows`)::
 
@@ -139,10 +140,10 @@ class DraftModel(ModelDrafter):
     # ------------------------------------------------------------------------------------------------ rows
     def start(self, rows: int, capacity: int, widest: int, gen, tree=None) -> None:
         """The draft cache of this call: the engine's static cache (kept across calls) where it holds the policy,
-        else the policy's single-sequence cache (compressed draft caches without a static form: one row, chains).
-        Token trees (``tree``, a :class:`~toolkit.speculative.tree.TreeShape`) widen what it holds between commit
-        points to a catch-up (at most 2 tokens after a tree round) and an expansion region (``depth - 1`` levels of
-        ``topk`` nodes).
+        else the policy's single-sequence cache (drafts the static cache does not hold: one row, chains). Token
+        trees (``tree``, a :class:`~toolkit.speculative.tree.TreeShape`) widen what it holds between commit points to
+        a catch-up (at most 2 tokens after a tree round) and an expansion region (``depth - 1`` levels of ``topk``
+        nodes).
 
         Raises:
             ValueError: ``rows > 1`` where the draft cache holds one sequence.
