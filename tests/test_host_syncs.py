@@ -168,7 +168,7 @@ def test_tree_rounds_read_the_device_once_per_round(compiled, do_sample, policy)
 
     target = tiny_llama(seed=0, **INIT)
     forward = TargetForward(target, compile=compiled, backend="eager")
-    kv = None if POLICIES[policy] is None else make_policy(KVSpec(policy, POLICIES[policy]))
+    kv = None if POLICIES[policy] is None else make_policy(KVSpec(*POLICIES[policy]))
     drafter = SuffixDrafter(max_spec_factor=2.0, min_token_prob=0.05)  # remembers the warm-up request
     decoder = SpeculativeDecoder(target, drafter, ConstantK(4), kv, tree=TreeShape(8, 5, 1), forward=forward)
     gen = GenerationSpec(max_new_tokens=30, ignore_eos=True, do_sample=do_sample, temperature=0.3, top_k=5, seed=3)
