@@ -14,7 +14,10 @@ verify length), interleaved per prompt, median of ``--repeats``:
   ``budget - 4`` window), compiled;
 * ``kivi`` — KIVI (Liu et al., ICML 2024): 4-bit keys per channel / values per token in groups of 32, 4 sinks and a
   128-token full-precision residual, compiled;
-* ``l2_eager`` / ``kivi_eager`` — ``l2`` / ``kivi`` with ``compile: off`` (their own eager forms);
+* ``streaming_rolling`` — StreamingLLM as the paper runs it (``exact_window: false``: every query sees all the cache
+  holds, compacted at commit points; :mod:`toolkit.kv.static_stream`), compiled;
+* ``l2_eager`` / ``streaming_eager`` / ``kivi_eager`` — ``l2`` / ``streaming`` / ``kivi`` with ``compile: off``
+  (their own eager forms);
 * HF ``generate`` on the same weights: eager AR (``ar``), static cache + ``torch.compile`` (``ar_static``), prompt
   lookup K = 10 (``prompt_lookup_10``).
 
@@ -58,8 +61,12 @@ def policies(budget: int) -> dict[str, dict]:
             "head_aware": ({"policy": "head_aware", **evict}, "auto"),
             "streaming": ({"policy": "streaming", "sink_tokens": 4, "window": budget - 4, "compress_interval": 32},
                           "auto"),
+            "streaming_rolling": ({"policy": "streaming", "sink_tokens": 4, "window": budget - 4,
+                                   "compress_interval": 32, "exact_window": False}, "auto"),
             "kivi": (kivi, "auto"),
             "l2_eager": ({"policy": "l2norm", **evict}, "off"),
+            "streaming_eager": ({"policy": "streaming", "sink_tokens": 4, "window": budget - 4,
+                                 "compress_interval": 32}, "off"),
             "kivi_eager": (kivi, "off")}
 
 
