@@ -169,3 +169,19 @@ def test_batched_calls_learn_the_draft_acceptance_together(setup):
     assert lm.draft_acceptance.decisions > first
     lm.forget()
     assert lm.draft_acceptance.decisions == 0
+
+
+def test_a_compressed_draft_cache_batches_too(setup):
+    """Every draft KV policy has a static form, so a draft model whose cache evicts (L2-norm, compacted at commit
+    points between catch-up chunks) drafts for a whole batch; the output is still each prompt's greedy text."""
+    target, draft, batch, alone = setup
+    recipe = toolkit.Recipe.from_dict({"name": "draft-batch-l2", "target": {"device": "cpu"}, "draft": {"device": "cpu"},
+                                       "draft_kv": {"policy": "l2norm", "budget": 12, "sink_tokens": 2,
+                                                    "protect_recent": 4, "compress_interval": 4, "skip_layers": []},
+                                       "spec": {"drafter": "draft_model", "num_draft_tokens": 4},
+                                       "generation": {"max_new_tokens": 24, "ignore_eos": True}})
+    generator = toolkit.build(recipe, target=target, tokenizer=None, draft_model=draft)
+    assert generator.batchable and generator.capabilities.draft_static is None
+    rows = generator.generate_batch(batch[:4], batch_size=4)
+    assert [r.token_ids for r in rows] == alone[:4]
+    assert sum(r.stats.accepted for r in rows) > 0 and all(r.stats.compressions_draft > 0 for r in rows)

@@ -140,14 +140,8 @@ def test_what_the_static_cache_does_not_hold_runs_eager(setup):
                           "quant_group_size": 16, "residual_length": 8, "exact_window": exact}))[0]
     assert engine(base.replace(spec=SpeculationSpec(drafter="suffix", tree=True)))[0]  # trees on the static engine
     wide = base.replace(spec=SpeculationSpec(drafter="suffix", tree=True, tree_budget=100))
-    original = TargetForward.__init__
-
-    def bucketed(self, *args, **kwargs):  # CUDA's bucketed shapes, on the CPU
-        original(self, *args, **kwargs)
-        self.buckets = self.compiled
-
     with pytest.MonkeyPatch.context() as patch:  # a 101-token tree verify is past the widest CUDA graph (64 tokens)
-        patch.setattr(TargetForward, "__init__", bucketed)
+        patch.setattr("toolkit.engine.forward.bucketed", lambda device: True)  # CUDA's bucketed shapes, on the CPU
         forward, why = forward_for(wide, target, plan(wide))
     assert not forward.compiled and "past the widest CUDA graph bucket, 64 tokens" in why
     chunked = tiny_llama(seed=0)
@@ -222,7 +216,7 @@ def test_first_call_reports_its_compile_apart_and_announces_it(monkeypatch, capl
     from toolkit.errors import ConfigError
     from toolkit.speculative_lm import SpeculativeLM
 
-    def eager_backend(recipe, target, plan):  # dynamo traces as inductor would, without code generation (fast)
+    def eager_backend(recipe, target, plan, caps=None):  # dynamo traces as inductor would, without code generation (fast)
         return TargetForward(target, compile=True, backend="eager"), "compiled static engine (test: eager backend)"
 
     monkeypatch.setattr("toolkit.speculative_lm.forward_for", eager_backend)

@@ -20,11 +20,11 @@ from collections.abc import Iterator
 import torch
 
 from toolkit import requests
+from toolkit.engine.capabilities import capabilities
 from toolkit.engine.cost import load_or_measure
 from toolkit.engine.decoder import SpeculativeDecoder
 from toolkit.engine.forward import TargetForward, forward_for
 from toolkit.engine.planner import ForwardCost, make_controller
-from toolkit.engine.tree import check_tree_support
 from toolkit.errors import ConfigError
 from toolkit.models import model_vocab_size, weight_bytes, weights_note
 from toolkit.models.llamacpp import is_llamacpp
@@ -62,10 +62,12 @@ class SpeculativeLM:
                              "draft": weight_bytes(draft_model) if draft_model is not None else 0}
         self.weights = {"target": weights_note(target),
                         "draft": weights_note(draft_model) if draft_model is not None else ""}
-        if plan.recipe.spec.tree:  # the models too (the plan checked the policies): at build time, not at a first round
-            check_tree_support(self.target_policy, target, "target")
-            if plan.recipe.spec.config.uses_draft_model:
-                check_tree_support(self.draft_policy, draft_model, "draft")
+        # what the recipe can do on these models, once (the plan checked the policies alone): at build time, not at a
+        # first round
+        self.capabilities = capabilities(plan, target, draft_model, draft_tokenizer)
+        if self.capabilities.tree:
+            raise ConfigError("spec.tree", self.capabilities.tree, [False])
+        log.info("recipe %s: %s", self.recipe.name, self.capabilities.summary())
         self._persistent_drafter = None  # a drafter whose config is `persistent` (memory across requests): ONE
         self._verify_cost = None  # the target's verify cost curve (adaptive: cost), measured or read once
         self._engine = None  # the target's forward (recipe.compile: compiled static engine or eager), at first use
@@ -144,14 +146,9 @@ class SpeculativeLM:
         """The draft LM's forward (``None`` without one): compiled on its own static cache where the target's forward
         is compiled, the draft cache has a static form and (``compile: auto``) compiling pays for its weights."""
         if self._draft_engine is None and self.draft_model is not None and self.recipe.spec.config.uses_draft_model:
-            from toolkit.engine.forward import compile_pays
-            from toolkit.kv.rows import static_why
-
-            engine, draft = self.engine, self.draft_model
-            compiled = engine.compiled and static_why(self.draft_policy, draft) is None \
-                and (self.recipe.compile != "auto" or compile_pays(draft))
-            self._draft_engine = TargetForward(draft, compile=compiled, backend=engine.backend, tuned=engine.tuned,
-                                               name="draft")
+            engine = self.engine
+            self._draft_engine = TargetForward(self.draft_model, compile=self.capabilities.draft_compile is None,
+                                               backend=engine.backend, tuned=engine.tuned, name="draft")
         return self._draft_engine
 
     def forget(self) -> None:
@@ -194,7 +191,7 @@ class SpeculativeLM:
             self._engine, self.engine_note = llamacpp_forward_for(self.recipe, self.target, self.plan)
             log.info("decoding path: %s", self.engine_note)
         if self._engine is None:
-            self._engine, self.engine_note = forward_for(self.recipe, self.target, self.plan)
+            self._engine, self.engine_note = forward_for(self.recipe, self.target, self.plan, self.capabilities)
             log.info("decoding path: %s", self.engine_note)
         return self._engine
 
@@ -327,16 +324,11 @@ class SpeculativeLM:
     # -------------------------------------------------------------------------------------------- batches
     @property
     def batchable(self) -> bool:
-        """The recipe runs as batched speculative decoding: a drafter whose config allows batches (model-free, an
-        EAGLE head, or a draft model with the target's vocabulary and an uncompressed draft cache) or AR; a target
-        cache the static engine holds (every KV policy has a static form; on models with sliding-window layers only
-        the uncompressed cache: :func:`toolkit.kv.rows.static_why`), not llama.cpp's; chains (no token trees)."""
-        from toolkit.kv.rows import static_why
-
-        spec = self.recipe.spec
-        policy_ok = static_why(self.target_policy, self.target) is None and not is_llamacpp(self.target)
-        draft_ok = not spec.config.uses_draft_model or (self.draft_tokenizer is None and self.draft_policy is None)
-        return spec.config.batch and policy_ok and draft_ok and not spec.tree
+        """The recipe runs as batched speculative decoding (:attr:`capabilities`' ``batch``): a drafter whose config
+        allows batches (model-free, an EAGLE head, a draft model sharing the target's vocabulary) or AR, on caches the
+        static engine holds (every KV policy has a static form; on models with sliding-window layers only the
+        uncompressed cache: :func:`toolkit.kv.rows.static_why`), not llama.cpp's; chains (no token trees)."""
+        return self.capabilities.batch is None
 
     def generate_batch(self, prompts: list, batch_size: int | None = None, **overrides) -> list[GenerationResult]:
         """Generate a completion of every prompt, ``batch_size`` of them per target forward (continuous batching:
@@ -353,9 +345,7 @@ class SpeculativeLM:
         check_int("batch_size", batch_size, low=1, high=BATCH_SIZE_MAX)
         if not self.batchable or batch_size == 1:
             if batch_size > 1:
-                log.info("recipe %s runs its prompts one at a time (batched decoding does not cover token trees, "
-                         "cross-tokenizer drafts, compressed draft caches, KV policies on models the static cache "
-                         "does not hold or with sliding-window layers, llama.cpp targets)", self.recipe.name)
+                log.info("recipe %s runs its prompts one at a time: %s", self.recipe.name, self.capabilities.batch)
             return [self.generate(p, **overrides) for p in prompts]
         gen = self._generation_spec(overrides)
         inputs = [self.encode(p) for p in prompts]

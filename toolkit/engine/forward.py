@@ -57,6 +57,12 @@ COLD_COMPILE = {"cpu": "about 20-100 s on a 2-core CPU", "cpu-tuned": "several m
                 "cuda": "tens of seconds"}
 
 
+def bucketed(device: torch.device) -> bool:
+    """Whether compiled forwards on ``device`` pad to static shapes (CUDA graphs: :data:`CUDA_WIDTHS` x
+    :data:`CUDA_BATCH_SIZES`); on CPU widths and spans are dynamic sizes."""
+    return device.type == "cuda"
+
+
 def _graphs() -> int:
     """Graphs dynamo has compiled in this process (a call that raises it compiled; recompiles for a new cache shape
     included)."""
@@ -150,7 +156,7 @@ class TargetForward:
                  buckets: bool | None = None, tuned: bool = False, name: str = "target"):
         self.model, self.name = model, name
         self.device = next(model.parameters()).device
-        self.buckets = (self.device.type == "cuda") if buckets is None else buckets
+        self.buckets = bucketed(self.device) if buckets is None else buckets
         self.widths, self.batch_sizes = CUDA_WIDTHS, CUDA_BATCH_SIZES
         self.mode = mode or MODES.get(self.device.type, "default")
         self.compile_s: dict[tuple, float] = {}
@@ -373,27 +379,20 @@ def compile_pays(target) -> bool:
         isinstance(m, PackedInt4Linear) for m in target.modules())
 
 
-def forward_for(recipe, target, plan) -> tuple[TargetForward, str]:
-    """``(TargetForward, why)`` for a :class:`~toolkit.recipe.Recipe`'s ``compile`` field and its
-    :class:`~toolkit.session.Plan`: ``on`` compiles where the static cache holds the recipe (a KV policy with a
-    static form, full-attention and sliding-window layers; token trees too, within the widest CUDA graph bucket);
-    ``auto`` also needs :func:`compile_pays`; ``max`` is ``on`` with :data:`TUNED_CPU_OPTIONS` on CPU."""
-    from toolkit.kv.rows import static_why
+def forward_for(recipe, target, plan, caps=None) -> tuple[TargetForward, str]:
+    """``(TargetForward, why)`` for a :class:`~toolkit.recipe.Recipe`'s ``compile`` field on ``target``, as its
+    :class:`~toolkit.engine.capabilities.Capabilities` ``caps`` say (worked out from ``plan`` when not given):
+    ``on`` compiles where the static cache holds the recipe (every KV policy has a static form; full-attention and
+    sliding-window layers; token trees too, within the widest CUDA graph bucket); ``auto`` also needs
+    :func:`compile_pays`; ``max`` is ``on`` with :data:`TUNED_CPU_OPTIONS` on CPU."""
+    from toolkit.engine.capabilities import capabilities
     from toolkit.models.loading import weights_note
 
+    caps = caps if caps is not None else capabilities(plan, target)
+    if caps.compile:
+        return TargetForward(target), f"eager ({caps.compile})"
     mode = recipe.compile
-    if mode == "off":
-        return TargetForward(target), "eager (compile: off)"
-    if mode == "auto" and not compile_pays(target):
-        return TargetForward(target), (f"eager (compile: auto; {weights_note(target)} weights on CPU are "
-                                       "bytes-bound or opaque kernels: compiling was measured to gain nothing there)")
-    why = static_why(plan.target_policy, target)
-    if why:
-        return TargetForward(target), f"eager (compile: {mode}, but the static cache does not hold {why})"
     engine = TargetForward(target, compile=True, tuned=mode == "max")
-    if engine.buckets and recipe.spec.tree and recipe.spec.tree_budget + 1 > engine.widths[-1]:
-        return TargetForward(target), (f"eager (compile: {mode}, but a tree of {recipe.spec.tree_budget} nodes "
-                                       f"is verified past the widest CUDA graph bucket, {engine.widths[-1]} tokens)")
     shapes = "bucketed widths and batch sizes, CUDA graphs" if engine.buckets else "dynamic widths and spans"
     if mode == "max" and not engine.buckets:
         shapes += ", frozen weights, C++ wrapper"

@@ -35,13 +35,13 @@ def check_tree_support(policy, model, owner: str) -> None:
     """Raise :class:`ConfigError` (field ``spec.tree``) where token trees cannot run: they run on the static cache
     only, so it must hold ``policy`` (the KV policy of the ``owner``'s cache: ``target`` or ``draft``) and, where
     given, ``model`` (``None``: planning, before any model loads, checks the policy alone)."""
+    from toolkit.engine.capabilities import tree_refusal
     from toolkit.kv.rows import static_why
     from toolkit.kv.static import static_form
 
     why = static_form(policy) if model is None else static_why(policy, model)
     if why:
-        raise ConfigError("spec.tree", f"token trees run on the static cache, which does not hold the {owner}'s "
-                          f"{why}; decode chains (spec.tree: false) or pick a KV policy with a static form", [False])
+        raise ConfigError("spec.tree", tree_refusal(owner, why), [False])
 
 
 def tree_round(decoder, row, gen, limit: int, drafting) -> list[int] | None:

@@ -1,0 +1,64 @@
+"""What a recipe can do on its models (toolkit/engine/capabilities.py): decided once at build time and read by the
+forward choice, batching, the draft network's engine and the tree check, each answer ``None`` or the reason."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import perturbed_copy, tiny_llama
+
+import toolkit
+from toolkit.engine.capabilities import capabilities
+from toolkit.errors import ConfigError
+from toolkit.recipe import Recipe
+from toolkit.session import plan
+
+
+def recipe(**sections) -> Recipe:
+    base = {"name": "caps", "target": {"device": "cpu"}, "draft": None, "compile": "on",
+            "spec": {"drafter": "lookup", "num_draft_tokens": 4}, "generation": {"max_new_tokens": 8}}
+    return Recipe.from_dict(base | sections)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_llama(seed=0)
+    chunked = tiny_llama(seed=0)
+    chunked.config.layer_types = ["chunked_attention", "full_attention"]  # layers the static cache does not hold
+    return target, chunked, perturbed_copy(target, scale=0.05)
+
+
+def test_a_plain_recipe_can_do_everything(models):
+    target = models[0]
+    caps = capabilities(plan(recipe()), target)
+    assert (caps.static, caps.compile, caps.batch, caps.tree, caps.draft_compile) == (None,) * 5
+    assert caps.summary() == "static engine: yes; compiled: yes; batches: yes"
+
+
+def test_each_reason_names_what_stops_it(models):
+    target, chunked, draft = models
+    caps = capabilities(plan(recipe()), chunked)
+    assert "chunked_attention" in caps.static
+    assert caps.compile.startswith("compile: on, but the static cache does not hold") and "chunked" in caps.compile
+    assert caps.batch.startswith("the static cache does not hold") and caps.tree is None  # chains asked
+    auto = capabilities(plan(recipe(compile="auto")), target)  # fp32 weights on CPU: compiling does not pay
+    assert auto.static is None and "gain nothing" in auto.compile and auto.batch is None
+    off = capabilities(plan(recipe(compile="off")), target)
+    assert off.compile == "compile: off" and "static engine: yes; compiled: no (compile: off)" in off.summary()
+    drafted = recipe(draft={"device": "cpu"}, spec={"drafter": "draft_model", "num_draft_tokens": 3}, compile="off")
+    caps = capabilities(plan(drafted), target, draft)
+    assert caps.draft_compile == "the target's forward is not compiled (compile: off)" and caps.batch is None
+    trees = recipe(spec={"drafter": "suffix", "tree": True})
+    assert capabilities(plan(trees), target).batch == "token trees decode one sequence at a time"
+    assert "token trees run on the static cache" in capabilities(plan(trees), chunked).tree
+
+
+def test_build_refuses_trees_the_static_cache_cannot_hold_and_logs_the_record(models, caplog):
+    target, chunked, _ = models
+    with pytest.raises(ConfigError) as info:
+        toolkit.build(recipe(spec={"drafter": "suffix", "tree": True}), target=chunked, tokenizer=None)
+    assert info.value.field == "spec.tree" and "chunked_attention" in str(info.value)
+    with caplog.at_level("INFO", logger="toolkit"):
+        lm = toolkit.build(recipe(compile="off"), target=target, tokenizer=None)
+    assert "recipe caps: static engine: yes; compiled: no (compile: off); batches: yes" in caplog.text
+    assert lm.batchable and not lm.engine.compiled and lm.engine_note == "eager (compile: off)"
+    assert not toolkit.build(recipe(), target=chunked, tokenizer=None).batchable
