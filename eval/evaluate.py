@@ -512,6 +512,7 @@ def _memory(run: _Run, ours_stats: list, ppl_conf: dict, peak: dict, batch: dict
             "target_final": max(s.kv_bytes_target for s in ours_stats),
             "draft_final": max(s.kv_bytes_draft for s in ours_stats),
             "target_peak": max(s.peak_kv_bytes_target for s in ours_stats),
+            "target_peak_needed": max(s.peak_kv_bytes_needed_target for s in ours_stats),
             "draft_peak": max(s.peak_kv_bytes_draft for s in ours_stats),
             "uncompressed_target_peak": per_token * max(lengths),
             "per_token_uncompressed": per_token,

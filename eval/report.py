@@ -144,7 +144,10 @@ def markdown(m: dict) -> str:
     kv = mem["kv_bytes"]
     lines += ["## Memory", "", "| quantity | bytes |", "|---|---|",
               f"| weights target / draft | {_mb(mem['weight_bytes']['target'])} / {_mb(mem['weight_bytes']['draft'])} |",
-              f"| KV target peak / final (exact) | {_mb(kv['target_peak'])} / {_mb(kv['target_final'])} |",
+              f"| KV target peak / final (exact bytes allocated) | {_mb(kv['target_peak'])} / "
+              f"{_mb(kv['target_final'])} |",
+              *([f"| KV target peak held (a cache sized to the rows would need) | {_mb(kv['target_peak_needed'])} |"]
+                if "target_peak_needed" in kv else []),
               f"| KV draft peak / final (exact) | {_mb(kv['draft_peak'])} / {_mb(kv['draft_final'])} |",
               f"| KV target uncompressed at the same length (computed) | {_mb(kv['uncompressed_target_peak'])} |",
               *([f"| KV batch cache peak (exact bytes of its allocated buffers) | {_mb(kv['batch_peak'])} |"]

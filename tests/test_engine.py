@@ -64,6 +64,7 @@ def test_a_forward_on_the_static_cache_equals_one_on_a_dynamic_cache_and_rolls_b
     kv_heads = getattr(target.config, "num_key_value_heads", target.config.num_attention_heads)
     head_dim = target.config.hidden_size // target.config.num_attention_heads
     assert cache.kv_bytes() == layers * 2 * kv_heads * (64 + SPAN_STEP) * head_dim * 4
+    assert cache.needed_bytes() == layers * 2 * kv_heads * cache.held[0] * head_dim * 4  # what the row holds
 
 
 @pytest.mark.parametrize("drafter", [None, "draft_model"])

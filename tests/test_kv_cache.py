@@ -203,8 +203,9 @@ def test_kv_bytes_stay_bounded_over_4x_budget(name, params):
     assert max(b for _, b in history) <= (32 + 4) * per_token
     if name == "streaming":  # the decoder's own choice: the ring, fixed bytes whatever the length
         ring = SpeculativeDecoder(model, None, ConstantK(1), policy(name, **params))
+        stats = GenerationStats()
         sizes = {ring.cache.kv_bytes() for _ in ring.decode(prompt, GenerationSpec(max_new_tokens=4 * 32,
-                                                                                   ignore_eos=True),
-                                                             GenerationStats())}
+                                                                                   ignore_eos=True), stats)}
         assert isinstance(ring.cache, StaticKV) and ring.cache.compressions == 0
         assert sizes == {(4 + 28 + 1 + SPAN_STEP) * per_token}  # sinks + window + one AR token (+ span slack)
+        assert stats.peak_kv_bytes_needed_target == (4 + 28 + 1) * per_token  # held: the ring's slots, once wrapped

@@ -181,3 +181,6 @@ class LlamaCppCache:
 
     def kv_bytes(self) -> int:
         return self.held * self.token_bytes
+
+    def needed_bytes(self) -> int:
+        return self.kv_bytes()

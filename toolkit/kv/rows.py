@@ -60,6 +60,8 @@ class RowCache(Protocol):
 
     def kv_bytes(self) -> int: ...
 
+    def needed_bytes(self) -> int: ...
+
 
 class SingleRowCache:
     """One sequence on a policy's single-sequence cache (:class:`~toolkit.kv.contract.CacheProtocol`: ``crop``,
@@ -125,6 +127,10 @@ class SingleRowCache:
 
     def kv_bytes(self) -> int:
         return 0 if self.cache is None else self.cache.kv_bytes()
+
+    def needed_bytes(self) -> int:
+        """What the sequence holds: its cache grows with it, so the bytes it has (:meth:`kv_bytes`)."""
+        return self.kv_bytes()
 
 
 def rows_cache(policy, model, rows: int, capacity: int, widest: int, static_span: bool = False) -> RowCache:

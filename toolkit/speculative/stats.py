@@ -44,6 +44,7 @@ class GenerationStats:
     kv_bytes_target: int = 0
     kv_bytes_draft: int = 0
     peak_kv_bytes_target: int = 0
+    peak_kv_bytes_needed_target: int = 0  # of the peak: what the target's rows held (a cache sized to them)
     peak_kv_bytes_draft: int = 0
     peak_kv_bytes_batch: int = 0  # peak KV bytes of the batch this request was decoded in (0: decoded alone)
     compressions_target: int = 0
