@@ -177,7 +177,9 @@ def test_embedded_stop_strings_end_output_at_the_right_place(embedded_generator)
     assert streamed == result.text
 
 
+# 12 s; the tiny-model stream test proves the same path; make test-system runs it
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_embedded_stream_equals_generate_text(embedded_generator):
     prompts = [
         [{"role": "user", "content": "Write a haiku about autumn in Kyoto. Use an em dash — and quotes «like this»."}],

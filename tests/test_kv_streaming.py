@@ -139,7 +139,9 @@ def test_reindexed_keys_equal_keys_computed_at_their_slots(make, own_cache):
     torch.testing.assert_close(values, fresh.layers[0].values)
 
 
+# the ring on the embedded model (12 s): tiny-model tests prove the path; make test-system runs it
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_speculative_equals_ar_on_embedded(embedded):
     model, tokenizer = embedded
     text = open("/usr/share/common-licenses/Apache-2.0").read()[:600]
