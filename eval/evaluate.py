@@ -35,7 +35,9 @@ from eval import metrics as M
 from eval.budget import fit_evaluation, timing_deadline
 from eval.quality import quality_section
 from eval.results import EvalResult
+from eval.batch_run import METHODS as BATCH_METHODS
 from eval.runners import (
+    BASELINES,
     OURS,
     PROMPT_LOOKUP_NGRAM,
     PROMPT_LOOKUPS,
@@ -127,6 +129,10 @@ class EvalSettings:
         if not isinstance(self.baselines, bool) and not (
                 isinstance(self.baselines, (list, tuple)) and all(isinstance(b, str) for b in self.baselines)):
             raise ConfigError("baselines", f"must be true, false or a list of baseline names, got {self.baselines!r}")
+        allowed = (*BASELINES, *BATCH_METHODS)
+        unknown = [b for b in self.baselines if b not in allowed] if isinstance(self.baselines, (list, tuple)) else []
+        if unknown:
+            raise ConfigError("baselines", f"unknown baseline {unknown[0]!r} (allowed: {', '.join(allowed)})")
         for name in ("reuse_baselines", "reference", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")

@@ -121,13 +121,23 @@ def engine_runners(recipe: Recipe, methods: list[str], eos_ids: list[int]):
         yield out
 
 
+#: every HF baseline an evaluation can time (``EvalSettings.baselines`` names a subset)
+BASELINES = ("ar", "ar_static", "ar_fp32", "assisted", "prompt_lookup", "prompt_lookup_10")
+
+
 def selected_baselines(recipe: Recipe, has_reference: bool, wanted: bool | list[str]) -> list[str]:
     """The baselines an evaluation times: :func:`baseline_methods` as ``EvalSettings.baselines`` asks — all
-    (``True``), none (``False``, an empty list) or those the list names."""
+    (``True``), none (``False``, an empty list) or those the list names. ``ar_static`` (HF's static cache +
+    ``torch.compile``: it compiles on its first call, so only where asked by name) joins where the target is an HF
+    model."""
     if not wanted:
         return []
     methods = baseline_methods(recipe, has_reference)
-    return methods if wanted is True else [m for m in methods if m in wanted]
+    if wanted is True:
+        return methods
+    if "ar_static" in wanted and recipe.target.backend != LLAMACPP:
+        methods.insert(1, "ar_static")
+    return [m for m in methods if m in wanted]
 
 
 def prompt_lookup_tokens(recipe: Recipe) -> int:
@@ -174,8 +184,7 @@ def baseline_runner(method: str, recipe: Recipe, eos_ids: list[int], *, target, 
               "prompt_lookup": dict(model=target, method="prompt_lookup", num_draft_tokens=prompt_lookup_tokens(recipe),
                                     max_ngram=PROMPT_LOOKUP_NGRAM)}.get(method)
     if kwargs is None:
-        raise ValueError(f"method: unknown baseline {method!r} (allowed: ar, ar_static, ar_fp32, assisted, "
-                         "prompt_lookup, prompt_lookup_10)")
+        raise ValueError(f"method: unknown baseline {method!r} (allowed: {', '.join(BASELINES)})")
     if kwargs["model"] is None:
         raise ValueError(f"method: baseline {method!r} needs a loaded model")
     model = kwargs.pop("model")

@@ -13,7 +13,9 @@ import torch
 from conftest import tiny_llama
 from test_decoder import hf_greedy
 
-from eval.runners import strongest_baselines
+from eval.evaluate import EvalSettings
+from eval.runners import selected_baselines, strongest_baselines
+from toolkit.errors import ConfigError
 from toolkit.measure import engines
 from toolkit.measure.baselines import hf_generate
 from toolkit.recipe import GenerationSpec, Recipe
@@ -145,3 +147,16 @@ def test_engine_worker_replies_are_json_lines_only(fake_llama_cpp, tmp_path):
                          input=request + "\n", capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(out.stdout)["token_ids"] == [2, 3] and len(out.stdout.splitlines()) == 1
     assert "engine chatter" in out.stderr
+
+
+def test_an_evaluation_times_static_compiled_ar_where_its_settings_name_it():
+    """The long and memory spaces ask for ``ar_static`` by name; it was dropped silently (only ``--compare`` timed
+    it), so their held-out confirmations lacked HF's static-cache compiled AR."""
+    recipe = Recipe.load("recipes/short.yaml")
+    assert selected_baselines(recipe, False, ["ar", "ar_static", "prompt_lookup_10"]) == \
+        ["ar", "ar_static", "prompt_lookup_10"]
+    assert "ar_static" not in selected_baselines(recipe, True, True)  # all: the ones that compile nothing
+    assert selected_baselines(recipe, False, ["ar_static"]) == ["ar_static"]
+    with pytest.raises(ConfigError, match=r"baselines.*'ar_statc'.*allowed: ar, ar_static"):
+        EvalSettings.fast(baselines=["ar", "ar_statc"])
+    EvalSettings.fast(baselines=["hf-batch-ar", "ours-single"])  # the batch stage's methods are names too
