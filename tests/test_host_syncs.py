@@ -8,9 +8,9 @@ device-to-host transfers on a GPU, plus one per request that is not: the prompt'
 host tensor. Drafters (``toolkit.speculative.drafters``) are not counted: model-free ones keep their state on the host
 by design (the main recipe's lookup drafter) — except in the network drafters' test, which watches the draft model
 and the EAGLE head too (``toolkit.speculative.drafters``, ``toolkit.eagle``): under a planner that does not read draft
-confidences they leave their tokens on the device, and the decoder reads them with the round's one transfer. Greedy
-token trees read once per round too (verified on the device: the deepest accepted node and the next token); sampled
-trees walk recursive rejection sampling on the host (``toolkit.speculative.tree_verify``: reads per tried child).
+confidences they leave their tokens on the device, and the decoder reads them with the round's one transfer. Token
+trees read once per round too (verified on the device, greedy or sampled: the deepest accepted node and the next
+token).
 """
 
 from __future__ import annotations
@@ -156,10 +156,9 @@ def test_compiled_network_drafters_read_the_device_once_per_round(eagle_pair, dr
                                                         (True, False, "none")],
                          ids=["greedy-eager", "greedy-compiled-quantized", "sampling-eager"])
 def test_tree_rounds_read_the_device_once_per_round(compiled, do_sample, policy):
-    """Token trees of a model-free drafter on the static engine: greedy trees are verified on the device, and the
-    decoder and the cache (the tree forward, the gather of the accepted path in place, the commit point) read it once
-    per round. Sampled trees walk recursive rejection sampling on the host instead (``tree_verify``): the decoder
-    reads nothing more, but the walk reads per tried child — more than one read per round in all."""
+    """Token trees of a model-free drafter on the static engine: greedy and sampled trees are verified on the device
+    (``accept_tree``; the rejection-sampling walk of ``tree_verify``), and the decoder, the walk and the cache (the
+    tree forward, the gather of the accepted path in place, the commit point) read it once per round."""
     from toolkit.engine.planner import ConstantK
     from toolkit.kv import make_policy
     from toolkit.recipe import KVSpec
@@ -177,8 +176,4 @@ def test_tree_rounds_read_the_device_once_per_round(compiled, do_sample, policy)
     with counted_reads(WATCHED + ("toolkit.speculative.tree_verify",)) as counts:
         list(decoder.decode(repetitive(1), gen, stats))
     assert stats.rounds >= 5 and stats.accepted > 0
-    ours = [w for w in counts["where"] if w.startswith(WATCHED)]
-    if do_sample:
-        assert len(ours) <= stats.rounds + 2 < counts["n"], counts["where"]
-    else:
-        assert len(ours) == counts["n"] == stats.rounds + 2, counts["where"]
+    assert counts["n"] == stats.rounds + 2, counts["where"]

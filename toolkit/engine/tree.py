@@ -9,10 +9,9 @@ path's entries into the row's next slots in place (``keep_tree``), then ``accept
 chain round (rollback of the rest: they lie past the row's length); the drafter is told the path
 (``commit_tree_row``, with the forward's hidden states where it asks for them: an EAGLE head).
 
-Greedy trees are verified on the device (:func:`toolkit.engine.accept.accept_tree`), and the round reads the device
-once: the deepest accepted node and the next token. Sampled trees keep recursive rejection sampling on the host
-(:func:`~toolkit.speculative.tree_verify.tree_speculative_sample`: a few reads per tried child — its probabilities
-and a uniform draw); its walk is sequential and stays there.
+Verification runs on the device — greedy trees by :func:`toolkit.engine.accept.accept_tree`, sampled ones by
+recursive rejection sampling (:func:`~toolkit.speculative.tree_verify.tree_speculative_sample`, ``n`` steps of tensor
+operations) — and the round reads the device once: the deepest accepted node and the next token.
 
 Where trees run (:func:`check_tree_support`): the static cache must hold the target's KV policy and model, and a
 draft model's; elsewhere ``spec.tree`` is refused when the recipe is planned (policies) or built (models).
@@ -60,18 +59,15 @@ def tree_round(decoder, row, gen, limit: int, drafting) -> list[int] | None:
     out = forward(cache, inputs, drafting.features, tree=region)
     logits, features = out if drafting.features else (out, None)
     if gen.do_sample:
-        p = process_logits(logits[0], gen.temperature, gen.top_k, gen.top_p)
-        path, next_id = tree_speculative_sample(tree, p, row.generator)
-        kept_ids = [0] + [i + 1 for i in path]
-        order = torch.tensor(kept_ids + [i for i in range(len(tree) + 1) if i not in kept_ids], device=inputs.device)
-        kept = torch.full((1,), len(kept_ids), dtype=torch.long, device=inputs.device)
-        cache.keep_tree(order)
+        result = tree_speculative_sample(tree, process_logits(logits[0], gen.temperature, gen.top_k, gen.top_p),
+                                         row.generator)
+        keep = region.ancestors[result[0]]
     else:
         result, keep = accept_tree(logits[0], inputs[0], parents, region.depth, region.ancestors)
-        cache.keep_tree(torch.argsort((~keep).to(torch.uint8), stable=True))  # the kept entries first, in order
-        kept = keep.sum().view(1)
-        deepest, next_id = result.tolist()  # the round's one device-to-host read
-        path = tree.path_to(deepest - 1)
+    cache.keep_tree(torch.argsort((~keep).to(torch.uint8), stable=True))  # the kept entries first, in order
+    kept = keep.sum().view(1)
+    deepest, next_id = result.tolist()  # the round's one device-to-host read
+    path = tree.path_to(deepest - 1)
     verified_at = time.perf_counter()
     compile_ms = forward.compile_ms - compiled  # a first call compiled: not the forward's cost
     cache.accept(kept, [len(path) + 1])
