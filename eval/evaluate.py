@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from eval import metrics as M
+from eval.batch_run import METHODS as BATCH_METHODS
 from eval.budget import fit_evaluation, timing_deadline
 from eval.quality import quality_section
 from eval.results import EvalResult
-from eval.batch_run import METHODS as BATCH_METHODS
 from eval.runners import (
     BASELINES,
     OURS,
