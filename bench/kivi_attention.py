@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     fk, fv = torch.randn(1, h, f, d), torch.randn(1, h, f, d)
     compiled_kivi = torch.compile(kivi_attention, dynamic=False)
     compiled_dense = torch.compile(dense_attention, dynamic=False)
-    print(f"| forward | KIVI eager ms | KIVI compiled ms | uncompressed SDPA ms | KIVI compiled / uncompressed |\n"
-          f"|---|---|---|---|---|")
+    print("| forward | KIVI eager ms | KIVI compiled ms | uncompressed SDPA ms | KIVI compiled / uncompressed |\n"
+          "|---|---|---|---|---|")
     for width in (1, args.width):
         shadowed = 0 if width == 1 else g * ((width - 1) // g + 1)
         span = t + f + shadowed
