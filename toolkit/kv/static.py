@@ -9,7 +9,6 @@ alone. Nothing is moved afterwards: the decoder then calls :meth:`StaticKV.accep
 each row keeps (``1 + accepted``), which only adds to ``lengths``. Entries of rejected draft tokens stay in slots past
 a row's length, invisible to every later query, and the row's next forward overwrites them — rollback is exact and
 costs nothing. Token trees write a row's next slots too, and keep their path in place (:mod:`toolkit.kv.static_tree`).
-:meth:`StaticKV.kv_bytes` counts the buffers (the memory held), :meth:`StaticKV.needed_bytes` what the rows hold.
 
 Two slot maps, one mask rule (a query at position ``q`` sees the slot holding position ``p`` iff ``p <= q`` and the
 policy keeps ``p`` for ``q``):
@@ -357,11 +356,16 @@ class StaticKV(TreeRows, Cache):
     def needed_bytes(self) -> int:
         """Bytes of the entries the rows in use hold now (at most a layer's slots): what a cache sized to them needs."""
         held = self.held[: self.active]
-        return sum(buffer[0, :, 0].nbytes * sum(min(h, self.capacity, buffer.shape[2]) for h in held)
+        return sum(slot_bytes(buffer) * sum(min(h, self.capacity, buffer.shape[2]) for h in held)
                    for layer in self.layers for buffer in layer.buffers())
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.longest
+
+
+def slot_bytes(buffer: torch.Tensor) -> int:
+    """Bytes of one row's slot of a buffer ``(rows, kv_heads, slots, head_dim)``, without a view (read every round)."""
+    return buffer.nbytes // (buffer.shape[0] * buffer.shape[2])
 
 
 def kv_geometry(model, dtype=None, device=None) -> tuple[int, int, int, torch.dtype, torch.device]:

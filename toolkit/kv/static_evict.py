@@ -36,7 +36,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from toolkit.kv.base import gather_seq
-from toolkit.kv.static import SPAN_STEP, StaticKV, StaticLayer, kv_geometry, spare_rows, static_buffer
+from toolkit.kv.static import SPAN_STEP, StaticKV, StaticLayer, kv_geometry, slot_bytes, spare_rows, static_buffer
 
 #: the factor key of uncompressed tiers (skipped layers)
 FULL = None
@@ -284,6 +284,6 @@ class StaticEvictKV(StaticKV):
         for layer in self.layers:
             for tier in layer.tiers:
                 fills = self.held if tier.factor is FULL else self.fill_held[tier.factor]
-                per_slot = 2 * tier.keys[0, :, 0].nbytes
+                per_slot = 2 * slot_bytes(tier.keys)
                 total += per_slot * sum(fills[: self.active])
         return total
