@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+
 @dataclass(frozen=True)
 class Capabilities:
     """Why a recipe cannot do each thing on its models (``None``: it can).

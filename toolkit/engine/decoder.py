@@ -42,7 +42,6 @@ from toolkit.engine.accept import accept, choose
 from toolkit.engine.forward import TargetForward
 from toolkit.engine.planner import ConstantK, CostAwareK, batch_weights
 from toolkit.engine.rows import Row, finish
-from toolkit.errors import ConfigError
 from toolkit.kv.contract import policy_attached
 from toolkit.kv.static import StaticKV, capacity_for
 from toolkit.speculative.drafters.rows import RowDrafter, RowDrafters
@@ -79,23 +78,25 @@ class SpeculativeDecoder:
 
     def __init__(self, target, drafter=None, controller=None, target_policy=None, tree=None,
                  forward: TargetForward | None = None, batch_size: int = 1):
-        from toolkit.engine.capabilities import tree_refusal
-        from toolkit.kv.rows import static_why
+        from toolkit.engine.tree import check_tree_support
 
         self.target, self.target_policy, self.batch_size = target, target_policy, batch_size
-        static = static_why(target_policy, target)  # why the static cache does not hold them (None: it does)
         if drafter is not None and (isinstance(drafter, type) or not isinstance(drafter, RowDrafter)):
             raise TypeError(f"drafter: {type(drafter).__name__} is not a row drafter (toolkit.speculative.drafters."
                             "rows.RowDrafter); a maker of single-sequence drafters is RowDrafters(maker)")
         if tree is not None and drafter is not None and not drafter.trees:
             raise TypeError(f"tree: {type(drafter).__name__} proposes no token trees (no propose_tree/commit_tree)")
         self.tree = tree if drafter is not None else None
-        if self.tree is not None and static:
-            raise ConfigError("spec.tree", tree_refusal("target", static), [False])
+        if self.tree is not None:
+            check_tree_support(target_policy, target, "target")
         if batch_size > 1 and self.tree is not None:
             raise ValueError("batch_size: token trees decode one sequence at a time")
-        if batch_size > 1 and static:
-            raise ValueError(f"batch_size: requests cannot share a batch here ({static}); decode them one at a time")
+        if batch_size > 1:
+            from toolkit.kv.rows import static_why
+
+            why = static_why(target_policy, target)
+            if why:
+                raise ValueError(f"batch_size: requests cannot share a batch here ({why}); decode them one at a time")
         self.drafter = drafter
         self.controller = controller or ConstantK(4)
         self.forward = forward or TargetForward(target)

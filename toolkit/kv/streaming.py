@@ -31,7 +31,7 @@ The decoder's form, one row or a batch (:meth:`StreamingLLM.static_cache`): abso
 are the static cache's ring (:mod:`toolkit.kv.static`), what a query sees being fixed by its position alone; every
 other mode holds what its commit points keep, in a fixed buffer of ``sink_tokens + window + compress_interval +
 widest`` slots per row compacted in place at commit points (:mod:`toolkit.kv.static_stream`). This module's
-:class:`StreamingCache` is the reference it is tested against, and the form of token trees and ``model.generate``.
+:class:`StreamingCache` is the reference it is tested against, and the form of ``model.generate``.
 """
 
 from __future__ import annotations
