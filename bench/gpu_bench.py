@@ -73,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "speed and projection read the curve of a verify_cost that ran before them)")
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="seconds after which remaining work is skipped and said so (default 450)")
+    parser.add_argument("--stage-s", nargs="+", default=[], metavar="STAGE=SECONDS",
+                        help="a cap per stage: after SECONDS of its own it starts no more rows (e.g. weights=150), "
+                             "so that one stage cannot spend the whole budget")
     parser.add_argument("--carry", type=Path, default=ROOT / ".gpu-carry",
                         help="carried wheels / tokenizer / GGUF parts (default .gpu-carry)")
     parser.add_argument("--compile-backend", default=None,
@@ -84,6 +87,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.stages = [name for item in args.stages for name in GROUPS.get(item, (item,))]
     if args.budget_s <= 0:
         parser.error(f"--budget-s: must be > 0, got {args.budget_s}")
+    args.stage_caps = {}
+    for item in args.stage_s:
+        name, _, seconds = item.partition("=")
+        try:
+            value = float(seconds)
+        except ValueError:
+            value = -1.0
+        if name not in (*STAGES, *NEW_STAGES) or value <= 0:
+            parser.error(f"--stage-s: expected STAGE=SECONDS with STAGE one of {', '.join((*STAGES, *NEW_STAGES))} "
+                         f"and SECONDS > 0, got {item!r}")
+        args.stage_caps[name] = value
     return args
 
 
@@ -101,7 +115,7 @@ def make_kit(args, log):
     dtype = DTYPES[args.dtype]
     return Kit(device=device, dtype=dtype, dry_run=args.dry_run, carry_dir=args.carry, budget_s=args.budget_s,
                compile_backend=backend, compile_mode=None if mode == "none" else mode, log=log, out_dir=args.out,
-               args={k: str(v) for k, v in vars(args).items()})
+               args={k: str(v) for k, v in vars(args).items()}, stage_caps=dict(args.stage_caps))
 
 
 def environment(kit, wheels: dict) -> dict:
@@ -145,6 +159,7 @@ def run_stage(kit, name: str, fn) -> None:
     kit.log(f"== stage {name}")
     kit.results.pop(name, None)
     began = time.perf_counter()
+    kit.begin_stage(name)
     if kit.out_of_time(f"stage {name}"):
         kit.results[name] = {"status": "skipped", "seconds": 0.0, "error": "time budget spent"}
         return

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -85,6 +86,24 @@ def test_bad_arguments_name_the_field(tmp_path, capsys):
     assert "--budget-s: must be > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         gpu_bench.parse_args(["--out", str(tmp_path), "--stages", "warp-speed"])
+    for bad in ("weights", "weights=0", "warp=10", "weights=soon"):
+        with pytest.raises(SystemExit):
+            gpu_bench.parse_args(["--out", str(tmp_path), "--stage-s", bad])
+        assert "--stage-s: expected STAGE=SECONDS" in capsys.readouterr().err
+    assert gpu_bench.parse_args(["--out", str(tmp_path), "--stage-s", "weights=90"]).stage_caps == {"weights": 90.0}
+
+
+def test_a_stage_cap_stops_that_stage_only(tmp_path):
+    import gpu_bench
+
+    kit = gpu_bench.make_kit(gpu_bench.parse_args(["--out", str(tmp_path), "--dry-run", "--stage-s", "weights=0.05"]),
+                             log=lambda line: None)
+    kit.begin_stage("weights")
+    assert not kit.out_of_time("a row") and 0 < kit.time_left() <= 0.05
+    time.sleep(0.06)
+    assert kit.out_of_time("a row")  # its cap is spent ...
+    kit.begin_stage("kv_long")
+    assert not kit.out_of_time("a row") and kit.time_left() > 400  # ... the next stage has the budget's time
 
 
 # ------------------------------------------------------------------------------------------------ relay, wheels

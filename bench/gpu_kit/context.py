@@ -35,7 +35,8 @@ class StageSkipped(Exception):
 
 @dataclass
 class Kit:
-    """One run of the kit. ``budget_s``: seconds after which stages that have not started are skipped."""
+    """One run of the kit. ``budget_s``: seconds after which stages that have not started are skipped;
+    ``stage_caps``: ``{stage: seconds}`` after which that stage starts no more rows (the time left goes to the next)."""
 
     device: torch.device
     dtype: torch.dtype
@@ -47,6 +48,9 @@ class Kit:
     log: object = print
     out_dir: Path | None = None
     args: dict = field(default_factory=dict)
+    stage_caps: dict = field(default_factory=dict)
+    stage: str | None = None
+    stage_started: float = 0.0
     results: dict = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     _models: dict = field(default_factory=dict)
@@ -66,11 +70,27 @@ class Kit:
         return time.perf_counter() - self.started
 
     def out_of_time(self, what: str) -> bool:
-        """True (and one log line) once the budget is spent: the caller skips ``what``."""
-        if self.elapsed() < self.budget_s:
+        """True (and one log line) once the budget, or the running stage's cap, is spent: the caller skips
+        ``what``."""
+        if self.time_left() > 0:
             return False
-        self.log(f"skip {what}: the {self.budget_s:.0f} s budget is spent")
+        cap = self.stage_caps.get(self.stage)
+        spent = f"stage {self.stage}'s {cap:.0f} s cap" if self.elapsed() < self.budget_s else \
+            f"the {self.budget_s:.0f} s budget"
+        self.log(f"skip {what}: {spent} is spent")
         return True
+
+    def time_left(self) -> float:
+        """Seconds left to the running stage: the budget's, or its cap's where that comes first."""
+        left = self.budget_s - self.elapsed()
+        cap = self.stage_caps.get(self.stage)
+        if cap is not None:
+            left = min(left, cap - (time.perf_counter() - self.stage_started))
+        return left
+
+    def begin_stage(self, name: str) -> None:
+        """Start the clock of stage ``name`` (its cap in :attr:`stage_caps`, if any, counts from here)."""
+        self.stage, self.stage_started = name, time.perf_counter()
 
     def partial(self, stage: str, result) -> None:
         """Record ``stage``'s results so far (status ``running``) and save: a run killed mid-stage keeps them."""

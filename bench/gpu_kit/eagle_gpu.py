@@ -44,7 +44,7 @@ def settings(kit) -> dict:
     when the search follows in the same call; at least 1), else :data:`REHEARSAL`."""
     if kit.device.type != "cuda" or kit.dry_run:
         return dict(REHEARSAL)
-    left = (kit.budget_s - kit.elapsed()) / 60 - 3.0
+    left = kit.time_left() / 60 - 3.0
     if "search" in kit.args.get("stages", ""):
         left -= 2.5  # the search runs after this stage in the same call: leave it a few trials
     return GPU | {"minutes": max(1.0, min(GPU["minutes"], left))}

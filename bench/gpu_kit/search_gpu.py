@@ -65,7 +65,7 @@ def search(kit) -> dict:
     out = {"scenarios": {}}
     root = Path(tempfile.mkdtemp(prefix="gpu-kit-search-"))
     for i, scenario in enumerate(scenarios):
-        left = kit.budget_s - kit.elapsed() - 20.0
+        left = kit.time_left() - 20.0
         share = left / (len(scenarios) - i)
         if share < 60 or kit.out_of_time(f"search {scenario}"):
             out["scenarios"][scenario] = {"skipped": f"{max(share, 0):.0f} s left for it: too little for a trial"}
