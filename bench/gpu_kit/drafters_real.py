@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -57,13 +58,17 @@ def ours_pass(lm, prompts: list, device) -> dict:
 
 def hf_pass(model, tok, prompts: list, new: int, method: str, kit, **kwargs) -> dict:
     """HF ``generate`` (``method`` of :func:`toolkit.measure.baselines.hf_generate`) over ``prompts``, one untimed
-    pass first (the compile of ``ar_static``)."""
+    pass first (the compile of ``ar_static``). ``ar_static`` gets one static cache length for every prompt (the
+    longest prompt + ``new``): a length per prompt recompiled HF's step once per prompt (329 s for 8 prompts on an
+    H100, 2026-11-27, and dynamo's recompile limit then leaves later prompts eager)."""
     from toolkit.measure.baselines import hf_generate
     from toolkit.requests import encode
 
     gen = GenerationSpec(max_new_tokens=new, ignore_eos=True)
     ids = [encode(tok, "embedded", p).to(kit.device) for p in prompts]
     options = dict(compile_backend=kit.compile_backend, compile_mode=kit.compile_mode, **kwargs)
+    if method == "ar_static":
+        options["max_cache_len"] = max(x.shape[1] for x in ids) + new
     for x in ids:
         hf_generate(model, x, gen, [], method=method, **options)
     runs = [hf_generate(model, x, gen, [], method=method, **options) for x in ids]
@@ -137,10 +142,14 @@ def measure_head(kit, head_dir: Path, label: str, stage: str, with_draft: bool =
     for name, run in _rows(kit, target, tok, draft, head, new).items():
         if kit.out_of_time(f"{stage or label}: {name}"):
             break
+        began = time.perf_counter()
         try:
             out["rows"][name] = run(prompts)
         except Exception as exc:  # noqa: BLE001 - one row failing must not stop the others
             out["rows"][name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+        out["rows"][name]["seconds"] = time.perf_counter() - began  # compile and warm-up included
+        kit.log(f"{stage or label}: {name}: {out['rows'][name].get('tok_s', 0):.1f} tok/s, "
+                f"{out['rows'][name]['seconds']:.1f} s in all")
         if stage:
             kit.partial(stage, out)
     base = out["rows"].get("ours AR", {}).get("ids")
