@@ -48,7 +48,8 @@ from toolkit.session import SHARED_POOL  # noqa: E402
 from toolkit.speculative.stats import round_summary  # noqa: E402
 from toolkit.speculative_lm import build  # noqa: E402
 
-SUITES = {"short": "short", "short-heldout": "short-heldout", "unseen": str(ROOT / "bench/prompts/unseen.yaml")}
+SUITES = {"short": "short", "short-heldout": "short-heldout", "unseen": str(ROOT / "bench/prompts/unseen.yaml"),
+          "long-context-heldout": "long-context-heldout"}  # 4.1-4.7k-token documents: the drafters at 4k context
 
 
 #: the token-tree shape of the tree variants (EAGLE-2 dynamic trees: nodes, levels, children per node)
@@ -77,6 +78,13 @@ def variants(recipe: Recipe, eagle_ks: list[int], eager_forms: bool = True, tree
     return out
 
 
+def decode_rate(calls) -> float:
+    """Tokens per second after the first token (the prompt's forward left out: at a 4k-token prompt it is most of
+    a request, and eager in every form) over ``calls``' :class:`GenerationStats`."""
+    ms = sum(s.total_ms - s.ttft_ms for s in calls)
+    return 1000.0 * sum(max(s.new_tokens - 1, 0) for s in calls) / ms if ms > 0 else 0.0
+
+
 def costs(methods: dict, lms: dict) -> None:
     """Per method, in place: ``round_vs_ar_step`` (a round's ms / the AR method's ms per round: one compiled AR
     step) and, for draft models, ``draft_step_ms`` (draft ms per round / draft steps per round) next to
@@ -99,20 +107,23 @@ def markdown(report: dict) -> str:
              f"repetitions (order rotated); {report['environment']['machine']} "
              f"x{report['environment']['cpu_count']}, torch "
              f"{report['environment']['torch']}. Ratios are paired within a repetition.", "",
-             "| method | tok/s | min-max | × ours AR | τ | draft ms | verify ms | overhead ms | round / AR step "
-             "| draft step ms (bytes share) | target path |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             *([f"`{report['command']}`", ""] if report.get("command") else []),
+             "| method | tok/s | min-max | × ours AR | decode tok/s | TTFT s | τ | draft ms | verify ms | overhead ms "
+             "| round / AR step | draft step ms (bytes share) | target path |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in report["methods"].items():
         t = row["throughput"]
         step = f"{row['draft_step_ms']:.1f} ({row['bytes_share_ms']:.1f})" if "draft_step_ms" in row else "–"
         lines.append(f"| {name} | {t['median']:.1f} | {t['min']:.1f}-{t['max']:.1f} | "
-                     f"{row['vs_ours_ar']:.2f}× | {row['tau']:.2f} | {row['round_ms']['draft']:.1f} | "
+                     f"{row['vs_ours_ar']:.2f}× | {row.get('decode_tok_s', 0):.1f} | {row.get('ttft_ms', 0) / 1000:.2f} | "
+                     f"{row['tau']:.2f} | {row['round_ms']['draft']:.1f} | "
                      f"{row['round_ms']['target']:.1f} | {row['round_ms']['overhead']:.1f} | "
                      f"{row['round_vs_ar_step']:.2f} | {step} | {row['path']} |")
     eager = [(n, n.removesuffix(" [eager]")) for n in report["methods"] if n.endswith(" [eager]")]
     if eager:
         lines += ["", "Compiled vs its own eager form (paired tok/s ratio, median): " + ", ".join(
-            f"{c}: {report['methods'][c]['vs_eager']:.2f}×" for _, c in eager if "vs_eager" in report["methods"][c])]
+            f"{c}: {report['methods'][c]['vs_eager']:.2f}× (decode {report['methods'][c].get('decode_vs_eager', 0):.2f}×)"
+            for _, c in eager if "vs_eager" in report["methods"][c])]
     return "\n".join(lines) + "\n"
 
 
@@ -148,11 +159,15 @@ def main() -> None:
         rounds = sum(s.rounds for s in calls) or 1
         methods[name] = {"throughput": result.speed(name)["throughput"], "tau": result.tau(name),
                          "vs_ours_ar": result.paired_ratio(name, "ours AR") or 1.0, "round_ms": round_summary(calls),
-                         "draft_steps_per_round": sum(s.drafted for s in calls) / rounds, "path": lm.engine_note}
+                         "draft_steps_per_round": sum(s.drafted for s in calls) / rounds, "path": lm.engine_note,
+                         "ttft_ms": sum(s.ttft_ms for s in calls) / len(calls), "decode_tok_s": decode_rate(calls)}
+    for name in methods:
         if f"{name} [eager]" in lms:
             methods[name]["vs_eager"] = result.paired_ratio(name, f"{name} [eager]")
+            methods[name]["decode_vs_eager"] = methods[name]["decode_tok_s"] / methods[f"{name} [eager]"]["decode_tok_s"]
     costs(methods, lms)
-    report = {"recipe": args.recipe, "suite": args.suite, "max_new_tokens": args.max_new_tokens,
+    report = {"command": "PYTHONPATH=. .venv/bin/python bench/model_drafters.py " + " ".join(sys.argv[1:]),
+              "recipe": args.recipe, "suite": args.suite, "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "prompts": [p.id for p in prompts], "methods": methods,
               "environment": environment()}
     args.out.mkdir(parents=True, exist_ok=True)
