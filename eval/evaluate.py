@@ -32,12 +32,10 @@ from pathlib import Path
 import torch
 
 from eval import metrics as M
-from eval.batch_run import METHODS as BATCH_METHODS
 from eval.budget import fit_evaluation, timing_deadline
-from eval.quality import quality_section
+from eval.document import document, validate_metrics
 from eval.results import EvalResult
 from eval.runners import (
-    BASELINES,
     OURS,
     PROMPT_LOOKUP_NGRAM,
     PROMPT_LOOKUPS,
@@ -45,132 +43,15 @@ from eval.runners import (
     runners_for,
     selected_baselines,
 )
+from eval.settings import EvalSettings
 from toolkit.io import atomic_write_json, atomic_write_text
-from toolkit.measure.harness import Prompt, environment, measure, spread
+from toolkit.measure.harness import Prompt, measure, spread
 from toolkit.recipe import ModelSpec, Recipe
 from toolkit.session import SHARED_POOL, load_models, plan
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
-SCHEMA_PATH = Path(__file__).with_name("metrics.schema.json")
 DEFAULT_RESULTS = Path("results")
-
-
-@dataclass
-class EvalSettings:
-    """How much to measure. ``EvalSettings()`` is the full protocol; :meth:`fast` the cheap one (search, tests).
-
-    Attributes:
-        num_prompts: use N prompts of the suite, taken round-robin over its kinds (``None`` = all).
-        max_new_tokens: cap on the recipe's ``generation.max_new_tokens`` (``None`` = the recipe's value).
-        repeats: timed repetitions per method (>= 1; the protocol asks >= 3).
-        warmup: untimed calls per method before timing.
-        ppl_source: text source of :mod:`eval.data` (prose, code, wikitext, pg19), test split.
-        ppl_tokens: tokens of held-out text for perplexity.
-        ppl_window / ppl_stride: sliding-window protocol for the uncompressed model.
-        baselines: run the HF baselines (``True``: AR, assisted / prompt lookup, AR fp32 reference, and in the batch
-            stage HF batched AR and our single-row decoder; or a list of those names — ``ar``, ``assisted``,
-            ``prompt_lookup``, ``prompt_lookup_10``, ``ar_fp32``, ``hf-batch-ar``, ``ours-single``; ``False``: none).
-        reuse_baselines: reuse an identical baseline measurement made earlier in this process (same model objects,
-            prompts and generation settings) instead of timing it again — the search sets this, since its trials
-            share baselines; a single ``toolkit eval`` never does.
-        reference: load the fp32 uncompressed target as the quality reference when the target is not fp32.
-        ignore_eos: fixed-length runs (EOS disabled) for every method.
-        mode: label used in the results directory name (``full`` / ``fast`` / anything).
-        time_budget_s: fit the work into this many seconds (model loading excluded): the protocol is cut step by
-            step from an estimate on the target's measured cost curve (:mod:`eval.budget`: perplexity tokens, new
-            tokens, prompts, repetitions) and the timing loop starts no repetition that would overrun; the cuts are
-            in ``metrics.json`` ``budget`` and the report. ``None``: no budget.
-        batch_prompts: prompts of the batch stage of a recipe that sets ``batch_size`` (:func:`eval.batch_run.
-            batch_section`, the ``batch`` section of the metrics): N of the suite spread over its kinds, ``None`` =
-            all; ``num_prompts`` cuts only the per-request stage.
-        keep_kinds: prompt kinds the per-request prompts always include when the suite has them (``num_prompts``
-            is raised and a time budget never cuts below what keeps them): the search sets ``["summarize"]`` when
-            its scenario bounds ROUGE-L (:mod:`eval.quality`). ``None``: no such floor.
-        fixed: settings a time budget never cuts (``max_new_tokens``, ``ppl_tokens``, ``num_prompts``,
-            ``repeats``): what defines a scenario (the long-prompt spaces fix the new tokens and the 4,096-token
-            perplexity text, so a budget cuts repetitions only). ``None``: every cut allowed.
-    """
-
-    num_prompts: int | None = None
-    max_new_tokens: int | None = None
-    repeats: int = 3
-    warmup: int = 1
-    ppl_source: str = "prose"
-    ppl_tokens: int = 2048
-    ppl_window: int = 1024
-    ppl_stride: int = 512
-    baselines: bool | list[str] = True
-    reuse_baselines: bool = False
-    reference: bool = True
-    ignore_eos: bool = True
-    mode: str = "full"
-    batch_prompts: int | None = None
-    time_budget_s: float | None = None
-    keep_kinds: list[str] | None = None
-    fixed: list[str] | None = None
-
-    def __post_init__(self) -> None:
-        """Check every field; raises :class:`ConfigError` naming it (``repeats``, ``ppl_source`` ...)."""
-        from eval.data import SOURCES
-        from toolkit.checks import TOKENS_MAX, check_choice, check_float, check_int
-        from toolkit.errors import ConfigError
-
-        for name in ("num_prompts", "max_new_tokens", "batch_prompts"):
-            if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), low=1, high=TOKENS_MAX)
-        check_int("repeats", self.repeats, low=1, high=1000)
-        check_int("warmup", self.warmup, low=0, high=1000)
-        check_choice("ppl_source", self.ppl_source, SOURCES)
-        check_int("ppl_tokens", self.ppl_tokens, low=2, high=TOKENS_MAX)
-        check_int("ppl_window", self.ppl_window, low=2, high=TOKENS_MAX)
-        check_int("ppl_stride", self.ppl_stride, low=1, high=TOKENS_MAX)
-        if not isinstance(self.baselines, bool) and not (
-                isinstance(self.baselines, (list, tuple)) and all(isinstance(b, str) for b in self.baselines)):
-            raise ConfigError("baselines", f"must be true, false or a list of baseline names, got {self.baselines!r}")
-        allowed = (*BASELINES, *BATCH_METHODS)
-        unknown = [b for b in self.baselines if b not in allowed] if isinstance(self.baselines, (list, tuple)) else []
-        if unknown:
-            raise ConfigError("baselines", f"unknown baseline {unknown[0]!r} (allowed: {', '.join(allowed)})")
-        for name in ("reuse_baselines", "reference", "ignore_eos"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
-        from toolkit.recipe import check_name
-
-        check_name("mode", self.mode)  # part of a results directory name
-        if self.time_budget_s is not None:
-            check_float("time_budget_s", self.time_budget_s, low=0.0, low_open=True, high=7 * 24 * 3600.0)
-        if self.keep_kinds is not None:
-            from toolkit.checks import check_str_list
-
-            self.keep_kinds = check_str_list("keep_kinds", self.keep_kinds, "prompt kinds")
-        if self.fixed is not None:
-            from toolkit.checks import check_str_list
-
-            from eval.budget import CUTTABLE
-
-            self.fixed = check_str_list("fixed", self.fixed, "settings")
-            for name in self.fixed:
-                check_choice("fixed", name, CUTTABLE)
-
-    @classmethod
-    def fast(cls, **overrides) -> EvalSettings:
-        """Fast mode: 2 prompts, <= 48 new tokens, 3 repetitions, 512 perplexity tokens (window 256/128)."""
-        base = dict(num_prompts=2, max_new_tokens=48, repeats=3, warmup=1, ppl_tokens=512, ppl_window=256,
-                    ppl_stride=128, mode="fast")
-        base.update(overrides)
-        return cls(**base)
-
-    def to_dict(self) -> dict:
-        data = dataclasses.asdict(self)
-        for name in ("batch_prompts", "time_budget_s", "keep_kinds", "fixed"):
-            if data[name] is None:  # unset: earlier results (and their directory names) stay valid
-                del data[name]
-        return data
-
-    def key(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:6]
 
 
 def results_dir(recipe: Recipe, settings: EvalSettings, root: str | Path = DEFAULT_RESULTS) -> Path:
@@ -267,16 +148,6 @@ def _baseline_key(method, recipe, target, draft_model, reference_model, items, g
             settings.repeats, settings.warmup)
 
 
-def _downsample(rows: list, limit: int = 200) -> list:
-    if len(rows) <= limit:
-        return rows
-    step = len(rows) / limit
-    picked = [rows[int(i * step)] for i in range(limit)]
-    if picked[-1] is not rows[-1]:
-        picked.append(rows[-1])
-    return picked
-
-
 # ------------------------------------------------------------------------------------------------- main entry
 def evaluate(recipe: Recipe, *, settings: EvalSettings | None = None, out_dir: str | Path | None = None,
              results_root: str | Path = DEFAULT_RESULTS, force: bool = False, target=None, tokenizer=None,
@@ -300,7 +171,7 @@ def evaluate(recipe: Recipe, *, settings: EvalSettings | None = None, out_dir: s
     perplexity = _perplexity(run, ppl_ids)
     measured, reused = _timed(run)
     batch = _batched(run) if run.batch_items else None
-    result = _document(run, measured, reused, perplexity, started, batch)
+    result = document(run, measured, reused, perplexity, started, batch)
     validate_metrics(result)
     if write:
         from eval.report import write_report
@@ -465,119 +336,3 @@ def _batched(run: _Run) -> dict:
                          run.gen, run.settings.repeats, run.settings.baselines,
                          _BATCH_BASELINES if run.settings.reuse_baselines else None, deadline=run.deadline,
                          progress=run.progress)
-
-
-def _method_metrics(measured, reused: dict, first: dict) -> dict:
-    out = {}
-    for m in measured.methods:
-        entry = measured.speed(m)
-        entry["peak_memory"] = M.merge_peaks([c.peak for rep in measured.calls[m] for c in rep])
-        if m != OURS:
-            entry["target_forwards"] = sum(s.target_forwards for _, s in first[m])
-            entry["tokens_per_round"] = (sum(s.committed for _, s in first[m]) /
-                                         max(1, sum(s.rounds for _, s in first[m])))
-        if m in reused:
-            entry["reused"] = True
-        out[m] = entry
-    return out
-
-
-def _ratios(method_metrics: dict) -> dict:
-    def ratio(a, b):
-        if a in method_metrics and b in method_metrics:
-            den = method_metrics[b]["throughput"]["median"]
-            return method_metrics[a]["throughput"]["median"] / den if den > 0 else None
-        return None
-
-    pairs = {"ours_vs_ar": ("ours", "ar"), "ours_vs_assisted": ("ours", "assisted"),
-             "ours_vs_prompt_lookup": ("ours", "prompt_lookup"), "ours_vs_prompt_lookup_10": ("ours", "prompt_lookup_10"),
-             "assisted_vs_ar": ("assisted", "ar"), "ours_vs_ar_fp32": ("ours", "ar_fp32")}
-    ratios = {name: ratio(a, b) for name, (a, b) in pairs.items()}
-    return {k: v for k, v in ratios.items() if v is not None}
-
-
-def _fidelity(run: _Run, first: dict) -> dict:
-    fid = {}
-    if "ar" in first:
-        fid["vs_ar"] = M.fidelity_summary([(a, b) for (a, _), (b, _) in zip(first["ours"], first["ar"])])
-    ref_runs = first.get("ar_fp32") or (first.get("ar") if run.reference_model is run.target else None)
-    if ref_runs is not None:
-        fid["vs_fp32"] = M.fidelity_summary([(a, b) for (a, _), (b, _) in zip(first["ours"], ref_runs)])
-    fid["greedy"] = not run.gen.do_sample
-    return fid
-
-
-def _memory(run: _Run, ours_stats: list, ppl_conf: dict, peak: dict, batch: dict | None) -> dict:
-    weights = run.generator.weight_bytes
-    per_token = M.kv_bytes_per_token(run.target)
-    lengths = [s.prompt_tokens + s.new_tokens - 1 for s in ours_stats]
-    memory = {
-        "weight_bytes": {"target": weights["target"], "draft": weights["draft"],
-                         "total": weights["target"] + weights["draft"]},
-        "kv_bytes": {
-            "target_final": max(s.kv_bytes_target for s in ours_stats),
-            "draft_final": max(s.kv_bytes_draft for s in ours_stats),
-            "target_peak": max(s.peak_kv_bytes_target for s in ours_stats),
-            "target_peak_needed": max(s.peak_kv_bytes_needed_target for s in ours_stats),
-            "draft_peak": max(s.peak_kv_bytes_draft for s in ours_stats),
-            "uncompressed_target_peak": per_token * max(lengths),
-            "per_token_uncompressed": per_token,
-            "ppl_run_target_peak": ppl_conf["peak_kv_bytes"],
-        },
-        "compressions": {"target": sum(s.compressions_target for s in ours_stats),
-                         "draft": sum(s.compressions_draft for s in ours_stats)},
-        "peak": peak,
-    }
-    kv_peak = memory["kv_bytes"]["target_peak"] + memory["kv_bytes"]["draft_peak"]
-    if batch is not None:  # the batch cache holds every row at once
-        memory["kv_bytes"]["batch_peak"] = batch["kv_peak_bytes"]
-        kv_peak = max(kv_peak, batch["kv_peak_bytes"])
-    memory["total_peak_bytes"] = memory["weight_bytes"]["total"] + kv_peak
-    return memory
-
-
-def _document(run: _Run, measured, reused: dict, perplexity: dict, started: float, batch: dict | None) -> dict:
-    """The ``metrics.json`` document of one evaluation."""
-    recipe, settings, gen, items = run.recipe, run.settings, run.gen, run.items
-    first = {m: [(c.token_ids, c.stats) for c in measured.first(m)] for m in measured.methods}
-    ours_stats = [s for _, s in first[OURS]]
-    method_metrics = _method_metrics(measured, reused, first)
-    trajectories = [c.trajectory for c in measured.first(OURS)]
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "recipe": {"name": recipe.name, "config_hash": recipe.config_hash(), "config": recipe.to_dict(),
-                   "weights": dict(run.generator.weights)},
-        "settings": run.requested.to_dict(),
-        **({"budget": run.budget.to_dict() | {"repeats_done": len(measured.calls[OURS])}} if run.budget else {}),
-        "environment": environment(),
-        "protocol": {
-            "max_new_tokens": gen.max_new_tokens, "ignore_eos": gen.ignore_eos, "do_sample": gen.do_sample,
-            "warmup": settings.warmup, "repeats": len(measured.calls[OURS]), "num_prompts": len(items),
-            "timing": "wall clock with device synchronization; per repetition: throughput = new tokens / time over "
-                      "all prompts, TTFT/TPOT = mean over prompts; median [min-max] over repetitions",
-        },
-        "prompts": [{"id": it.id, "kind": it.kind, "prompt_tokens": int(it.input_ids.shape[1])} for it in items],
-        "perplexity": perplexity,
-        "acceptance": M.acceptance(ours_stats),
-        "memory": _memory(run, ours_stats, perplexity["configured"], method_metrics["ours"]["peak_memory"], batch),
-        "methods": method_metrics,
-        "ratios": _ratios(method_metrics),
-        "fidelity": _fidelity(run, first),
-        "quality": quality_section(items, first, run.generator, run.reference_model, gen),
-        "trajectories": [{"prompt": it.id, "rows": _downsample(t)} for it, t in zip(items, trajectories)],
-        **({"batch": batch} if batch is not None else {}),
-        "elapsed_s": time.perf_counter() - started,
-        "skipped": False,
-    }
-
-
-def validate_metrics(data: dict) -> None:
-    """Raise ``ValueError`` unless ``data`` matches ``eval/metrics.schema.json``."""
-    import jsonschema
-
-    schema = json.loads(SCHEMA_PATH.read_text())
-    try:
-        jsonschema.validate(json.loads(json.dumps(data, default=str)), schema)
-    except jsonschema.ValidationError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path)
-        raise ValueError(f"metrics do not match {SCHEMA_PATH.name} at '{where}': {exc.message}") from exc

@@ -88,6 +88,59 @@ def _quality_lines(q: dict | None) -> list[str]:
     return lines
 
 
+def _perplexity_lines(p: dict) -> list[str]:
+    """The perplexity section: through the cache as configured, sliding window, the fp32 reference."""
+    lines = ["## Perplexity", "", f"Text: {p['text']}", "",
+             "| measure | PPL | protocol |", "|---|---|---|"]
+    c = p["configured"]
+    lines.append(f"| recipe's target as configured (precision + KV policy) | {c['value']:.3f} | teacher-forced "
+                 f"through the cache in chunks of K+1 = {c['protocol']['chunk_tokens']} tokens, commit after each "
+                 f"chunk; {c['tokens']} predicted tokens, token-level mean NLL (natural log) |")
+    s = p["sliding_window"]
+    lines.append(f"| recipe's target, uncompressed, sliding window | {s['value']:.3f} | window "
+                 f"{s['protocol']['window']}, stride {s['protocol']['stride']}, {s['tokens']} predicted tokens, "
+                 f"token-level |")
+    if p["reference_fp32"]:
+        ref = p["reference_fp32"]
+        lines.append(f"| fp32 uncompressed reference | {ref['value']:.3f} | full context over the same "
+                     f"{ref['tokens']} predicted tokens, token-level |")
+        lines += ["", f"PPL ratio (configured / fp32 reference): **{p['ratio_to_fp32']:.4f}**"]
+    return lines
+
+
+def _memory_lines(mem: dict) -> list[str]:
+    """The memory section: weights, KV allocated / held / uncompressed bytes, compressions."""
+    kv = mem["kv_bytes"]
+    lines = ["## Memory", "", "| quantity | bytes |", "|---|---|",
+             f"| weights target / draft | {_mb(mem['weight_bytes']['target'])} / {_mb(mem['weight_bytes']['draft'])} |",
+             f"| KV target peak / final (exact bytes allocated) | {_mb(kv['target_peak'])} / "
+             f"{_mb(kv['target_final'])} |",
+             *([f"| KV target peak held (a cache sized to the rows would need) | {_mb(kv['target_peak_needed'])} |"]
+               if "target_peak_needed" in kv else []),
+             f"| KV draft peak / final (exact) | {_mb(kv['draft_peak'])} / {_mb(kv['draft_final'])} |",
+             f"| KV target uncompressed at the same length (computed) | {_mb(kv['uncompressed_target_peak'])} |",
+             *([f"| KV batch cache peak (exact bytes of its allocated buffers) | {_mb(kv['batch_peak'])} |"]
+               if "batch_peak" in kv else []),
+             f"| weights + peak KV | {_mb(mem['total_peak_bytes'])} |",
+             f"| compressions target / draft | {mem['compressions']['target']} / {mem['compressions']['draft']} |"]
+    return lines
+
+
+def _fidelity_lines(fidelity: dict) -> list[str]:
+    """The fidelity section: greedy token agreement with HF's uncompressed and fp32 greedy text."""
+    lines = ["", "## Fidelity (greedy token agreement)", ""]
+    for key, label in (("vs_ar", "vs the recipe's target, uncompressed, HF greedy"),
+                       ("vs_fp32", "vs the fp32 uncompressed target, HF greedy")):
+        f = fidelity.get(key)
+        if f:
+            lines.append(f"- {label}: match rate {f['match_rate']:.3f}, matching prefix {f['prefix_match']:.3f}, "
+                         f"first divergence per prompt {f['first_divergence']} "
+                         f"({'identical' if f['identical'] else 'differs'}; {f['compared_tokens']} tokens)")
+    if not fidelity.get("greedy", True):
+        lines.append("- (sampling recipe: agreement with a greedy reference is not expected)")
+    return lines
+
+
 def markdown(m: dict) -> str:
     """The report.md text of a metrics dict."""
     r, p, a, mem, env = m["recipe"], m["perplexity"], m["acceptance"], m["memory"], m["environment"]
@@ -103,21 +156,7 @@ def markdown(m: dict) -> str:
               f"Hardware: {env['hardware']} · torch {env['torch']} · transformers {env['transformers']} · "
               f"{env['date']} · settings: {m['settings']['mode']}", ""]
     lines += _budget_lines(m.get("budget"), m["settings"])
-    lines += ["## Perplexity", "", f"Text: {p['text']}", "",
-              "| measure | PPL | protocol |", "|---|---|---|"]
-    c = p["configured"]
-    lines.append(f"| recipe's target as configured (precision + KV policy) | {c['value']:.3f} | teacher-forced "
-                 f"through the cache in chunks of K+1 = {c['protocol']['chunk_tokens']} tokens, commit after each "
-                 f"chunk; {c['tokens']} predicted tokens, token-level mean NLL (natural log) |")
-    s = p["sliding_window"]
-    lines.append(f"| recipe's target, uncompressed, sliding window | {s['value']:.3f} | window "
-                 f"{s['protocol']['window']}, stride {s['protocol']['stride']}, {s['tokens']} predicted tokens, "
-                 f"token-level |")
-    if p["reference_fp32"]:
-        ref = p["reference_fp32"]
-        lines.append(f"| fp32 uncompressed reference | {ref['value']:.3f} | full context over the same "
-                     f"{ref['tokens']} predicted tokens, token-level |")
-        lines += ["", f"PPL ratio (configured / fp32 reference): **{p['ratio_to_fp32']:.4f}**"]
+    lines += _perplexity_lines(p)
     lines += [""] + _quality_lines(m.get("quality"))
     lines += ["## Speed", "",
               f"{proto['num_prompts']} prompts, {proto['max_new_tokens']} new tokens each (EOS "
@@ -141,29 +180,8 @@ def markdown(m: dict) -> str:
               f"rounds), target forwards {a['target_forwards']}, draft forwards {a['draft_forwards']}; counters "
               f"{'consistent' if a['consistent'] else 'INCONSISTENT: ' + '; '.join(a['problems'])}.", "",
               "Per-position acceptance: " + ", ".join(f"{i}: {v:.2f}" for i, v in enumerate(a["curve"])), ""]
-    kv = mem["kv_bytes"]
-    lines += ["## Memory", "", "| quantity | bytes |", "|---|---|",
-              f"| weights target / draft | {_mb(mem['weight_bytes']['target'])} / {_mb(mem['weight_bytes']['draft'])} |",
-              f"| KV target peak / final (exact bytes allocated) | {_mb(kv['target_peak'])} / "
-              f"{_mb(kv['target_final'])} |",
-              *([f"| KV target peak held (a cache sized to the rows would need) | {_mb(kv['target_peak_needed'])} |"]
-                if "target_peak_needed" in kv else []),
-              f"| KV draft peak / final (exact) | {_mb(kv['draft_peak'])} / {_mb(kv['draft_final'])} |",
-              f"| KV target uncompressed at the same length (computed) | {_mb(kv['uncompressed_target_peak'])} |",
-              *([f"| KV batch cache peak (exact bytes of its allocated buffers) | {_mb(kv['batch_peak'])} |"]
-                if "batch_peak" in kv else []),
-              f"| weights + peak KV | {_mb(mem['total_peak_bytes'])} |",
-              f"| compressions target / draft | {mem['compressions']['target']} / {mem['compressions']['draft']} |"]
-    lines += ["", "## Fidelity (greedy token agreement)", ""]
-    for key, label in (("vs_ar", "vs the recipe's target, uncompressed, HF greedy"),
-                       ("vs_fp32", "vs the fp32 uncompressed target, HF greedy")):
-        f = m["fidelity"].get(key)
-        if f:
-            lines.append(f"- {label}: match rate {f['match_rate']:.3f}, matching prefix {f['prefix_match']:.3f}, "
-                         f"first divergence per prompt {f['first_divergence']} "
-                         f"({'identical' if f['identical'] else 'differs'}; {f['compared_tokens']} tokens)")
-    if not m["fidelity"].get("greedy", True):
-        lines.append("- (sampling recipe: agreement with a greedy reference is not expected)")
+    lines += _memory_lines(mem)
+    lines += _fidelity_lines(m["fidelity"])
     if m.get("files"):
         lines += ["", "## Plots", ""] + [f"![{k}]({v})" for k, v in m["files"].items() if v.endswith(".png")]
     lines += ["", f"Elapsed: {m['elapsed_s']:.1f} s", ""]

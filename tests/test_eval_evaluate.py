@@ -65,7 +65,7 @@ def test_report_files_written_and_json_validates(plain):
                  "acceptance_by_position.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     on_disk = json.loads((out / "metrics.json").read_text())
-    from eval.evaluate import SCHEMA_PATH
+    from eval.document import SCHEMA_PATH
 
     schema = json.loads(SCHEMA_PATH.read_text())
     jsonschema.validate(on_disk, schema)

@@ -139,7 +139,7 @@ def _never_load(recipe):
 @pytest.mark.parametrize("bad", [1.5, -0.1, float("nan"), "high", True])
 def test_a_rouge_l_bound_outside_zero_one_is_refused_naming_field_and_range(tmp_path, bad):
     from eval.search import run_search
-    from eval.space import load_space
+    from eval.space_file import load_space
 
     with pytest.raises(ConfigError, match=r"^search\.constraints\.min_rouge_l: must be a ROUGE-L F1 score in \[0, 1\]"):
         load_space(_space(bad))

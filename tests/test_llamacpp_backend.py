@@ -233,7 +233,7 @@ def test_quantized_kv_and_context_shift_run_and_count_exact_bytes(generator):
 
 def test_compare_rows_and_the_search_offer_llama_cpp_only_where_it_is_installed():
     from eval.runners import baseline_methods, llamacpp_variant
-    from eval.space import load_space
+    from eval.space_file import load_space
     from toolkit.resources import resolve
 
     short = Recipe.load(resolve("short", "", "recipe"))

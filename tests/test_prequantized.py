@@ -166,7 +166,7 @@ def test_formats_without_a_cpu_kernel_or_a_native_loader_are_refused_from_the_co
 
 
 def test_a_quantized_checkpoint_is_native_by_default_for_your_model(checkpoints):
-    from eval.space import load_space
+    from eval.space_file import load_space
     from toolkit.resources import resolve
     from toolkit_cli.app import _retarget
 

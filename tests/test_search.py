@@ -199,7 +199,7 @@ def test_resume_after_kill_9_reruns_only_what_was_lost(tmp_path, tiny):
 
 
 def test_space_files_parse_and_build_valid_recipes():
-    from eval.space import load_space
+    from eval.space_file import load_space
 
     for name in ("short", "long", "memory", "throughput"):
         sp = load_space(name)
@@ -264,7 +264,7 @@ def _cond_space():
 
 
 def test_conditional_dimensions_exist_only_where_their_condition_holds():
-    from eval.space import load_space
+    from eval.space_file import load_space
     from toolkit.errors import ConfigError
 
     sp = load_space(_cond_space())
@@ -329,7 +329,7 @@ def test_timeout_stops_starting_trials(tmp_path, tiny):
 
 
 def test_seeds_are_measured_first_once_and_bad_seeds_are_named(tmp_path, tiny):
-    from eval.space import load_space
+    from eval.space_file import load_space
     from toolkit.errors import ConfigError
 
     space = _cond_space()

@@ -37,7 +37,7 @@ def _space() -> dict:
 
 
 def test_search_space_adapts_to_your_model(model_dir, tmp_path):
-    from eval.space import load_space
+    from eval.space_file import load_space
 
     sp = load_space(_space())
     sp.for_model(str(model_dir), draft=str(tmp_path / "draft"))

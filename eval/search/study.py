@@ -29,7 +29,8 @@ from eval.scenarios import DIRECTIONS, SCENARIOS, Scenario, check_quality_prompt
 from eval.search.confirm import finalize, heldout_confirmation
 from eval.search.select import study_counts
 from eval.search.trials import Deadline, TrialRunner
-from eval.space import MAX_TIMEOUT_S, MAX_TRIALS, SearchSpace, load_space
+from eval.space import SearchSpace
+from eval.space_file import MAX_TIMEOUT_S, MAX_TRIALS, load_space
 from toolkit.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -215,6 +216,58 @@ def settle(study, rdb) -> None:
         time.sleep(1.0)
 
 
+def _check_arguments(scenario: str, space, budget_mb, timeout, trials, workers: int) -> None:
+    """:func:`run_search`'s arguments, each checked with an error naming its option."""
+    from toolkit.checks import check_float, check_int
+    from toolkit.recipe import check_name
+
+    if space is None and scenario not in SCENARIOS:
+        raise ConfigError("scenario", f"unknown scenario {scenario!r}", sorted(SCENARIOS))
+    check_name("scenario", scenario)  # <out>/<scenario>/ and <out>/<scenario>.yaml stay inside --out
+    if budget_mb is not None:
+        check_float("--budget-mb", budget_mb, low=0.0, low_open=True)
+    if timeout is not None:
+        check_float("--timeout", timeout, low=0.0, high=MAX_TIMEOUT_S, low_open=True)
+    if trials is not None:
+        check_int("--trials", trials, low=1, high=MAX_TRIALS)
+    check_int("--workers", workers, low=1, high=64)
+
+
+def _space(scenario: str, space, enable, target, draft, prompt_suite) -> SearchSpace:
+    """The space file of ``scenario`` (or ``space``) with ``enable`` switched on, adapted to a user's models, its
+    trials' prompts replaced by ``prompt_suite`` (read here: a bad file fails before any model loads)."""
+    sp = load_space(space if space is not None else scenario)
+    if sp.scenario != scenario:
+        sp = dataclasses.replace(sp, scenario=scenario)
+    sp.enable(list(enable or []))
+    sp.for_model(target, draft)
+    if prompt_suite is not None:
+        from toolkit.measure.prompts import load_suite
+
+        load_suite(prompt_suite)
+        local = Path(prompt_suite).expanduser()
+        sp.base["prompts"] = str(local.resolve()) if local.is_file() else prompt_suite
+    return sp
+
+
+def _trial_settings(sp: SearchSpace, sc, eval_overrides: dict | None):
+    """A trial's :class:`~eval.settings.EvalSettings`: the space's ``eval`` section in search mode, with a time budget
+    of ``timeout_s`` / :data:`TRIALS_PER_BUDGET` (at least 30 s) and, where the scenario bounds ROUGE-L, the
+    summarization prompts kept (a budget never cuts them)."""
+    from eval.settings import EvalSettings
+
+    trial_budget = {"time_budget_s": max(30.0, sp.timeout_s / TRIALS_PER_BUDGET)} if sp.timeout_s else {}
+    keep = {"keep_kinds": list(SUMMARY_KINDS)} if sc.min_rouge_l is not None else {}
+    return EvalSettings(**{"mode": "search", **trial_budget, **keep, **sp.eval, **(eval_overrides or {})})
+
+
+def _wait(children: list, scenario: str) -> None:
+    """Wait for the worker processes; a worker's failure is said on stderr (its trials are in the study)."""
+    for child in children:
+        if child.wait() != 0:
+            print(f"search {scenario}: worker {child.pid} exited with status {child.returncode}", file=sys.stderr)
+
+
 def run_search(scenario: str, budget_mb: float | None = None, trials: int | None = None,
                storage: str | None = None, *, space: str | Path | dict | None = None,
                out: str | Path = DEFAULT_OUT, found_dir=_SAME_DIR, timeout: float | None = None,
@@ -245,46 +298,20 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
         heldout: confirm the winner on the held-out prompts (and the shipped recipes of ``heldout.compare``).
         min_rouge_l: bound the mean ROUGE-L F1 vs the fp32 AR reference text (in [0, 1], :mod:`eval.scenarios`).
 
-    A trial's evaluation has a time budget (``EvalSettings.time_budget_s``): the space's ``eval.time_budget_s``, else
-    its ``timeout_s`` / :data:`TRIALS_PER_BUDGET` (at least 30 s), so a larger model's trials are cut (fewer tokens,
-    prompts, repetitions; recorded in each trial's metrics) instead of one trial eating the search's budget.
+    A trial's evaluation has a time budget (:func:`_trial_settings`), so a larger model's trials are cut (fewer
+    tokens, prompts, repetitions; recorded in each trial's metrics) instead of one trial eating the search's budget.
 
     Raises:
         ConfigError: unknown scenario, malformed space file, a bad ``--enable`` name, a bound out of range
             (``--min-rouge-l``), a ROUGE-L bound without a summarization prompt, another search on ``--out``, or a
             resumed study whose configuration differs.
     """
-    from eval.evaluate import EvalSettings
-    from toolkit.checks import check_float, check_int
-    from toolkit.recipe import check_name
-
     started = time.monotonic()
-    if space is None and scenario not in SCENARIOS:
-        raise ConfigError("scenario", f"unknown scenario {scenario!r}", sorted(SCENARIOS))
-    check_name("scenario", scenario)  # <out>/<scenario>/ and <out>/<scenario>.yaml stay inside --out
-    if budget_mb is not None:
-        check_float("--budget-mb", budget_mb, low=0.0, low_open=True)
-    if timeout is not None:
-        check_float("--timeout", timeout, low=0.0, high=MAX_TIMEOUT_S, low_open=True)
-    if trials is not None:
-        check_int("--trials", trials, low=1, high=MAX_TRIALS)
-    check_int("--workers", workers, low=1, high=64)
-    sp = load_space(space if space is not None else scenario)
-    if sp.scenario != scenario:
-        sp = dataclasses.replace(sp, scenario=scenario)
-    sp.enable(list(enable or []))
-    sp.for_model(target, draft)
-    if prompt_suite is not None:
-        from toolkit.measure.prompts import load_suite
-
-        load_suite(prompt_suite)  # a bad file fails here, before any model loads
-        local = Path(prompt_suite).expanduser()
-        sp.base["prompts"] = str(local.resolve()) if local.is_file() else prompt_suite
-    trial_budget = {"time_budget_s": max(30.0, sp.timeout_s / TRIALS_PER_BUDGET)} if sp.timeout_s else {}
+    _check_arguments(scenario, space, budget_mb, timeout, trials, workers)
+    sp = _space(scenario, space, enable, target, draft, prompt_suite)
     sc = scenario_of(sp, budget_mb, min_rouge_l)
     check_quality_prompts(sc, sp, prompts)  # before any model loads
-    keep = {"keep_kinds": list(SUMMARY_KINDS)} if sc.min_rouge_l is not None else {}  # a budget never cuts them
-    settings = EvalSettings(**{"mode": "search", **trial_budget, **keep, **sp.eval, **(eval_overrides or {})})
+    settings = _trial_settings(sp, sc, eval_overrides)
     out = Path(out)
     (out / scenario).mkdir(parents=True, exist_ok=True)
     storage = storage or os.environ.get(STORAGE_ENV)
@@ -306,10 +333,7 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
                                                "draft": draft, "prompt_suite": sp.base.get("prompts")
                                                if prompt_suite is not None else None}, storage)
         run.optimize(study, finalize_results and heldout)
-        for child in children:
-            if child.wait() != 0:
-                print(f"search {scenario}: worker {child.pid} exited with status {child.returncode}",
-                      file=sys.stderr)
+        _wait(children, scenario)
         if not finalize_results:
             return {"scenario": scenario, "study": study.study_name, "counts": study_counts(study)}
         if shared:
