@@ -29,16 +29,25 @@ def _nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> float:
 def perplexity_through_cache(model, ids: list[int], policy=None, chunk: int = 5, progress: bool = False) -> dict:
     """Teacher-forced perplexity of ``ids`` fed through ``model``'s cache in chunks of ``chunk`` tokens (K + 1).
 
-    This is the perplexity the recipe's target actually has during generation: the cache is built by
-    :func:`toolkit.kv.contract.new_cache` with the recipe's KV ``policy``, every chunk is one forward at absolute
-    ``position_ids`` with ``cache.forward_kwargs``, and ``cache.commit()`` runs after every chunk
-    (the commit point, where a policy compresses), exactly as after a verify forward of K + 1 tokens.
+    This is the perplexity the recipe's target actually has during generation: the cache is the one the decoder
+    builds for one row (:func:`toolkit.kv.rows.rows_cache`: the policy's static form where it has one, else its
+    single-sequence cache), the first chunk is prefilled as a prompt is, every later chunk is one forward as a verify
+    forward of K + 1 tokens is, and each is accepted whole and followed by a commit point (where a policy
+    compresses).
 
     Protocol: token 0 is context only; tokens 1..n-1 are predicted (``n - 1`` predictions), each from everything the
     cache holds at that point; PPL = exp(sum NLL / (n - 1)), natural log.
 
-    Returns a dict with ``value``, ``nll_sum``, ``tokens`` (predicted), ``peak_kv_bytes``, ``protocol``.
+    Returns a dict with ``value``, ``nll_sum``, ``tokens`` (predicted), ``peak_kv_bytes`` (the most the cache held:
+    ``needed_bytes``), ``allocated_kv_bytes`` (a static form's buffers), ``protocol``.
+
+    Raises:
+        ValueError: fewer than 2 tokens, or ``chunk`` < 1.
     """
+    from toolkit.engine.forward import TargetForward, model_kwargs
+    from toolkit.kv.rows import rows_cache
+    from toolkit.kv.static import StaticKV, capacity_for
+
     if len(ids) < 2:
         raise ValueError("ids: perplexity needs at least 2 tokens")
     if chunk < 1:
@@ -48,30 +57,38 @@ def perplexity_through_cache(model, ids: list[int], policy=None, chunk: int = 5,
     device = next(model.parameters()).device
     seq = torch.tensor([ids], device=device)
     n = seq.shape[1]
-    cache = new_cache(policy, model)
-    nll, count, peak_kv = 0.0, 0, 0
+    forward = TargetForward(model)  # eager: the same cache and attention as the decoder's, one chunk at a time
+    cache = rows_cache(policy, model, 1, capacity_for(n + chunk), chunk)
+    attention = forward.attached() if isinstance(cache, StaticKV) else policy_attached(policy, model)
     starts = range(0, n - 1, chunk)
     if progress:
         from tqdm.auto import tqdm
 
         starts = tqdm(starts, desc=f"ppl through cache (chunk {chunk})", unit="fwd", leave=False)
-    with policy_attached(policy, model):
+    nll, count, peak_kv = 0.0, 0, 0
+    with attention:
         for start in starts:
             tokens = seq[:, start:start + chunk]
             q = tokens.shape[1]
-            positions = torch.arange(start, start + q, device=device).unsqueeze(0)
-            out = model(input_ids=tokens, past_key_values=cache, use_cache=True,
-                        **cache.forward_kwargs(positions))
-            targets = seq[0, start + 1:start + q + 1]
-            nll += _nll_sum(out.logits[0, : targets.shape[0]], targets)
-            count += targets.shape[0]
+            if start == 0:  # the first chunk is the prompt
+                prefilled, kwargs = cache.begin_row(q)
+                logits = model(input_ids=tokens, use_cache=True, **model_kwargs(model, kwargs)).logits
+                cache.add_row(prefilled, q)
+            else:
+                logits = forward(cache, tokens)
+                cache.accept(torch.full((1,), q, device=device), [q])
             cache.commit()
-            peak_kv = max(peak_kv, cache.kv_bytes())
+            targets = seq[0, start + 1:start + q + 1]
+            nll += _nll_sum(logits[0, : targets.shape[0]], targets)
+            count += targets.shape[0]
+            peak_kv = max(peak_kv, cache.needed_bytes())
     return {
         "value": math.exp(nll / count), "nll_sum": nll, "tokens": count, "peak_kv_bytes": peak_kv,
+        "allocated_kv_bytes": cache.kv_bytes(),
         "protocol": {"method": "teacher-forced through the recipe's KV cache", "chunk_tokens": chunk,
                      "text_tokens": n, "predicted_tokens": count, "normalization": "token-level, natural log",
-                     "kv_policy": getattr(policy, "name", "none") if policy is not None else "none"},
+                     "kv_policy": getattr(policy, "name", "none") if policy is not None else "none",
+                     "cache": type(cache).__name__},
     }
 
 
