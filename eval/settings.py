@@ -101,9 +101,8 @@ class EvalSettings:
 
             self.keep_kinds = check_str_list("keep_kinds", self.keep_kinds, "prompt kinds")
         if self.fixed is not None:
-            from toolkit.checks import check_str_list
-
             from eval.budget import CUTTABLE
+            from toolkit.checks import check_str_list
 
             self.fixed = check_str_list("fixed", self.fixed, "settings")
             for name in self.fixed:
