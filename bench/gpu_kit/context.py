@@ -92,6 +92,19 @@ class Kit:
         """Start the clock of stage ``name`` (its cap in :attr:`stage_caps`, if any, counts from here)."""
         self.stage, self.stage_started = name, time.perf_counter()
 
+    def row(self, what: str, fn, *args) -> dict:
+        """``fn(*args)``'s row (a dict), or ``{"error"}`` when it raises (one row failing must not stop the
+        others), with its ``seconds`` (build, compile, warm-up and timing included) and one log line: a call cut by
+        its timeout still says where the time went."""
+        began = time.perf_counter()
+        try:
+            out = fn(*args)
+        except Exception as exc:  # noqa: BLE001 - recorded, the caller goes on with the next row
+            out = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+        out["seconds"] = time.perf_counter() - began
+        self.log(f"{what}: {out.get('tok_s', 0):.1f} tok/s, {out['seconds']:.1f} s in all")
+        return out
+
     def partial(self, stage: str, result) -> None:
         """Record ``stage``'s results so far (status ``running``) and save: a run killed mid-stage keeps them."""
         self.results[stage] = {"status": "running", "seconds": None, "result": result}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -142,14 +141,7 @@ def measure_head(kit, head_dir: Path, label: str, stage: str, with_draft: bool =
     for name, run in _rows(kit, target, tok, draft, head, new).items():
         if kit.out_of_time(f"{stage or label}: {name}"):
             break
-        began = time.perf_counter()
-        try:
-            out["rows"][name] = run(prompts)
-        except Exception as exc:  # noqa: BLE001 - one row failing must not stop the others
-            out["rows"][name] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
-        out["rows"][name]["seconds"] = time.perf_counter() - began  # compile and warm-up included
-        kit.log(f"{stage or label}: {name}: {out['rows'][name].get('tok_s', 0):.1f} tok/s, "
-                f"{out['rows'][name]['seconds']:.1f} s in all")
+        out["rows"][name] = kit.row(f"{stage or label}: {name}", run, prompts)
         if stage:
             kit.partial(stage, out)
     base = out["rows"].get("ours AR", {}).get("ids")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import time
 from pathlib import Path
 
 import torch
@@ -164,14 +163,7 @@ def kv_long(kit) -> dict:
                 continue  # a compressed draft cache decodes one row at a time: B = 1 only
             if kit.out_of_time(f"{key}: {label}"):
                 break
-            began = time.perf_counter()
-            try:
-                run["rows"][label] = ours_row(kit, model, label, entry, prompts, new)
-            except Exception as exc:  # noqa: BLE001 - one policy failing must not stop the others
-                run["rows"][label] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
-            run["rows"][label]["seconds"] = time.perf_counter() - began  # build, warm-up and timed call
-            kit.log(f"kv_long {key}: {label}: {run['rows'][label].get('tok_s', 0):.1f} tok/s, "
-                    f"{run['rows'][label]['seconds']:.1f} s in all")
+            run["rows"][label] = kit.row(f"kv_long {key}: {label}", ours_row, kit, model, label, entry, prompts, new)
             kit.partial("kv_long", out)
         run["rows"].update(hf_rows(kit, model, prompts, new))
         kit.partial("kv_long", out)
