@@ -62,6 +62,46 @@ def test_pack_round_trip_error_is_at_most_half_a_step(bits):
     assert float(err.max()) > 0  # it is lossy: the test can fail if nothing is quantized
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_pack_is_planar_within_a_group(bits):
+    """Byte j of a group of G codes holds codes j, j + G*bits/8, ... in rising bit fields (quant_pack's layout)."""
+    group, levels = 16, (1 << bits) - 1
+    codes = torch.arange(32) % (levels + 1)  # two groups of 16 known codes: 0..levels repeating
+    x = codes.float().view(1, 32)
+    x[0, 0], x[0, 16] = 0.0, float(levels)  # every group spans [0, levels]: the step is exactly 1
+    x[0, 15], x[0, 31] = float(levels), 0.0
+    packed = quantize(x, bits, group)
+    assert torch.equal(packed.scale.float(), torch.ones(1, 2)) and torch.equal(packed.zero.float(), torch.zeros(1, 2))
+    stored = x.round().long().view(2, 8 // bits, group * bits // 8)  # per group: the planes, byte j down each
+    expect = sum(stored[:, i] << (i * bits) for i in range(8 // bits)).flatten()
+    assert packed.data.flatten().tolist() == expect.tolist()
+    assert torch.equal(dequantize(packed), x)
+
+
+@pytest.mark.parametrize("width,dtype", [(1, torch.float32), (5, torch.float32), (3, torch.bfloat16)])
+def test_quant_keys_attend_equals_sdpa_over_the_concatenated_parts(width, dtype):
+    """QuantKeys (part by part, one softmax) computes what SDPA computes over [dequantized groups | fp parts]."""
+    from toolkit.kv.quant_attention import QuantKeys
+
+    torch.manual_seed(0)
+    rows, kv_heads, q_heads, dim, packed = 2, 2, 6, 16, 64
+    qk = quantize(torch.randn(rows, kv_heads, packed, dim).transpose(-1, -2), 4, 16)
+    qv = quantize(torch.randn(rows, kv_heads, packed, dim), 4, 16)
+    keys = [torch.randn(rows, kv_heads, n, dim) for n in (7, 16)]
+    values = [torch.randn(rows, kv_heads, n, dim) for n in (7, 16)]
+    mask = torch.rand(rows, 1, width, packed + 23) < 0.7
+    mask[..., packed] = True  # every query sees a key
+    query = torch.randn(rows, q_heads, width, dim).to(dtype)
+    got = QuantKeys(qk, qv, keys, values, mask).attend(query, 0.3)
+    k = torch.cat([dequantize(qk).transpose(-1, -2)] + keys, -2)
+    v = torch.cat([dequantize(qv)] + values, -2)
+    want = torch.nn.functional.scaled_dot_product_attention(query.float(), k, v, attn_mask=mask, scale=0.3,
+                                                            enable_gqa=True)
+    assert got.shape == (rows, q_heads, width, dim) and got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 5e-2
+    assert float((got.float() - want).abs().max()) < tolerance
+
+
 def test_pack_rejects_bad_bits_and_groups():
     with pytest.raises(ValueError, match="bits"):
         quantize(torch.zeros(4, 16), 3, 8)

@@ -107,7 +107,8 @@ def static_attention(module, query, key, value, attention_mask, scaling=None, dr
     """transformers attention-interface function of the static engine (:mod:`toolkit.kv.static`): SDPA of ``query``
     ``(b, q_heads, q, d)`` over ``key``/``value`` ``(b, kv_heads, span, d)`` under the boolean mask
     ``(b, 1, q, span)`` (``None``: causal), or over the tiers of an evicting static cache (``key`` a
-    :class:`~toolkit.kv.static_evict.TierKeys`, each tier with its own mask). Returns ``(output (b, q, q_heads, d),
+    :class:`~toolkit.kv.static_evict.TierKeys`, each tier with its own mask, or of a KIVI cache, a
+    :class:`~toolkit.kv.quant_attention.QuantKeys`). Returns ``(output (b, q, q_heads, d),
     None)``.
 
     On CPU, half-precision queries are attended in float32 (the static cache holds its keys and values in float32

@@ -12,7 +12,8 @@ layer, per row ``r``, allocated once::
 
 ``quantized[r]`` (a ``(rows,)`` device counter, mirrored on the host) counts the tokens row ``r`` has packed. A
 forward of ``W`` tokens per row writes them into the fp slots by index (``position - quantized[r]``; static shapes,
-no reallocation) and attends to ``[dequantized groups | fp slots | shadow]`` under a boolean mask built on the device
+no reallocation) and attends to ``[packed groups | fp slots | shadow]`` (:class:`~toolkit.kv.quant_attention.QuantKeys`:
+the scores of each part, one softmax, no concatenated copy) under a boolean mask built on the device
 from ``lengths`` and ``quantized`` alone. Query ``p`` sees position ``t <= p`` at full precision where ``t < S`` or
 ``t >= boundary(p)``, else from its quantized group — exactly the per-query view of the single-sequence
 :class:`~toolkit.kv.quantized.QuantizedKVCache`, so a row decodes token for token as the policy does alone. A verify
@@ -43,10 +44,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from toolkit.kv.quant_attention import QuantKeys
 from toolkit.kv.quant_pack import Packed, dequantize, quantize
 from toolkit.kv.quantized import boundary
 from toolkit.kv.static import SPAN_STEP, StaticKV, StaticLayer, kv_geometry, spare_rows, static_buffer
-from toolkit.kv.static_evict import TierKeys
 
 
 def shadow(keys: torch.Tensor, values: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +62,8 @@ class QuantLayer(StaticLayer):
     """One decoder layer: fp slots ``keys`` / ``values`` ``(rows, kv_heads, fp_slots, head_dim)`` and the packed
     groups, ``qkeys`` a :class:`~toolkit.kv.quant_pack.Packed` of ``(rows, kv_heads, head_dim, groups * G)`` (groups
     along tokens), ``qvalues`` of ``(rows, kv_heads, groups * G, head_dim)`` (groups along channels). ``update``
-    returns a :class:`~toolkit.kv.static_evict.TierKeys` (keys, values and the forward's mask)."""
+    returns a :class:`~toolkit.kv.quant_attention.QuantKeys` (the packed groups, the fp parts and the forward's mask:
+    attention part by part, no concatenated copy)."""
 
     def __init__(self, owner: StaticQuantKV, keys: torch.Tensor, values: torch.Tensor, qkeys: Packed,
                  qvalues: Packed):
@@ -83,8 +85,7 @@ class QuantLayer(StaticLayer):
         qk = Packed(qk.data[rows, ..., :groups * code_bytes], qk.scale[rows, ..., :groups], qk.zero[rows, ..., :groups],
                     qk.bits, qk.group)
         qv = Packed(*(t[rows, :, :groups * owner.group] for t in qv.tensors()), qv.bits, qv.group)
-        parts_k = [dequantize(qk, keys.dtype).transpose(-1, -2), keys]
-        parts_v = [dequantize(qv, values.dtype), values]
+        parts_k, parts_v = [keys], [values]
         shadowed = fp.shape[-1] - keys.shape[-2]  # 0: a one-token forward right after a commit point
         if shadowed:
             lo, hi = owner.sinks, owner.sinks + shadowed
@@ -94,8 +95,7 @@ class QuantLayer(StaticLayer):
         if not owner.ring_groups:
             packed = packed.unsqueeze(-1).expand(*packed.shape, owner.group).flatten(-2)
         mask = torch.cat((packed, fp), dim=-1)
-        part = (None, torch.cat(parts_k, -2), torch.cat(parts_v, -2), mask)
-        return TierKeys([part], key_states.shape[1]), value_states
+        return QuantKeys(qk, qv, parts_k, parts_v, mask), value_states
 
     def pack(self, row: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Quantize ``keys`` / ``values`` ``(kv_heads, n * G, head_dim)`` into row ``row``'s packed groups ``slots``
