@@ -39,7 +39,8 @@ per-trial evaluation results and the default SQLite study ``study.db``.
 from eval.search.confirm import finalize
 from eval.search.report import write_found_recipe
 from eval.search.select import TrialRow, choose, is_feasible, pareto_front
-from eval.search.study import DEFAULT_OUT, STORAGE_ENV, driver_url, run_search, safe_url
+from eval.search.storage import driver_url, safe_url
+from eval.search.study import DEFAULT_OUT, STORAGE_ENV, run_search
 
 __all__ = ["run_search", "finalize", "write_found_recipe", "TrialRow", "choose", "is_feasible", "pareto_front",
            "DEFAULT_OUT", "STORAGE_ENV", "driver_url", "safe_url"]

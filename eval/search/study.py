@@ -28,6 +28,7 @@ from eval.quality import SUMMARY_KINDS
 from eval.scenarios import DIRECTIONS, SCENARIOS, Scenario, check_quality_prompts, scenario_of
 from eval.search.confirm import finalize, heldout_confirmation
 from eval.search.select import study_counts
+from eval.search.storage import lock_out_dir, open_storage, safe_url
 from eval.search.trials import Deadline, TrialRunner
 from eval.space import SearchSpace
 from eval.space_file import MAX_TIMEOUT_S, MAX_TRIALS, load_space
@@ -41,72 +42,6 @@ TRIALS_PER_BUDGET = 10
 #: environment variable that carries the storage URL to worker processes (never their command line)
 STORAGE_ENV = "TOOLKIT_SEARCH_STORAGE"
 _SAME_DIR = object()  # found_dir default: the --out directory
-
-
-def safe_url(url: str) -> str:
-    """A storage URL without its password."""
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        cred, host = rest.rsplit("@", 1)
-        return f"{scheme}://{cred.split(':', 1)[0]}:***@{host}"
-    return url
-
-
-def driver_url(url: str) -> str:
-    """``postgresql://`` with the driver that is installed: SQLAlchemy 2.1 defaults to psycopg 3, the toolkit
-    depends on psycopg2 (``psycopg2-binary``)."""
-    if url.startswith(("postgresql://", "postgres://")):
-        import importlib.util
-
-        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
-            return "postgresql+psycopg2://" + url.split("://", 1)[1]
-    return url
-
-
-def open_storage(url: str | None, out_dir: Path, heartbeat_s: float | None):
-    """``(RDBStorage, url, shared)``: the default is a local SQLite file (one writer); a given URL is shared by
-    workers, so it runs with heartbeats and re-queues the trial of a dead worker once."""
-    import optuna
-    from optuna.storages import RetryFailedTrialCallback
-
-    if url is None:
-        url = f"sqlite:///{(out_dir / 'study.db').resolve()}"
-        return optuna.storages.RDBStorage(url), url, False
-    hb = heartbeat_s or 30.0
-    try:
-        with warnings.catch_warnings():  # the heartbeat callback is "experimental" since optuna 2.8
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            storage = optuna.storages.RDBStorage(driver_url(url), heartbeat_interval=max(1, int(round(hb))),
-                                                 grace_period=int(3 * hb) + 1,
-                                                 failed_trial_callback=RetryFailedTrialCallback(max_retry=1))
-    except Exception as exc:  # noqa: BLE001 - a bad URL, a server that is down, a wrong password: the user's to fix
-        detail = (str(exc).splitlines() or [""])[0]
-        for secret in {url, driver_url(url)}:
-            detail = detail.replace(secret, safe_url(secret))
-        if "@" in url and "://" in url:  # a password may appear on its own, too
-            password = url.split("://", 1)[1].rsplit("@", 1)[0].partition(":")[2]
-            if password:
-                detail = detail.replace(password, "***")
-        raise ConfigError("--storage", f"cannot open the study storage {safe_url(url)} ({exc.__class__.__name__}: "
-                          f"{detail})") from None
-    return storage, url, True
-
-
-def lock_out_dir(out_dir: Path):
-    """An exclusive lock on ``out_dir`` for this run (released when the process ends).
-
-    Raises:
-        ConfigError: another process holds it (field ``out``).
-    """
-    from filelock import FileLock, Timeout
-
-    lock = FileLock(str(out_dir / ".search.lock"))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise ConfigError("out", f"another search is running on {out_dir} (it holds {out_dir / '.search.lock'}); "
-                          "wait for it, or use another --out") from None
-    return lock
 
 
 def study_config(sp: SearchSpace, sc: Scenario, settings) -> dict:
@@ -317,28 +252,35 @@ def run_search(scenario: str, budget_mb: float | None = None, trials: int | None
     storage = storage or os.environ.get(STORAGE_ENV)
     if storage is None and workers > 1:  # several local workers share the SQLite file, with heartbeats
         storage = f"sqlite:///{(out / scenario / 'study.db').resolve()}"
-    lock = None if storage is not None else lock_out_dir(out / scenario)
     run = Run(scenario, sp, sc, settings, out, started,
               trials if trials is not None else sp.trials,
               timeout if timeout is not None else (sp.timeout_s or DEFAULT_TIMEOUT_S),
               {"models_fn": models_fn, "prompts": prompts, "ppl_ids": ppl_ids, "heldout_prompts": heldout_prompts,
                "progress": progress})
+    worker_args = {"scenario": scenario, "out": out, "space": space, "enable": list(enable or []),
+                   "budget_mb": budget_mb, "heartbeat_s": heartbeat_s, "target": target, "min_rouge_l": min_rouge_l,
+                   "draft": draft, "prompt_suite": sp.base.get("prompts") if prompt_suite is not None else None}
+    found = out if found_dir is _SAME_DIR else found_dir
+    return _run_study(run, storage, workers, worker_args, heartbeat_s, study_name, finalize_results, heldout, found)
+
+
+def _run_study(run: Run, storage: str | None, workers: int, worker_args: dict, heartbeat_s, study_name,
+               finalize_results: bool, heldout: bool, found) -> dict:
+    """:func:`run_search` once its arguments are checked: open (or resume) the study under the output directory's
+    lock (a local SQLite study) or on ``storage``, start ``workers - 1`` more workers, optimize, then choose and
+    write the outputs (:meth:`Run.finalize`) unless ``finalize_results`` is False."""
+    scenario = run.scenario
+    lock = None if storage is not None else lock_out_dir(run.out / scenario)
     try:
         study, rdb, storage, shared = run.open_study(storage, heartbeat_s, study_name)
-        children = start_workers(workers - 1, {"scenario": scenario, "study_name": study.study_name,
-                                               "trials": run.n_total, "out": out, "timeout": run.time_left(),
-                                               "space": space, "enable": list(enable or []),
-                                               "budget_mb": budget_mb, "heartbeat_s": heartbeat_s, "target": target,
-                                               "min_rouge_l": min_rouge_l,
-                                               "draft": draft, "prompt_suite": sp.base.get("prompts")
-                                               if prompt_suite is not None else None}, storage)
+        children = start_workers(workers - 1, worker_args | {"study_name": study.study_name, "trials": run.n_total,
+                                                             "timeout": run.time_left()}, storage)
         run.optimize(study, finalize_results and heldout)
         _wait(children, scenario)
         if not finalize_results:
             return {"scenario": scenario, "study": study.study_name, "counts": study_counts(study)}
         if shared:
             settle(study, rdb)
-        found = out if found_dir is _SAME_DIR else found_dir
         return run.finalize(study, found, safe_url(storage), heldout)
     finally:
         if lock is not None:
