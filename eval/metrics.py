@@ -44,7 +44,7 @@ def perplexity_through_cache(model, ids: list[int], policy=None, chunk: int = 5,
     Raises:
         ValueError: fewer than 2 tokens, or ``chunk`` < 1.
     """
-    from toolkit.engine.forward import TargetForward, model_kwargs
+    from toolkit.engine.forward import TargetForward
     from toolkit.kv.rows import rows_cache
     from toolkit.kv.static import StaticKV, capacity_for
 
@@ -54,8 +54,7 @@ def perplexity_through_cache(model, ids: list[int], policy=None, chunk: int = 5,
         raise ValueError(f"chunk: must be >= 1, got {chunk}")
     if is_llamacpp(model):
         return _through_llamacpp(model, ids, policy, chunk)
-    device = next(model.parameters()).device
-    seq = torch.tensor([ids], device=device)
+    seq = torch.tensor([ids], device=next(model.parameters()).device)
     n = seq.shape[1]
     forward = TargetForward(model)  # eager: the same cache and attention as the decoder's, one chunk at a time
     cache = rows_cache(policy, model, 1, capacity_for(n + chunk), chunk)
@@ -68,17 +67,8 @@ def perplexity_through_cache(model, ids: list[int], policy=None, chunk: int = 5,
     nll, count, peak_kv = 0.0, 0, 0
     with attention:
         for start in starts:
-            tokens = seq[:, start:start + chunk]
-            q = tokens.shape[1]
-            if start == 0:  # the first chunk is the prompt
-                prefilled, kwargs = cache.begin_row(q)
-                logits = model(input_ids=tokens, use_cache=True, **model_kwargs(model, kwargs)).logits
-                cache.add_row(prefilled, q)
-            else:
-                logits = forward(cache, tokens)
-                cache.accept(torch.full((1,), q, device=device), [q])
-            cache.commit()
-            targets = seq[0, start + 1:start + q + 1]
+            logits = _chunk_logits(model, forward, cache, seq[:, start:start + chunk], first=start == 0)
+            targets = seq[0, start + 1:start + chunk + 1]
             nll += _nll_sum(logits[0, : targets.shape[0]], targets)
             count += targets.shape[0]
             peak_kv = max(peak_kv, cache.needed_bytes())
@@ -91,6 +81,23 @@ def perplexity_through_cache(model, ids: list[int], policy=None, chunk: int = 5,
                      "cache": type(cache).__name__},
     }
 
+
+
+def _chunk_logits(model, forward, cache, tokens: torch.Tensor, first: bool) -> torch.Tensor:
+    """Logits ``(1, q, vocab)`` of one chunk ``tokens`` ``(1, q)`` through ``cache``: the first chunk prefilled as a
+    prompt is, a later one as a verify forward accepted whole; then the commit point."""
+    from toolkit.engine.forward import model_kwargs
+
+    q = tokens.shape[1]
+    if first:
+        prefilled, kwargs = cache.begin_row(q)
+        logits = model(input_ids=tokens, use_cache=True, **model_kwargs(model, kwargs)).logits
+        cache.add_row(prefilled, q)
+    else:
+        logits = forward(cache, tokens)
+        cache.accept(torch.full((1,), q, device=tokens.device), [q])
+    cache.commit()
+    return logits
 
 @torch.no_grad()
 def perplexity_sliding_window(model, ids: list[int], window: int = 1024, stride: int = 512,
