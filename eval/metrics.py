@@ -82,7 +82,6 @@ def perplexity_through_cache(model, ids: list[int], policy=None, chunk: int = 5,
     }
 
 
-
 def _chunk_logits(model, forward, cache, tokens: torch.Tensor, first: bool) -> torch.Tensor:
     """Logits ``(1, q, vocab)`` of one chunk ``tokens`` ``(1, q)`` through ``cache``: the first chunk prefilled as a
     prompt is, a later one as a verify forward accepted whole; then the commit point."""
@@ -98,6 +97,7 @@ def _chunk_logits(model, forward, cache, tokens: torch.Tensor, first: bool) -> t
         cache.accept(torch.full((1,), q, device=tokens.device), [q])
     cache.commit()
     return logits
+
 
 @torch.no_grad()
 def perplexity_sliding_window(model, ids: list[int], window: int = 1024, stride: int = 512,

@@ -49,9 +49,9 @@ class QuantKeys:
         q = query.reshape(rows, kv_heads, groups * width, dim) * (dim ** -0.5 if scaling is None else scaling)
         scores = [q @ dequantize(self.qkeys, dtype)] + [q @ k.to(dtype).transpose(-1, -2) for k in self.keys]
         scores = torch.cat(scores, -1).to(torch.promote_types(dtype, torch.float32))
-        mask = self.mask.unsqueeze(2).expand(rows, 1, groups, width, scores.shape[-1])
-        scores = scores.masked_fill(~mask.reshape(rows, 1, groups * width, -1), float("-inf"))
-        probs = torch.softmax(scores, -1).to(dtype)
+        span = scores.shape[-1]  # every query head of a GQA group under the same (B, 1, W, span) mask, broadcast
+        scores = scores.view(rows, kv_heads, groups, width, span).masked_fill(~self.mask.unsqueeze(2), float("-inf"))
+        probs = torch.softmax(scores, -1).view(rows, kv_heads, groups * width, span).to(dtype)
         packed = self.qkeys.length
         out = probs[..., :packed] @ dequantize(self.qvalues, dtype)
         start = packed
