@@ -11,6 +11,8 @@ checkpoint is refused on CPU from its config alone, which is what the test check
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import tiny_llama
@@ -120,7 +122,7 @@ def test_native_weights_are_the_checkpoints_bytes_and_decode_as_transformers_loa
 
 
 def test_other_precisions_dequantize_and_never_requantize(checkpoints):
-    from toolkit.models import load_model
+    from toolkit.models import load_model, weights_note
     from toolkit.session import plan
 
     directory = str(checkpoints["torchao-int4"])
@@ -131,6 +133,8 @@ def test_other_precisions_dequantize_and_never_requantize(checkpoints):
     assert torch.equal(plain.model.layers[0].self_attn.q_proj.weight, q_proj.dequantize().float())
     assert plain.toolkit_weights == ("fp32 (dequantized from the checkpoint's torchao int4 weight-only, group 32, "
                                      "symmetric)")
+    assert weights_note(plain) == plain.toolkit_weights
+    assert weights_note(copy.deepcopy(plain).to(torch.bfloat16)) == f"bf16 (cast from {plain.toolkit_weights})"
     for precision in ("int4", "int8"):
         with pytest.raises(ConfigError, match=rf"target\.precision: .*already quantized \(torchao int4 weight-only.*"
                                               rf"{precision} would dequantize and re-quantize.*"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit.dtypes import torch_dtype
+from toolkit.dtypes import FLOAT_DTYPES, precision_name, torch_dtype
 from toolkit.errors import ConfigError, ModelLoadError
 from toolkit.models.embedded import resolve_source
 from toolkit.models.llamacpp import LLAMACPP
@@ -111,12 +111,18 @@ def load_model(spec: ModelSpec, field: str = "model"):
 def weights_note(model) -> str:
     """Which weights ``model`` runs, in words: ``model.toolkit_weights`` as :func:`load_model` set it (``native
     (torchao int4 weight-only, group 32, symmetric, from the checkpoint)``, ``int4 (torchao)``, ``fp32 (dequantized
-    from the checkpoint's bitsandbytes NF4 4-bit)``, ...), else the precision of its spec, else its dtype."""
-    note = getattr(model, "toolkit_weights", None)
-    if note:
-        return note
+    from the checkpoint's bitsandbytes NF4 4-bit)``, ...), else the precision of its spec, else its dtype. A float
+    note the model no longer runs (``model.to(torch.bfloat16)`` after an fp32 load) says so: ``bf16 (cast from fp32
+    (...))``."""
+    dtype = next(model.parameters()).dtype
     spec = getattr(model, "toolkit_spec", None)
-    return spec.precision if spec is not None else str(next(model.parameters()).dtype).replace("torch.", "")
+    note = getattr(model, "toolkit_weights", None) or (spec.precision if spec is not None else None)
+    if not note:
+        return str(dtype).replace("torch.", "")
+    first = note.split(" ", 1)[0]
+    if first in FLOAT_DTYPES and FLOAT_DTYPES[first] != dtype and dtype in FLOAT_DTYPES.values():
+        return f"{precision_name(dtype)} (cast from {note})"
+    return note
 
 
 def _read(spec: ModelSpec, location: str, kwargs: dict, field: str) -> tuple:
