@@ -68,3 +68,35 @@ def test_xz_parts_sized_for_a_call_restore_the_file(tmp_path):
     assert sizes[0] == 10_000 and all(s <= 30_000 for s in sizes[1:]) and len(parts) == 3
     joined = carry.join_parts(tmp_path / "parts", tmp_path / "joined")
     assert joined.read_bytes() == src.read_bytes()
+
+
+def test_identity_verdict_of_a_cut_stage_is_not_a_miss():
+    from gpu_kit.targets import _identity
+
+    rows = [{"path": "lookup, K=4", "ok": True, "tau": 2.333}, {"path": "draft model", "ok": True, "tau": 4.8}]
+    cut = {"accept_identity": {"status": "running", "result": {"rows": rows}}}
+    text, verdict = _identity(cut)
+    assert verdict == "not measured: cut" and "2 of 2 rows" in text and "cut (running)" in text
+    done = {"accept_identity": {"status": "ok", "result": {"rows": rows, "failures": []}}}
+    assert _identity(done)[1] == "met"
+    failed = {"accept_identity": {"status": "failed", "result": {"rows": rows, "failures": ["draft model: tau 1.2"]}}}
+    assert _identity(failed)[1] == "missed: draft model: tau 1.2"
+
+
+def test_linear_probe_counts_every_linear_once_with_its_bytes():
+    from conftest import tiny_llama
+    from gpu_kit.linear_probe import linear_probe
+    from gpu_kit.targets import _linears
+
+    model = tiny_llama(layers=3)
+    probe = linear_probe(model, calls=2, replays=2)
+    names = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj", "lm_head"}
+    assert set(probe["layers"]) == names
+    assert all(layer["count"] == (1 if name == "lm_head" else 3) for name, layer in probe["layers"].items())
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert probe["bytes_per_token"] == sum(m.weight.numel() * 4 for m in linears)
+    assert probe["layers"]["mlp.down_proj"]["in"] == 128 and probe["ms_per_token"] > 0
+    step_ms = 2 * probe["ms_per_token"]
+    assert _linears({"linear_probe": probe}, {"tok_s": 1000.0 / step_ms}) == \
+        f"linears {probe['ms_per_token']:.2f} of {step_ms:.2f} ms/token"

@@ -6,6 +6,8 @@ format of :data:`FORMATS`:
 * ``ours AR`` and ``ours lookup`` (cost-aware K) on the compiled static engine (CUDA graphs on a GPU);
 * ``HF static compiled AR``: HF ``generate`` with the static cache and ``torch.compile`` (``reduce-overhead``) on the
   same model object, so on the same quantized weights (its first call, the compile, timed apart);
+* the linear layers alone at one token (:func:`gpu_kit.linear_probe.linear_probe`: kernel ms per token, apart
+  from the decoder around them);
 * weight bytes, bytes read per decoded token (:func:`toolkit.models.sizes.bytes_read_per_token`: every weight
   once, one embedding row) plus the KV cache a step attends to, and the fraction of the device's peak memory bandwidth
   (:data:`PEAK_BANDWIDTH`) a step of ours reaches: ``bytes per token x tok/s / peak``.
@@ -30,6 +32,7 @@ import torch
 
 from gpu_kit import shapes
 from gpu_kit.checks import ours
+from gpu_kit.linear_probe import linear_probe
 from gpu_kit.speed import hf_static_compiled
 from toolkit.engine.planner import CostAwareK
 from toolkit.measure.timing import synchronize, time_ms
@@ -182,6 +185,10 @@ def measure(kit, shape: str, fmt: str) -> dict:
         config.hidden_size // config.num_attention_heads) * 2  # bf16 keys + values
     row["kv_bytes_per_step"] = kv_per_token * (kit.prompt_tokens + kit.new_tokens // 2)  # the mean context attended
     peak = _peak_bandwidth(kit)
+    try:
+        row["linear_probe"] = linear_probe(model)
+    except Exception as exc:  # noqa: BLE001 - the probe failing must not stop the timed methods
+        row["linear_probe"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     try:
         for method, fn in _methods(kit, model, prompt, gen).items():
             if kit.out_of_time(f"{method} on {shape} {fmt}"):
