@@ -21,6 +21,8 @@ os.environ.setdefault("TOOLKIT_VERIFY_COST_DIR", os.path.join(tempfile.gettempdi
 # the suite's workers load each other's cores: their verify cost curves would all count as measured under load
 os.environ.setdefault("TOOLKIT_VERIFY_COST_MAX_LOAD", "1")
 os.environ.setdefault("TOOLKIT_ENGINES_PYTHON", "off")
+# thousands of short-lived models: no full garbage collection + heap freeze at each build (toolkit.heap)
+os.environ.setdefault("TOOLKIT_GC_FREEZE", "0")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one process per core (make test: pytest -n 2): one thread each
     torch.set_num_threads(1)

@@ -26,6 +26,7 @@ from toolkit.engine.decoder import SpeculativeDecoder
 from toolkit.engine.forward import TargetForward, forward_for
 from toolkit.engine.planner import ForwardCost, make_controller
 from toolkit.errors import ConfigError
+from toolkit.heap import freeze_heap
 from toolkit.models import model_vocab_size, weight_bytes, weights_note
 from toolkit.models.llamacpp import is_llamacpp
 from toolkit.recipe import GenerationSpec, Recipe
@@ -225,6 +226,7 @@ class SpeculativeLM:
             seconds += draft.warm_up(lambda r: draft.cache_for(self.draft_policy, r, capacity, widest), widths, rows)
         if spec.adaptive == "cost":
             self.verify_cost_for(max(16, self.plan.max_query_tokens))
+        freeze_heap()  # and the compiled graphs
         return seconds
 
     def _features(self) -> tuple[int, ...]:
@@ -369,7 +371,8 @@ def _is_prompt_list(prompt) -> bool:
 
 def build(recipe: Recipe, target=None, tokenizer=None, draft_model=None, pool: ModelPool | None = None,
           draft_tokenizer=None) -> SpeculativeLM:
-    """Plan ``recipe`` (:func:`toolkit.session.plan`), load its models and return a :class:`SpeculativeLM`.
+    """Plan ``recipe`` (:func:`toolkit.session.plan`), load its models and return a :class:`SpeculativeLM`; then
+    freeze the live heap out of full garbage collections (:func:`toolkit.heap.freeze_heap`).
 
     Models come from ``pool`` (a :class:`~toolkit.session.ModelPool`, so several recipes share them) or a fresh
     one; already-loaded ``target``/``tokenizer``/``draft_model`` (and the draft's ``draft_tokenizer`` when it is
@@ -384,7 +387,9 @@ def build(recipe: Recipe, target=None, tokenizer=None, draft_model=None, pool: M
     p = plan(recipe)
     target, tokenizer, draft_model, draft_tokenizer = load_models(p, pool, target, tokenizer, draft_model,
                                                                   draft_tokenizer)
-    return SpeculativeLM(p, target, tokenizer, draft_model, draft_tokenizer)
+    lm = SpeculativeLM(p, target, tokenizer, draft_model, draft_tokenizer)
+    freeze_heap()  # full garbage collections skip the models from here on (toolkit.heap)
+    return lm
 
 
 __all__ = ["SpeculativeLM", "build"]
