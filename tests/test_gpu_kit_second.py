@@ -81,6 +81,8 @@ def test_identity_verdict_of_a_cut_stage_is_not_a_miss():
     assert _identity(done)[1] == "met"
     failed = {"accept_identity": {"status": "failed", "result": {"rows": rows, "failures": ["draft model: tau 1.2"]}}}
     assert _identity(failed)[1] == "missed: draft model: tau 1.2"
+    capped = {"accept_identity": {"status": "ok", "result": {"rows": rows, "failures": [], "cut": "before 'x'"}}}
+    assert _identity(capped)[1] == "not measured: cut" and "(before 'x')" in _identity(capped)[0]
 
 
 def test_linear_probe_counts_every_linear_once_with_its_bytes():

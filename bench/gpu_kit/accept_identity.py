@@ -182,9 +182,21 @@ def _batch_paths(target, draft, head) -> dict:
             "batched EAGLE-1 head": (EagleDrafter(target, head), "head passes the token through")}
 
 
+def _batch_rows(rows: list, target, maker, prompts: list, new: int, reference: list, forward, label: str, name: str,
+                agree: str) -> None:
+    """One batched path over every prompt, eager and (where there is one) on the compiled forward: a row each."""
+    for where, fwd in (("eager", None), (label, forward)):
+        if where != "eager" and fwd is None:
+            continue
+        results = ours_batch(target, maker, prompts, new, ConstantK(4), forward=fwd, batch_size=len(prompts))
+        for i, (ids, stats) in enumerate(results):
+            rows.append(_row(f"batch of {len(prompts)}, {name}, {where}: row {i}", ids, reference[i], stats, agree))
+
+
 def accept_identity(kit) -> dict:
     """Every speculative path on a cycle target (and the real model when relayed), identical to HF greedy with
-    τ > :data:`MIN_TAU` per row; raises ``AssertionError`` naming the rows that are not (the rows are saved first)."""
+    τ > :data:`MIN_TAU` per row; raises ``AssertionError`` naming the rows that are not (the rows are saved first).
+    A stage cap (``--stage-s accept_identity=S``) stops it between paths: ``out["cut"]`` says before which."""
     base = kit.model("tiny" if kit.dry_run else "check", torch.float32)
     new = max(kit.new_tokens, 24) if kit.dry_run else 64
     rows_n = 4 if kit.dry_run else 8
@@ -200,22 +212,24 @@ def accept_identity(kit) -> dict:
     rows = out["rows"]
     label = "CUDA graphs" if kit.device.type == "cuda" else f"compiled ({kit.compile_backend})"
     forward = kit.compiled(target) if kit.compile_backend != "none" else None
-    for name, (run, agree) in _single_paths(target, draft, head, cost).items():
+    paths = [("single", name, run, agree) for name, (run, agree) in _single_paths(target, draft, head, cost).items()]
+    paths += [("batch", name, maker, agree) for name, (maker, agree) in _batch_paths(target, draft, head).items()]
+    for kind, name, run, agree in paths:
+        if kit.out_of_time(f"accept_identity: {name}"):
+            out["cut"] = f"the stage's time ran out before '{name}'"
+            break
+        if kind == "batch":
+            _batch_rows(rows, target, run, prompts, new, reference, forward, label, name, agree)
+            kit.partial("accept_identity", out)
+            continue
         got, stats = run(prompts[0], new, None)
         rows.append(_row(name, got, reference[0], stats, agree))
         if forward is not None and "tree" not in name:
             got, stats = run(prompts[0], new, forward)
             rows.append(_row(f"{name}, {label}", got, reference[0], stats, agree))
         kit.partial("accept_identity", out)
-    for name, (maker, agree) in _batch_paths(target, draft, head).items():
-        for where, fwd in (("eager", None), (label, forward)):
-            if where != "eager" and fwd is None:
-                continue
-            results = ours_batch(target, maker, prompts, new, ConstantK(4), forward=fwd, batch_size=rows_n)
-            for i, (ids, stats) in enumerate(results):
-                rows.append(_row(f"batch of {rows_n}, {name}, {where}: row {i}", ids, reference[i], stats, agree))
-        kit.partial("accept_identity", out)
-    rows.extend(_real_rows(kit, new))
+    if "cut" not in out:
+        rows.extend(_real_rows(kit, new))
     out["failures"] = failures(rows)
     out["all_ok"] = not out["failures"]
     kit.partial("accept_identity", out)

@@ -35,9 +35,12 @@ def _identity(results: dict) -> tuple[str, str]:
     taus = [row["tau"] for row in r["rows"] if row.get("tau") is not None]
     text = f"{len(r['rows']) - len(bad)} of {len(r['rows'])} rows identical with tau > 1.5 (min tau " \
            f"{min(taus) if taus else '-'})"
-    if "failures" not in r:  # the call ended while the stage ran: its rows so far, no verdict
-        return text + f" before the stage was cut ({results['accept_identity']['status']})", "not measured: cut"
-    return text, "missed: " + "; ".join(bad[:3]) if bad else "met"
+    if bad:
+        return text, "missed: " + "; ".join(bad[:3])
+    if "failures" not in r or r.get("cut"):  # the call's timeout or the stage's cap: its rows so far, no verdict
+        return text + f" before the stage was cut ({r.get('cut') or results['accept_identity']['status']})", \
+            "not measured: cut"
+    return text, "met"
 
 
 def _width(results: dict) -> tuple[str, str]:
