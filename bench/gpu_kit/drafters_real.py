@@ -6,7 +6,8 @@ of each recipe is reported, with the per-round split: draft / verify / host over
 Rows, in this order: HF static-cache compiled AR (the baseline), the shipped trained EAGLE-1 head
 (``toolkit/heads/smollm2-135m-instruct``) as a K = 3 chain, ours AR, HF assisted generation with the draft model, the
 draft model (the embedded model at int4, torchao on CUDA) as a K = 4 chain and as a token tree, the head as a tree.
-Per row: tok/s over the prompts (after one untimed pass), α, τ, the per-round split, and tokens identical to ours AR (bf16: a near-tie may flip).
+Per row: tok/s over the prompts (after one untimed pass), α, τ, the per-round split, and tokens identical to ours AR
+(bf16: a near-tie may flip).
 :func:`measure_head` runs the same rows for any head directory (the ``eagle_train`` stage's head).
 """
 
