@@ -109,6 +109,14 @@ def _llama_ar(target, ids: list[int], n: int, kv: str = "f16") -> list[int]:
 
 
 @NEEDS_LLAMACPP
+def test_build_loads_llama_cpp_so_the_first_request_does_not():
+    lm = toolkit.build(_recipe())
+    assert "llama.cpp" in lm.engine_note  # set when the engine (llama.cpp's model and context) is made
+    first = lm.generate(PROMPT, max_new_tokens=4)
+    assert len(first.token_ids) == 4 and first.stats.total_ms > 0
+
+
+@NEEDS_LLAMACPP
 @pytest.mark.slow
 def test_greedy_output_equals_llama_cpps_own_greedy_ar_with_drafts_accepted(generator):
     first = generator.generate(PROMPT, max_new_tokens=40)

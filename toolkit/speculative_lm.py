@@ -388,6 +388,8 @@ def build(recipe: Recipe, target=None, tokenizer=None, draft_model=None, pool: M
     target, tokenizer, draft_model, draft_tokenizer = load_models(p, pool, target, tokenizer, draft_model,
                                                                   draft_tokenizer)
     lm = SpeculativeLM(p, target, tokenizer, draft_model, draft_tokenizer)
+    if is_llamacpp(target):
+        lm.engine  # noqa: B018 - llama.cpp's model and context load here (~0.3 s), not inside the first request
     freeze_heap()  # full garbage collections skip the models from here on (toolkit.heap)
     return lm
 
