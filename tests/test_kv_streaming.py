@@ -170,6 +170,12 @@ def test_a_long_prompt_is_attended_in_chunks_exactly(monkeypatch):
     for mask in (window, arbitrary):
         dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         assert torch.allclose(attention.sdpa(q, k, v, mask, None), dense, atol=1e-12)
+    plan = attention.chunk_plan(window)  # the layers of one forward share a mask: planned once, reused after
+    assert attention.chunk_plan(window) is plan and attention.chunk_plan(window.clone()) is not plan
+    flipped = window.clone()
+    flipped[..., -1, 0] = ~flipped[..., -1, 0]  # another mask (a new object) is planned afresh, exactly
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=flipped, enable_gqa=True)
+    assert torch.allclose(attention.sdpa(q, k, v, flipped, None), dense, atol=1e-12)
     chunked, calls = attention.chunked_sdpa, []
     monkeypatch.setattr(attention, "chunked_sdpa", lambda *args: calls.append(1) or chunked(*args))
     torch.manual_seed(0)
