@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from eval.metrics import perplexity_through_cache  # noqa: E402
-from eval.runners import ours_runner, runners_for  # noqa: E402
+from eval.runners import engine_runners, ours_runner, runners_for  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_png, atomic_write_text  # noqa: E402
 from toolkit.kv import make_policy  # noqa: E402
 from toolkit.measure.harness import Prompt, environment, measure  # noqa: E402
@@ -49,6 +49,8 @@ from toolkit.session import SHARED_POOL  # noqa: E402
 from toolkit.speculative_lm import build  # noqa: E402
 
 BASELINES = ["ar", "ar_static", "prompt_lookup_10"]
+#: llama.cpp's own AR on the recipe's GGUF (a worker process; where llama-cpp-python is installed: ``make llamacpp``)
+LLAMACPP = "llamacpp_ar"
 SUITES = ["long-context", "long-context-heldout"]
 
 
@@ -100,10 +102,12 @@ def run_suite(suite: str, generators: dict, repeats: int, new_tokens: int, num_p
     for name, g in generators.items():
         g.warm_up(longest)
     static_len = -(-longest // 256) * 256
-    runners |= runners_for(main, baselines, eos, static_cache_len=static_len)
-    measured = measure(runners, prompts, gen, repeats=repeats, warmup=1, desc=suite, rotate=True,
-                       warm_gen=dataclasses.replace(gen, max_new_tokens=8),
-                       before_repetition=lambda rep: [g.forget() for g in generators.values()])
+    hf = [b for b in baselines if b != LLAMACPP]
+    runners |= runners_for(main, hf, eos, static_cache_len=static_len)
+    with engine_runners(main.recipe, [b for b in baselines if b == LLAMACPP], eos) as engines:
+        measured = measure(runners | engines, prompts, gen, repeats=repeats, warmup=1, desc=suite, rotate=True,
+                           warm_gen=dataclasses.replace(gen, max_new_tokens=8),
+                           before_repetition=lambda rep: [g.forget() for g in generators.values()])
     rows = []
     for i, prompt in enumerate(prompts):
         reference = measured.per_prompt("none", i)[-1].token_ids
@@ -134,9 +138,11 @@ def summarize(rows: list[dict], methods: list[str]) -> dict:
                        "kv_bytes": max((r["kv_bytes"] or 0) for r in mine) or None,
                        "worst_prompt_vs_none": min(r["throughput"] / n["throughput"] for r, n in zip(
                            mine, [x for x in rows if x["method"] == "none"]))}
-    best_hf = max(out[m]["throughput"] for m in BASELINES if m in out)
-    best_hf_decode = max(out[m]["decode_throughput"] for m in BASELINES if m in out)
+    best_hf = max((out[m]["throughput"] for m in BASELINES if m in out), default=float("nan"))
+    best_hf_decode = max((out[m]["decode_throughput"] for m in BASELINES if m in out), default=float("nan"))
     for method in out:
+        if LLAMACPP in out:
+            out[method]["vs_llamacpp"] = out[method]["throughput"] / out[LLAMACPP]["throughput"]
         out[method]["vs_none"] = out[method]["throughput"] / out["none"]["throughput"]
         out[method]["vs_best_hf"] = out[method]["throughput"] / best_hf
         out[method]["decode_vs_none"] = out[method]["decode_throughput"] / out["none"]["decode_throughput"]
@@ -181,13 +187,16 @@ def markdown(report: dict) -> str:
     lines = [f"# KV compression at ~4k-token context ({env.get('hardware')}; {env.get('cpu_flags', '')})", "",
              "Paths: " + "; ".join(f"{k}: {v}" for k, v in report["paths"].items()), ""]
     for suite in report["suites"]:
+        cpp = LLAMACPP in suite["summary"]
         lines += [f"## {suite['suite']}", "", "tok/s: new tokens / wall time, the ~4k-token prefill included; decode "
                   "tok/s: after the first token (1000 / TPOT).", "",
-                  "| method | tok/s | vs none | vs best HF | decode tok/s | vs none | vs best HF | TTFT s | "
-                  "KV MiB | KV vs none | ROUGE-L vs none |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| method | tok/s | vs none | vs best HF | " + ("vs llama.cpp AR | " if cpp else "") +
+                  "decode tok/s | vs none | vs best HF | TTFT s | KV MiB | KV vs none | ROUGE-L vs none |",
+                  "|---|---|---|---|" + ("---|" if cpp else "") + "---|---|---|---|---|---|---|"]
         for method, s in suite["summary"].items():
             kv = f"{s['kv_bytes'] / 2**20:.1f}" if s["kv_bytes"] else "–"
-            lines.append(f"| {method} | {s['throughput']:.2f} | {s['vs_none']:.2f}x | {s['vs_best_hf']:.2f}x | "
+            vs_cpp = f"{s['vs_llamacpp']:.2f}x | " if cpp else ""
+            lines.append(f"| {method} | {s['throughput']:.2f} | {s['vs_none']:.2f}x | {s['vs_best_hf']:.2f}x | {vs_cpp}"
                          f"{s['decode_throughput']:.1f} | {s['decode_vs_none']:.2f}x | {s['decode_vs_best_hf']:.2f}x | "
                          f"{s['ttft_ms'] / 1000:.1f} | {kv} | {s.get('kv_vs_none', float('nan')):.3f} | "
                          f"{s['rouge_l_vs_none']:.3f} |")
@@ -224,7 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--ppl-tokens", type=int, default=4096, help="0: skip the perplexity section")
     parser.add_argument("--methods", nargs="+", default=None, help="our variants to run (default: all)")
-    parser.add_argument("--baselines", nargs="+", default=BASELINES, choices=BASELINES, help="HF baselines to run")
+    parser.add_argument("--baselines", nargs="+", default=BASELINES, choices=BASELINES + [LLAMACPP],
+                        help=f"baselines to run: HF's, and {LLAMACPP} (llama.cpp's AR on the same GGUF, when installed)")
     parser.add_argument("--num-prompts", type=int, default=None, help="the first N prompts of each suite")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/long-context")
     parser.add_argument("--render", action="store_true", help="only re-render --out's JSON (Markdown and plot)")

@@ -94,6 +94,7 @@ def fake_llama_cpp(tmp_path, monkeypatch):
             def generate(self, tokens, **sampling):
                 assert sampling["temp"] == 0.0 and sampling["top_k"] == 1
                 assert self.n_tokens == 0, "the previous request's prefix was reused"
+                assert len(tokens) < self.kwargs["n_ctx"], "the prompt does not fit the context"
                 self.n_tokens = len(tokens)
                 for t in reversed(list(tokens) * 10):
                     yield t
@@ -129,7 +130,9 @@ def test_engine_worker_serves_generate_and_score_and_reports_errors(fake_llama_c
         assert call.token_ids == [6, 1] and call.stats.finish_reason == "eos"
         assert call.stats.total_ms >= call.stats.ttft_ms >= 0
         info = worker.request("info")
-        assert info == {"engine": "llama.cpp", "version": "fake", "weight_bytes": 64, "threads": 2}
+        assert info == {"engine": "llama.cpp", "version": "fake", "weight_bytes": 64, "threads": 2, "n_ctx": 2048}
+        long = run(torch.full((1, 2100), 4), gen)  # longer than --n-ctx: the context grows to the request
+        assert len(long.token_ids) == 5 and worker.request("info")["n_ctx"] == 3072
         curve = worker.request("verify_curve", input_ids=[0, 1, 5, 3, 2], widths=[1, 2, 4], repeats=2)
         assert set(curve["ms"]) == {"1", "2", "4"} and curve["rollback_exact"] is True
         score = worker.request("score", input_ids=[0, 1, 5])

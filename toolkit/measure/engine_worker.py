@@ -38,6 +38,9 @@ import sys
 import time
 from pathlib import Path
 
+#: a context grown to a longer request is a multiple of this many positions
+CONTEXT_STEP = 1024
+
 
 def _log_softmax_rows(logits):
     import numpy as np
@@ -58,25 +61,40 @@ class LlamaCpp:
     """llama.cpp through llama-cpp-python: greedy (``temp = 0``: argmax), no repetition penalty."""
 
     def __init__(self, model: str, threads: int, lookup_tokens: int, max_ngram: int, n_ctx: int):
+        self.path, self.threads, self.n_ctx = model, threads, n_ctx
+        self.lookup = (lookup_tokens, max_ngram)
+        self.llm = self._llama()
+        self._scorer = None
+
+    def _llama(self, **kwargs):
+        """A context of ``n_ctx`` positions on the model (with the prompt-lookup draft when asked)."""
         from llama_cpp import Llama
 
-        self.path, self.threads, self.n_ctx = model, threads, n_ctx
         draft = None
-        if lookup_tokens:
+        if self.lookup[0] and not kwargs.get("logits_all"):
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-            draft = LlamaPromptLookupDecoding(max_ngram_size=max_ngram, num_pred_tokens=lookup_tokens)
-        self.llm = Llama(model_path=model, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         draft_model=draft, verbose=False)
-        self._scorer = None
+            draft = LlamaPromptLookupDecoding(max_ngram_size=self.lookup[1], num_pred_tokens=self.lookup[0])
+        return Llama(model_path=self.path, n_ctx=self.n_ctx, n_threads=self.threads, n_threads_batch=self.threads,
+                     draft_model=draft, verbose=False, **kwargs)
+
+    def _fit(self, positions: int) -> None:
+        """Grow the context to hold ``positions`` (rounded up to a multiple of :data:`CONTEXT_STEP`): a request
+        longer than ``--n-ctx`` is served, as the toolkit's own engine sizes its cache to the request (a 4k-token
+        document with llama.cpp's default 2,048 failed before)."""
+        if positions <= self.n_ctx:
+            return
+        self.n_ctx = -(-positions // CONTEXT_STEP) * CONTEXT_STEP
+        self.llm, self._scorer = self._llama(), None
 
     def info(self) -> dict:
         import llama_cpp
 
         return {"engine": "llama.cpp", "version": llama_cpp.__version__, "weight_bytes": os.path.getsize(self.path),
-                "threads": self.threads}
+                "threads": self.threads, "n_ctx": self.n_ctx}
 
     def generate(self, ids: list[int], max_new_tokens: int, eos: set[int]) -> dict:
+        self._fit(len(ids) + max_new_tokens)
         self.llm.reset()  # no prefix reuse from the previous request
         out: list[int] = []
         start = time.perf_counter()
@@ -92,14 +110,12 @@ class LlamaCpp:
 
     def _all_logits(self):
         if self._scorer is None:  # logits for every position need their own context (logits_all)
-            from llama_cpp import Llama
-
-            self._scorer = Llama(model_path=self.path, n_ctx=self.n_ctx, n_threads=self.threads,
-                                 n_threads_batch=self.threads, logits_all=True, verbose=False)
+            self._scorer = self._llama(logits_all=True)
         self._scorer.reset()
         return self._scorer
 
     def score(self, ids: list[int]) -> dict:
+        self._fit(len(ids))
         scorer = self._all_logits()
         scorer.eval(ids)
         return _score_from_logits(scorer.scores[: len(ids)], ids)
@@ -107,6 +123,7 @@ class LlamaCpp:
     def verify_curve(self, ids: list[int], widths: list[int], repeats: int) -> dict:
         import statistics
 
+        self._fit(len(ids) + max(widths))
         llm = self._all_logits()
         llm.eval(ids)
         import numpy as np
