@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ppl-tokens", type=int, default=4096, help="0: skip the perplexity section")
     parser.add_argument("--methods", nargs="+", default=None, help="our variants to run (default: all)")
     parser.add_argument("--baselines", nargs="+", default=BASELINES, choices=BASELINES + [LLAMACPP],
-                        help=f"baselines to run: HF's, and {LLAMACPP} (llama.cpp's AR on the same GGUF, when installed)")
+                        help=f"baselines to run: HF's, and {LLAMACPP} (llama.cpp's AR on the same GGUF, if installed)")
     parser.add_argument("--num-prompts", type=int, default=None, help="the first N prompts of each suite")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/long-context")
     parser.add_argument("--render", action="store_true", help="only re-render --out's JSON (Markdown and plot)")
