@@ -121,8 +121,9 @@ def llamacpp_runner(path: str, threads: int, eos: set[int], lookup_tokens: int =
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         draft = LlamaPromptLookupDecoding(max_ngram_size=max_ngram, num_pred_tokens=lookup_tokens)
+    # logits_all with a draft: llama-cpp-python's draft path overflows its n_batch-row scores past 512 prompt tokens
     llm = Llama(model_path=path, n_ctx=4096, n_threads=threads, n_threads_batch=threads, draft_model=draft,
-                verbose=False, **cache_kwargs(kv, kv))
+                logits_all=draft is not None, verbose=False, **cache_kwargs(kv, kv))
 
     def run(input_ids: torch.Tensor, gen) -> Call:
         llm.reset()

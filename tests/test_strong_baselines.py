@@ -95,6 +95,8 @@ def fake_llama_cpp(tmp_path, monkeypatch):
                 assert sampling["temp"] == 0.0 and sampling["top_k"] == 1
                 assert self.n_tokens == 0, "the previous request's prefix was reused"
                 assert len(tokens) < self.kwargs["n_ctx"], "the prompt does not fit the context"
+                if self.kwargs.get("draft_model") is not None and not self.kwargs.get("logits_all"):
+                    assert len(tokens) <= 512, "could not broadcast into shape (0,)"  # llama-cpp-python's scores
                 self.n_tokens = len(tokens)
                 for t in reversed(list(tokens) * 10):
                     yield t
@@ -107,6 +109,11 @@ def fake_llama_cpp(tmp_path, monkeypatch):
 
             def kv_cache_seq_rm(self, seq, start, end):
                 assert (seq, end) == (-1, -1) and start == self.n_tokens  # rolled back to the length just set
+    """))
+    (package / "llama_speculative.py").write_text(textwrap.dedent("""
+        class LlamaPromptLookupDecoding:  # the draft object: the fake Llama only checks it is passed
+            def __init__(self, max_ngram_size, num_pred_tokens):
+                self.sizes = (max_ngram_size, num_pred_tokens)
     """))
     script = tmp_path / "python"
     script.write_text(f"#!/bin/sh\nPYTHONPATH={package.parent} exec {sys.executable} \"$@\"\n")
@@ -142,6 +149,8 @@ def test_engine_worker_serves_generate_and_score_and_reports_errors(fake_llama_c
             worker.request("frobnicate")
         with pytest.raises(engines.EngineError, match="greedy only"):
             run(torch.tensor([[4]]), GenerationSpec(max_new_tokens=2, do_sample=True))
+    with engines.EngineProcess(engines.ENGINES["llamacpp_lookup"], model, threads=2) as worker:  # > n_batch tokens
+        assert engines.engine_runner(worker, eos_ids=[1])(torch.full((1, 600), 4), gen).token_ids == [4] * 5
 
 
 def test_engine_worker_replies_are_json_lines_only(fake_llama_cpp, tmp_path):

@@ -66,17 +66,22 @@ class LlamaCpp:
         self.llm = self._llama()
         self._scorer = None
 
-    def _llama(self, **kwargs):
-        """A context of ``n_ctx`` positions on the model (with the prompt-lookup draft when asked)."""
+    def _llama(self, scorer: bool = False):
+        """A context of ``n_ctx`` positions on the model: the generator (with the prompt-lookup draft when asked) or,
+        with ``scorer``, one keeping logits for every position (``logits_all``)."""
         from llama_cpp import Llama
 
         draft = None
-        if self.lookup[0] and not kwargs.get("logits_all"):
+        if self.lookup[0] and not scorer:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             draft = LlamaPromptLookupDecoding(max_ngram_size=self.lookup[1], num_pred_tokens=self.lookup[0])
+        # with a draft, llama-cpp-python writes each evaluated position's logits at its row of `scores`, a buffer of
+        # n_batch (512) rows unless logits_all: a longer prompt failed with "could not broadcast input array from
+        # shape (...) into shape (0,)" (llama-cpp-python 0.3.36; its issue 657 is the same overflow), so the lookup
+        # engine keeps every position's logits, as its users must
         return Llama(model_path=self.path, n_ctx=self.n_ctx, n_threads=self.threads, n_threads_batch=self.threads,
-                     draft_model=draft, verbose=False, **kwargs)
+                     draft_model=draft, logits_all=scorer or draft is not None, verbose=False)
 
     def _fit(self, positions: int) -> None:
         """Grow the context to hold ``positions`` (rounded up to a multiple of :data:`CONTEXT_STEP`): a request
@@ -110,7 +115,7 @@ class LlamaCpp:
 
     def _all_logits(self):
         if self._scorer is None:  # logits for every position need their own context (logits_all)
-            self._scorer = self._llama(logits_all=True)
+            self._scorer = self._llama(scorer=True)
         self._scorer.reset()
         return self._scorer
 
