@@ -102,10 +102,9 @@ def run_suite(suite: str, generators: dict, repeats: int, new_tokens: int, num_p
     for name, g in generators.items():
         g.warm_up(longest)
     static_len = -(-longest // 256) * 256
-    hf = [b for b in baselines if b != LLAMACPP]
-    runners |= runners_for(main, hf, eos, static_cache_len=static_len)
-    with engine_runners(main.recipe, [b for b in baselines if b == LLAMACPP], eos) as engines:
-        measured = measure(runners | engines, prompts, gen, repeats=repeats, warmup=1, desc=suite, rotate=True,
+    with engine_runners(main.recipe, baselines, eos) as engines:  # llama.cpp's worker, when asked for
+        runners |= runners_for(main, baselines, eos, static_cache_len=static_len, engine_calls=engines)
+        measured = measure(runners, prompts, gen, repeats=repeats, warmup=1, desc=suite, rotate=True,
                            warm_gen=dataclasses.replace(gen, max_new_tokens=8),
                            before_repetition=lambda rep: [g.forget() for g in generators.values()])
     rows = []

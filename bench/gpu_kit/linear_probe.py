@@ -6,42 +6,38 @@ question left is the kernel's: :func:`linear_probe` times each distinct linear l
 one-token input and sums them per decoded token. If that sum is most of the step, the kernel is the bound; if it is
 small, the rest of the step is.
 
-Timing: on CUDA, ``calls`` forwards of one module captured into one CUDA graph, replayed ``replays`` times between
-two CUDA events (launch overhead out of the figure, as in the compiled step); elsewhere (the dry run) the host clock
-around eager calls.
+Timing (:func:`toolkit.measure.timing.time_ms`, the median of ``replays``): on CUDA, ``calls`` forwards of one
+module captured into one CUDA graph, each replay between two CUDA events (launch overhead out of the figure, as in
+the compiled step); elsewhere (the dry run) the host clock around ``calls`` eager calls.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 
+from toolkit.measure.timing import time_ms
 from toolkit.models.sizes import weight_bytes
 
 
 def _per_call_ms(module: torch.nn.Module, x: torch.Tensor, calls: int, replays: int) -> float:
+    """Median ms of one call: ``calls`` calls (captured as one CUDA graph on CUDA) timed ``replays`` times by
+    :func:`toolkit.measure.timing.time_ms`."""
     with torch.inference_mode():
         for _ in range(3):
             module(x)
-        if x.device.type != "cuda":
-            began = time.perf_counter()
-            for _ in range(calls * replays):
-                module(x)
-            return (time.perf_counter() - began) * 1000.0 / (calls * replays)
-        torch.cuda.synchronize(x.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+
+        def run():
             for _ in range(calls):
                 module(x)
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / (calls * replays)
+
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+            run = graph.replay
+        summary, _ = time_ms(run, x.device, repeats=replays, warmup=1)
+    return summary.median / calls
 
 
 def linear_probe(model: torch.nn.Module, calls: int = 20, replays: int = 10) -> dict:
