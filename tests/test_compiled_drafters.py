@@ -92,6 +92,46 @@ def test_compiled_eagle_reads_the_compiled_targets_hidden_states(eagle_pair):
     assert sum(s.accepted for _, s in rows) < sum(s.drafted for _, s in rows)
 
 
+def test_eagle_head_on_cuda_buckets_is_token_identical(eagle_pair):
+    """CUDA's form of the head's step, traced on the CPU (``buckets=True``): rows and widths padded to the target's
+    buckets over a static span of the head cache (what CUDA graphs capture), the long prompt's catch-up eager. Greedy
+    output equals the eager drafter's with drafts accepted, one row, a batch and a token tree; the head cache is kept
+    across calls (captured graphs keep its addresses)."""
+    from toolkit.speculative.tree import TreeShape
+
+    target, head = eagle_pair
+    engine = TargetForward(target, compile=True, backend="eager", buckets=True)
+    drafter = EagleDrafter(target, head, compile=True, backend="eager", buckets=True)
+    prompt = make_prompt(100, length=8)
+    eager_ids, eager_stats = decode(target, EagleDrafter(target, head), prompt, TargetForward(target), k=3)
+    ids, stats = decode(target, drafter, prompt, engine, k=3)
+    assert ids == eager_ids == hf_greedy(target, prompt, NEW)
+    assert (stats.drafted, stats.accepted) == (eager_stats.drafted, eager_stats.accepted)
+    assert stats.tokens_per_round > 1.2 and stats.accepted < stats.drafted
+    cache = drafter.cache
+    assert cache.static_span and cache.capacity >= 8 + NEW + 64  # room for a step padded to the widest bucket
+    assert (True, 1, 8) in drafter.step._seen and (False, 1, 1) in drafter.step._seen  # a catch-up of <= 4 pairs
+    assert all(key[2] in (1, 2, 4, 8) for key in drafter.step._seen)  # ran as a bucket (the prompt's as 8)
+    again, _ = decode(target, drafter, make_prompt(101, length=70), engine, k=3)  # a 70-token prompt: eager catch-up
+    assert drafter.cache is cache and again == hf_greedy(target, make_prompt(101, length=70), NEW)
+    batch = [make_prompt(100 + i, length=8) for i in range(3)]
+    eager = [decode(target, EagleDrafter(target, head), p, TargetForward(target), k=3) for p in batch]
+    batched = EagleDrafter(target, head, compile=True, backend="eager", buckets=True)
+    decoder = batch_decoder(target, batched, VerifyCost([1.0] * 64, learn=False), num_draft_tokens=3, batch_size=3,
+                            forward=engine)
+    decoder.controller = ConstantK(3)
+    rows = decoder.decode_batch(batch, GenerationSpec(max_new_tokens=NEW, ignore_eos=True))
+    for (ids, stats), (ref, ref_stats) in zip(rows, eager):  # 3 rows run as the batch bucket of 4
+        assert ids == ref and (stats.drafted, stats.accepted) == (ref_stats.drafted, ref_stats.accepted)
+    assert any(key[1] == 4 for key in batched.step._seen)
+    shape = TreeShape(budget=10, depth=5, topk=2)
+    tree = EagleDrafter(target, head, compile=True, backend="eager", buckets=True)
+    gen = GenerationSpec(max_new_tokens=NEW, ignore_eos=True)
+    decoder = SpeculativeDecoder(target, tree, ConstantK(3), forward=engine, tree=shape)
+    tree_ids = [t for chunk in decoder.decode(prompt, gen, GenerationStats()) for t in chunk]
+    assert tree_ids == eager_ids and any(key[-1] == "tree" and key[2] == 2 for key in tree.step._seen)
+
+
 @pytest.mark.slow
 @pytest.mark.heavy  # 20-25 s; the tiny-model tests above prove the same path
 def test_compiled_eagle_with_the_shipped_head_on_the_embedded_model(embedded):

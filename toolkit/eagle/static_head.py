@@ -12,8 +12,19 @@ written by slot index, a boolean mask from per-row lengths, rollback by moving l
     last    = out at each row's last real input                      (B, H)
     logits  = the head's LM head over last                           (B, draft_vocab)
 
-and is ONE compiled graph per (first step or not) x (one row or more) x (one token or more): on CPU inductor with
-the rows, the width and the attended span dynamic, so a process compiles at most eight small graphs, seconds each.
+and is ONE compiled graph per (first step or not) x (one row or more) x (one token or more), compiled as the target's
+forward is (:mod:`toolkit.engine.forward`):
+
+* **CPU** (inductor): the rows, the width and the attended span dynamic, so a process compiles at most eight small
+  graphs, seconds each.
+* **CUDA** (``mode="reduce-overhead"``: CUDA graphs): the rows and the width padded to the target's buckets
+  (:data:`~toolkit.engine.forward.CUDA_BATCH_SIZES` x :data:`~toolkit.engine.forward.CUDA_WIDTHS`) and the span the
+  whole head cache (:func:`head_cache` with ``static_span``), so each step replays one captured CUDA graph instead of
+  launching its kernels one by one: measured on an H100 before this (``bench/reports/gpu/h100-2026-11-27-3``), three
+  eager-launched head steps cost 4.05 ms, more than the target's verify forward (3.31 ms). Padded rows are unused rows
+  of the head cache, padded positions lie past the rows' kept entries (never accepted), and each step's outputs are
+  copied out of the graph's memory before the next replay overwrites it.
+
 A token tree's expansion step (``tree``: one row, the expanded nodes appended to the head cache's tree region under
 a tree mask, :mod:`toolkit.kv.static_tree`) returns every node's output and logits ``(1, W, ...)``: a graph of its
 own.
@@ -46,10 +57,11 @@ class _HeadShape:
         self.parameters = head.parameters
 
 
-def head_cache(head, rows: int, capacity: int, widest: int) -> StaticKV:
+def head_cache(head, rows: int, capacity: int, widest: int, static_span: bool = False) -> StaticKV:
     """The head's static cache: ``rows`` rows of ``capacity`` positions (true pairs, one per committed token) and
-    forwards of up to ``widest`` tokens past them."""
-    return StaticKV(_HeadShape(head), rows, capacity, widest)
+    forwards of up to ``widest`` tokens past them; ``static_span``: every forward attends to every slot (CUDA
+    graphs)."""
+    return StaticKV(_HeadShape(head), rows, capacity, widest, static_span=static_span)
 
 
 class _StaticLayerCache:
@@ -85,28 +97,44 @@ class HeadForward:
         head: the loaded :class:`~toolkit.eagle.head.EagleHead`.
         compile: compile the step with ``torch.compile`` (``False``: eager).
         backend: ``torch.compile``'s (``eager`` traces without code generation: tests).
+        buckets: pad rows and widths to the target's buckets over a static span (default: on CUDA, where the step
+            is then a CUDA graph; ``True`` on a CPU runs the same padding without graphs: tests).
 
     Attributes:
-        compile_ms: milliseconds spent in calls that compiled, cumulative.
+        compile_ms: milliseconds spent in calls that compiled (or captured a CUDA graph), cumulative.
     """
 
-    def __init__(self, head, compile: bool = False, backend: str = "inductor"):
+    def __init__(self, head, compile: bool = False, backend: str = "inductor", buckets: bool | None = None):
+        from toolkit.engine.forward import MODES, bucketed, inductor_cache
+
         self.head, self.backend = head, backend
         self.device = head.lm_head.weight.device
         self.dtype = next(head.parameters()).dtype
+        self.buckets = bucketed(self.device) if buckets is None else buckets
+        self.graphs = compile and backend == "inductor" and MODES.get(self.device.type) == "reduce-overhead"
         self.compile_ms = 0.0
         self._seen: set[tuple] = set()
         self._compiled = None
         if compile:
-            from toolkit.engine.forward import inductor_cache
-
             inductor_cache()
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            self._compiled = torch.compile(_head_step, dynamic=False, backend=backend)
+            self._compiled = torch.compile(_head_step, dynamic=False, backend=backend,
+                                           mode="reduce-overhead" if self.graphs else None)
 
     @property
     def compiled(self) -> bool:
         return self._compiled is not None
+
+    @property
+    def static_span(self) -> bool:
+        """Whether the head cache must attend to every slot (compiled over bucketed shapes)."""
+        return self.compiled and self.buckets
+
+    def width_for(self, width: int) -> int:
+        """Tokens per row a step of ``width`` really runs (its bucket where shapes are bucketed)."""
+        from toolkit.engine.forward import CUDA_WIDTHS
+
+        return next((b for b in CUDA_WIDTHS if b >= width), width) if self.static_span else width
 
     def __call__(self, cache: StaticKV, source: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor,
                  counts_host: list[int], first: bool, tree=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,35 +143,80 @@ class HeadForward:
         ``counts[r]`` entries (``counts_host`` the same on the host). Returns ``(out (B, H), logits (B, d))`` at each
         row's last real input; with ``tree`` (a token tree's region on row 0,
         :class:`~toolkit.kv.static_tree.TreeInputs`) ``(out (1, W, H), logits (1, W, d))`` at every input."""
+        from toolkit.engine.forward import CUDA_WIDTHS
+
         rows, width = tokens.shape
-        kwargs = cache.prepare(width) if tree is None else cache.prepare_tree(tree, width)
+        # a catch-up wider than the widest bucket (a long prompt's pairs) runs eager, as the target's prefill does
+        compiled = self.compiled and not (self.static_span and width > CUDA_WIDTHS[-1])
+        if compiled and self.static_span:
+            source, tokens, counts = self._padded(cache, source, tokens, counts)
+        run_rows, run_width = tokens.shape
+        kwargs = cache.prepare(run_width, range(run_rows)) if tree is None else cache.prepare_tree(tree, run_width)
         last = (counts - 1).clamp_min(0)[:, None] if tree is None else \
-            torch.arange(width, device=tokens.device)[None]
+            torch.arange(run_width, device=tokens.device)[None]
         args = (self.head, source.to(self.dtype), tokens, kwargs["position_ids"], kwargs["attention_mask"],
                 _StaticLayerCache(cache), last, first)
-        if self._compiled is None:
-            out = _head_step(*args)
-        else:
-            self._mark_dynamic(args, cache)
-            key = (first, min(rows, 2), min(width, 2)) + (("tree",) if tree is not None else ())  # a graph of its own
-            began = time.perf_counter()
-            if key not in self._seen:
-                log.info("compiling the EAGLE head's %s step (%s rows x %s tokens) with torch.compile: seconds",
-                         "tree" if tree is not None else "first" if first else "later",
-                         *("2+" if n > 1 else "1" for n in key[1:3]))
-            out = self._compiled(*args)
-            if key not in self._seen:
-                self._seen.add(key)
-                self.compile_ms += (time.perf_counter() - began) * 1000
-        cache.accept(counts, counts_host)
-        return out if tree is not None else (out[0][:, 0], out[1][:, 0])
+        out = self._run_compiled(args, cache, tree is not None) if compiled else _head_step(*args)
+        cache.accept(counts[:rows], counts_host)
+        if tree is not None:
+            return out[0][:, :width], out[1][:, :width]
+        return out[0][:rows, 0], out[1][:rows, 0]
+
+    def _padded(self, cache: StaticKV, source: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor):
+        """``(source, tokens, counts)`` padded to the buckets: rows to the next batch size within the cache's
+        allocated rows (padding rows are unused rows of the head cache, counting one entry), width to the next
+        bucket (each row's last token and source repeated past its end: written past the kept entries, never
+        accepted)."""
+        from toolkit.engine.forward import CUDA_BATCH_SIZES
+
+        rows, width = tokens.shape
+        run_rows = min(next((b for b in CUDA_BATCH_SIZES if b >= rows), rows), cache.allocated)
+        run_width = self.width_for(width)
+        if (run_rows, run_width) == (rows, width):
+            return source, tokens, counts
+        padded_tokens = tokens.new_zeros(run_rows, run_width)
+        padded_tokens[:rows, :width] = tokens
+        padded_tokens[:rows, width:] = tokens[:, -1:]
+        padded_source = source.new_zeros(run_rows, run_width, source.shape[-1])
+        padded_source[:rows, :width] = source
+        padded_source[:rows, width:] = source[:, -1:]
+        padded_counts = counts.new_ones(run_rows)
+        padded_counts[:rows] = counts
+        return padded_source, padded_tokens, padded_counts
+
+    def _run_compiled(self, args: tuple, cache: StaticKV, tree: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compiled step: a graph per shape class (bucketed: per bucket), announced and timed at its first
+        call; outputs copied out of a CUDA graph's memory (the next replay overwrites it)."""
+        tokens = args[2]
+        rows, width = tokens.shape
+        self._mark_dynamic(args, cache, span=not self.static_span)
+        sizes = (rows, width) if self.static_span else (min(rows, 2), min(width, 2))
+        key = (args[-1], *sizes) + (("tree",) if tree else ())  # a tree step is a graph of its own
+        began = time.perf_counter()
+        if key not in self._seen:
+            log.info("compiling the EAGLE head's %s step (%s rows x %s tokens) with torch.compile: seconds",
+                     "tree" if tree else "first" if args[-1] else "later",
+                     *(str(n) if self.static_span or n == 1 else "2+" for n in sizes))
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        out = self._compiled(*args)
+        if self.graphs:
+            out = (out[0].clone(), out[1].clone())
+        if key not in self._seen:
+            self._seen.add(key)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.compile_ms += (time.perf_counter() - began) * 1000
+        return out
 
     @staticmethod
-    def _mark_dynamic(args: tuple, cache: StaticKV) -> None:
-        """Rows and width where they exceed 1, and the attended span: one graph per class of shapes."""
+    def _mark_dynamic(args: tuple, cache: StaticKV, span: bool) -> None:
+        """Rows and width where they exceed 1, and the attended span unless it is static: one graph per class of
+        shapes (with CUDA graphs, one capture per bucket from it)."""
         _, source, tokens, positions, mask, _, last, _ = args
         rows, width = tokens.shape
-        torch._dynamo.mark_dynamic(mask, 3)
+        if span:
+            torch._dynamo.mark_dynamic(mask, 3)
         for tensor in (tokens, positions, cache.write_index, source, *((last,) if last.shape[1] > 1 else ())):
             if width > 1:
                 torch._dynamo.mark_dynamic(tensor, 1)

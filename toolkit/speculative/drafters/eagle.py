@@ -8,7 +8,8 @@ target forward returns them with its logits (:func:`toolkit.engine.forward.selec
 :meth:`EagleDrafter.join`, each verify forward's to :meth:`EagleDrafter.commit_rows`.
 
 The head cache of row ``r`` holds its *true pairs* ``(feature_t, token_{t+1})`` at positions ``0 .. fed - 1`` on a
-static cache (:func:`toolkit.eagle.static_head.head_cache`); the head's step is compiled where the target's forward is
+static cache (:func:`toolkit.eagle.static_head.head_cache`, kept and reused by later calls it can hold); the head's
+step is compiled where the target's forward is, on CUDA graphs where the target's is
 (:class:`~toolkit.eagle.static_head.HeadForward`). A round::
 
     catch up   ONE head step over (B, p): row r feeds its pending true pairs (the prompt's features after its
@@ -43,6 +44,7 @@ import torch
 from toolkit.eagle.features import hidden_indices
 from toolkit.eagle.head import EagleHead
 from toolkit.eagle.static_head import HeadForward, head_cache
+from toolkit.engine.forward import CUDA_BATCH_SIZES, CUDA_WIDTHS
 from toolkit.kv.static_tree import TreeInputs
 from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DrafterConfig, register_drafter
 from toolkit.speculative.drafters.rows import ModelDrafter
@@ -71,7 +73,8 @@ class EagleDrafter(ModelDrafter):
         head: the head (:func:`toolkit.eagle.checkpoint.load_head`), any float dtype on the target's device.
         do_sample / temperature / top_k / top_p / seed / generator / acceptance: as
             :class:`~toolkit.speculative.drafters.rows.ModelDrafter`.
-        compile / backend: compile the head's step (:class:`~toolkit.eagle.static_head.HeadForward`).
+        compile / backend / buckets: compile the head's step (:class:`~toolkit.eagle.static_head.HeadForward`;
+            ``buckets`` default: on CUDA, where the step is a CUDA graph).
 
     Raises:
         ValueError: feature layers the target's hidden states cannot give (see
@@ -80,14 +83,14 @@ class EagleDrafter(ModelDrafter):
 
     def __init__(self, target, head: EagleHead, *, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, generator: torch.Generator | None = None, acceptance=None,
-                 compile: bool = False, backend: str = "inductor"):
+                 compile: bool = False, backend: str = "inductor", buckets: bool | None = None):
         super().__init__(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                          generator=generator, acceptance=acceptance)
         self.target, self.head = target, head
         self.features = hidden_indices(target, head.config.feature_layers)
         self.device = head.lm_head.weight.device
         self.dtype = next(head.parameters()).dtype
-        self.step = HeadForward(head, compile=compile, backend=backend)
+        self.step = HeadForward(head, compile=compile, backend=backend, buckets=buckets)
         self.cache = None  # the head's static cache
         self.pending: list[torch.Tensor] = []  # per row: features (p, F) of the true pairs not yet fed
         self._held: list[int] = []  # per row: true pairs (and, during a round, draft steps) in the head cache
@@ -110,7 +113,16 @@ class EagleDrafter(ModelDrafter):
         if tree is not None:
             region = (tree.depth - 1) * tree.topk
             capacity, widest = capacity + max(0, region - widest), max(widest, region)
-        self.cache = head_cache(self.head, rows, capacity, widest)
+        static = self.step.static_span
+        if static:  # rows for the batch bucket; room for a step padded to its width bucket past any row's entries
+            rows = next((b for b in CUDA_BATCH_SIZES if b >= rows), rows)
+            capacity += CUDA_WIDTHS[-1]
+        cached = self.cache
+        if cached is not None and cached.allocated >= rows and cached.capacity >= capacity \
+                and cached.widest >= widest and cached.static_span == static:
+            cached.keep_rows([])  # the same buffers: compiled graphs and captured CUDA graphs keep their addresses
+        else:
+            self.cache = head_cache(self.head, rows, capacity, widest, static_span=static)
 
     def draft_cache(self, row):
         return self.cache
