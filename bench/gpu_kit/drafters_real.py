@@ -44,20 +44,29 @@ def _recipe(drafter: str, k: int, tree: bool, draft: ModelSpec | None, new: int)
 
 
 def ours_pass(lm, prompts: list, device) -> dict:
-    """One untimed pass over ``prompts`` then one timed: tok/s of the pass, α, τ, the mean round split, the ids and
-    the untimed pass's seconds (the compile and the CUDA graph captures are in it)."""
+    """One untimed pass over ``prompts`` then one timed: tok/s of the pass, α, τ, the mean round split, the ids,
+    the untimed pass's seconds (the compile and the CUDA graph captures are in it) and what dynamo and the CUDA graph
+    trees did in each pass (graphs compiled, graph breaks, graphs declined: a timed pass that compiles or declines
+    is not running on captured graphs; the H100's EAGLE-3 round of 2026-11-27 came without these)."""
+    from gpu_kit.weights import compile_counts
+
+    before = compile_counts()
     began = time.perf_counter()
     for prompt in prompts:
         lm.generate(prompt)
     synchronize(device)
     first_pass_s = time.perf_counter() - began
+    between = compile_counts()
     results = [lm.generate(prompt) for prompt in prompts]
+    after = compile_counts()
     stats = [r.stats for r in results]
     seconds = sum(s.total_ms for s in stats) / 1000.0
     return {"tok_s": sum(len(r.token_ids) for r in results) / seconds, "path": lm.engine_note,
             "alpha": statistics.mean(s.acceptance_rate for s in stats),
             "tau": statistics.mean(s.tokens_per_round for s in stats), "round_ms": round_summary(stats),
-            "ids": [r.token_ids for r in results], "first_pass_s": first_pass_s}
+            "ids": [r.token_ids for r in results], "first_pass_s": first_pass_s,
+            "compiles": {"untimed": {k: between[k] - before[k] for k in before},
+                         "timed": {k: after[k] - between[k] for k in before}}}
 
 
 def hf_pass(model, tok, prompts: list, new: int, method: str, kit, **kwargs) -> dict:

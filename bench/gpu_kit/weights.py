@@ -195,9 +195,9 @@ def measure(kit, shape: str, fmt: str) -> dict:
                 break
             cell = row["methods"].setdefault(method, {})
             try:
-                first, counts = time.perf_counter(), _compile_counts()
+                first, counts = time.perf_counter(), compile_counts()
                 rates, stats = _timed(kit, fn, kit.timing_repeats)
-                cell["compile"] = {k: v - counts[k] for k, v in _compile_counts().items()}
+                cell["compile"] = {k: v - counts[k] for k, v in compile_counts().items()}
                 cell.update(tok_s=sorted(rates)[len(rates) // 2], tok_s_min=min(rates), tok_s_max=max(rates),
                             seconds=time.perf_counter() - first)
                 if stats is not None:
@@ -216,7 +216,7 @@ def measure(kit, shape: str, fmt: str) -> dict:
     return row
 
 
-def _compile_counts() -> dict:
+def compile_counts() -> dict:
     """Dynamo's and inductor's running counts: graphs compiled, graph breaks, CUDA graph trees that declined a
     graph (their differences over a method say whether it ran as one captured graph; an int4 AR at 0.64x bf16 on an
     H100, 2026-11-27, came without them)."""
