@@ -134,7 +134,7 @@ def dense_weight(module: torch.nn.Module) -> torch.Tensor:
     if weight is not None and (type(weight) is torch.Tensor or not isinstance(module, torch.nn.Linear)):
         return weight
     bf16 = weight is None or weight.dtype == torch.bfloat16  # a packed int4 kernel takes bf16 activations
-    device = weight.device if weight is not None else next(module.buffers()).device
+    device = weight.device if weight is not None else next(iter([*module.parameters(), *module.buffers()])).device
     eye = torch.eye(module.in_features, dtype=torch.bfloat16 if bf16 else torch.float32, device=device)
     with torch.no_grad():
         try:

@@ -37,6 +37,7 @@ import weakref
 
 import torch
 
+from toolkit.engine.guards import call_compiled, skip_guards_default
 from toolkit.kv.attention import STATIC_NAME, attached
 
 log = logging.getLogger("toolkit.engine")
@@ -165,7 +166,7 @@ class TargetForward:
         self._compiled = None
         self._cache = None  # the last static cache built, reused by requests it can hold (addresses stay fixed)
         self._checked = weakref.WeakKeyDictionary()  # cache -> graph keys that ran on it once with every guard
-        self.skip_guards = os.environ.get("TOOLKIT_FULL_GUARDS", "") in ("", "0")
+        self.skip_guards = skip_guards_default()
         self._modules = None  # the model's modules, read for forward hooks (see _hooked)
         self._said_hooked = False
         if compile:
@@ -305,23 +306,9 @@ class TargetForward:
         return hooked
 
     def _run(self, args: tuple, first: bool) -> torch.Tensor:
-        """Call the compiled forward. Once a graph ran on this cache with every guard, only the guards that tell the
-        compiled graphs apart are evaluated (``skip_guard_eval_unsafe``): dynamo's full guard check walks every
-        weight of the model and cost 2-4 ms a forward on this CPU (10-20% of a decode step). Every input here is
-        made by the engine itself, so the skipped guards (weights, dtypes, the model's attributes) cannot have
-        changed; a call that would need a new graph raises instead of running a wrong one, and is retried with every
-        guard (``TOOLKIT_FULL_GUARDS=1`` turns the shortcut off). The first call on a new cache runs every guard:
-        the compiled code is shared by every forward of the process, and the graphs of another model (another
-        dtype) differ from this one's only in guards the shortcut skips."""
-        if first or not self.skip_guards:
-            return self._compiled(*args)
-        try:
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                return self._compiled(*args)
-        except RuntimeError as exc:
-            if "Recompilation" not in str(exc):
-                raise
-            return self._compiled(*args)
+        """Call the compiled forward; the first call of a graph on a new cache runs every guard, later ones only
+        those that tell the compiled graphs apart (:mod:`toolkit.engine.guards`)."""
+        return call_compiled(self._compiled, args, full_guards=first or not self.skip_guards)
 
     @staticmethod
     def _mark_dynamic(input_ids, kwargs: dict, cache, span: bool) -> None:
