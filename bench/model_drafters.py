@@ -9,8 +9,8 @@ Methods, timed interleaved per prompt with the order rotated between repetitions
 
 * ``ours AR``: the recipe with no drafter (the compiled static engine where the recipe compiles);
 * ``ours lookup``: the recipe itself (for reference: the drafter that needs no network);
-* ``ours EAGLE K=N``: the shipped EAGLE-1 head (``toolkit/heads/``, bf16) reading the target's last-layer
-  features, constant K: the compiled target graph returns the features with its logits (no hooks) and the head's
+* ``ours EAGLE K=N``: the shipped EAGLE-1 head (``toolkit/heads/``, bf16; ``--head-precisions bf16 int8`` adds
+  ``ours EAGLE K=N (int8 head)``) reading the target's last-layer features, constant K: the compiled target graph returns the features with its logits (no hooks) and the head's
   step is compiled too;
 * ``ours draft model K=4``: the embedded model at int4 as a separate draft model, constant K, on its own static
   cache through the compiled engine;
@@ -42,7 +42,7 @@ from eval.runners import ours_runner  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from toolkit.measure.harness import Prompt, environment, measure  # noqa: E402
 from toolkit.measure.prompts import load_suite  # noqa: E402
-from toolkit.recipe import ModelSpec, Recipe, SpeculationSpec  # noqa: E402
+from toolkit.recipe import EAGLE_PRECISIONS, ModelSpec, Recipe, SpeculationSpec  # noqa: E402
 from toolkit.resources import resolve  # noqa: E402
 from toolkit.session import SHARED_POOL  # noqa: E402
 from toolkit.speculative.stats import round_summary  # noqa: E402
@@ -56,16 +56,20 @@ SUITES = {"short": "short", "short-heldout": "short-heldout", "unseen": str(ROOT
 TREE = {"tree": True, "tree_budget": 8, "tree_depth": 4, "tree_topk": 2}
 
 
-def variants(recipe: Recipe, eagle_ks: list[int], eager_forms: bool = True, trees: bool = True) -> dict[str, Recipe]:
-    """``{method: recipe}``: the recipe without a drafter, as it is, with the EAGLE head, with a draft model, with
-    ``trees`` each of the two as a token tree (:data:`TREE`) on the static engine, and with ``eager_forms`` each
-    network drafter's recipe at ``compile: off``."""
+def variants(recipe: Recipe, eagle_ks: list[int], eager_forms: bool = True, trees: bool = True,
+             head_precisions: tuple[str, ...] = ("bf16",)) -> dict[str, Recipe]:
+    """``{method: recipe}``: the recipe without a drafter, as it is, with the EAGLE head (at each of
+    ``head_precisions``; the first one's methods carry no suffix), with a draft model, with ``trees`` each of the two
+    as a token tree (:data:`TREE`) on the static engine, and with ``eager_forms`` each network drafter's recipe at
+    ``compile: off``."""
     out = {"ours AR": recipe.replace(spec=SpeculationSpec(drafter="none", adaptive="constant")),
            "ours lookup": recipe}
-    head_draft = ModelSpec(source="embedded", precision="bf16", device=recipe.target.device)
+    head_draft = ModelSpec(source="embedded", precision=head_precisions[0], device=recipe.target.device)
     for k in eagle_ks:
-        out[f"ours EAGLE K={k}"] = recipe.replace(
-            draft=head_draft, spec=SpeculationSpec(drafter="eagle", num_draft_tokens=k, adaptive="constant"))
+        for i, precision in enumerate(head_precisions):
+            out[f"ours EAGLE K={k}" + (f" ({precision} head)" if i else "")] = recipe.replace(
+                draft=dataclasses.replace(head_draft, precision=precision),
+                spec=SpeculationSpec(drafter="eagle", num_draft_tokens=k, adaptive="constant"))
     draft = dataclasses.replace(recipe.target)
     out["ours draft model K=4"] = recipe.replace(
         draft=draft, spec=SpeculationSpec(drafter="draft_model", num_draft_tokens=4, adaptive="constant"))
@@ -139,12 +143,15 @@ def main() -> None:
                         help="skip the network drafters' compile: off forms")
     parser.add_argument("--no-trees", dest="trees", action="store_false",
                         help="skip the token-tree variants of the EAGLE head and the draft model")
+    parser.add_argument("--head-precisions", nargs="+", default=["bf16"], choices=list(EAGLE_PRECISIONS),
+                        help="the EAGLE head's draft.precision, one method each (int8: toolkit.eagle.precision)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/reports/model-drafters")
     args = parser.parse_args()
     recipe = Recipe.load(resolve(args.recipe, "", "--recipe"))
     recipe = recipe.replace(generation=dataclasses.replace(recipe.generation, max_new_tokens=args.max_new_tokens,
                                                            ignore_eos=True))
-    lms = {name: build(r, pool=SHARED_POOL) for name, r in variants(recipe, args.eagle_k, args.eager_forms, args.trees).items()}
+    methods = variants(recipe, args.eagle_k, args.eager_forms, args.trees, tuple(args.head_precisions))
+    lms = {name: build(r, pool=SHARED_POOL) for name, r in methods.items()}
     first = next(iter(lms.values()))
     prompts = [Prompt(p.id, p.kind, first.encode(p.prompt)) for p in load_suite(SUITES[args.suite])]
     prompts = prompts[: args.num_prompts]

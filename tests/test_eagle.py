@@ -365,8 +365,6 @@ def test_recipe_fields_for_eagle(tmp_path, target, trained_head):
 
     with pytest.raises(ConfigError, match=r"^draft: spec.drafter='eagle' needs a draft section"):
         Recipe(draft=None, spec=SpeculationSpec(drafter="eagle"))
-    with pytest.raises(ConfigError, match=r"^draft\.precision: unknown value 'int4'"):
-        Recipe(draft=ModelSpec(source="x", precision="int4"), spec=SpeculationSpec(drafter="eagle"))
     missing = Recipe(draft=ModelSpec(source=str(tmp_path / "nope"), precision="fp32"),
                      spec=SpeculationSpec(drafter="eagle"))
     with pytest.raises(ConfigError, match=r"^draft\.source: EAGLE head directory .* does not exist"):
@@ -381,6 +379,34 @@ def test_recipe_fields_for_eagle(tmp_path, target, trained_head):
     prompt = make_prompt(6)
     ids, _, _ = speculate(target, drafter, prompt, ConstantK(3))
     assert ids == hf_greedy(target, prompt, NEW_TOKENS)  # a bf16 head under an fp32 target is still lossless
+    with pytest.raises(ConfigError, match=r"^draft\.precision: unknown value 'int4' \(allowed: fp32, bf16, fp16, int8\)"):
+        Recipe(draft=ModelSpec(source="x", precision="int4"), spec=SpeculationSpec(drafter="eagle"))
+
+
+def test_int8_head_quantizes_every_linear_and_stays_lossless(tmp_path, target, trained_head):
+    """``draft.precision: int8``: every linear of the head (fc, the layer's projections, the LM head) holds torchao
+    int8 weights at bf16 activations, the shared embedding is the target's; greedy output is AR's, with drafts
+    accepted as often as the bf16 head's give or take a few."""
+    from toolkit.recipe import ModelSpec, Recipe, SpeculationSpec
+    from toolkit.speculative_lm import build
+
+    save_head(trained_head, tmp_path / "head")
+    runs = {}
+    for precision in ("bf16", "int8"):
+        recipe = Recipe(draft=ModelSpec(source=str(tmp_path / "head"), precision=precision),
+                        spec=SpeculationSpec(drafter="eagle", num_draft_tokens=3))
+        generator = build(recipe, target=target, tokenizer=None)
+        drafter = generator._drafter(recipe.generation)
+        runs[precision] = [speculate(target, drafter, make_prompt(100 + i, length=8), ConstantK(3)) for i in range(3)]
+    head = generator.draft_model
+    linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 9  # fc, q/k/v/o, gate/up/down, the LM head
+    assert all(m.weight.qdata.dtype == torch.int8 and m.weight.dtype == torch.bfloat16 for m in linears)
+    assert head.embed_tokens is target.get_input_embeddings()  # the target's, not quantized
+    for i, (ids, stats, _) in enumerate(runs["int8"]):
+        assert ids == hf_greedy(target, make_prompt(100 + i, length=8), NEW_TOKENS)
+    accepted = {p: sum(s.accepted for _, s, _ in runs[p]) for p in runs}
+    assert accepted["int8"] > 0 and abs(accepted["int8"] - accepted["bf16"]) <= 0.2 * accepted["bf16"]
 
 
 @pytest.mark.slow

@@ -171,10 +171,9 @@ def load_models(p: Plan, pool: ModelPool | None = None, target=None, tokenizer=N
         target, tokenizer = pool.get(recipe.target, "target")
     if recipe.spec.config.draft == DRAFT_EAGLE_HEAD:  # the EAGLE head plays the draft model's part (target embedding)
         if draft_model is None:
-            from toolkit.dtypes import torch_dtype
-            from toolkit.eagle.checkpoint import load_head, resolve_head
+            from toolkit.eagle.precision import load_recipe_head
 
-            draft_model = load_head(resolve_head(recipe.draft.source), target, dtype=torch_dtype(recipe.draft.precision))
+            draft_model = load_recipe_head(recipe.draft, target)
         return target, tokenizer, draft_model, None
     if p.draft_spec is None:
         return target, tokenizer, None, None

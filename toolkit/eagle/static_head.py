@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from types import SimpleNamespace
 
 import torch
 
+from toolkit.engine.guards import call_compiled, skip_guards_default
 from toolkit.kv.static import StaticKV
 
 log = logging.getLogger("toolkit.engine")
@@ -114,6 +116,8 @@ class HeadForward:
         self.graphs = compile and backend == "inductor" and MODES.get(self.device.type) == "reduce-overhead"
         self.compile_ms = 0.0
         self._seen: set[tuple] = set()
+        self._checked = weakref.WeakKeyDictionary()  # head cache -> graph keys that ran on it once with every guard
+        self.skip_guards = skip_guards_default()
         self._compiled = None
         if compile:
             inductor_cache()
@@ -186,7 +190,9 @@ class HeadForward:
 
     def _run_compiled(self, args: tuple, cache: StaticKV, tree: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The compiled step: a graph per shape class (bucketed: per bucket), announced and timed at its first
-        call; outputs copied out of a CUDA graph's memory (the next replay overwrites it)."""
+        call; once a graph ran on this head cache with every guard, only the guards that tell the graphs apart are
+        evaluated, as for the target's forwards (:mod:`toolkit.engine.guards`); outputs copied out of a CUDA graph's
+        memory (the next replay overwrites it)."""
         tokens = args[2]
         rows, width = tokens.shape
         self._mark_dynamic(args, cache, span=not self.static_span)
@@ -199,7 +205,9 @@ class HeadForward:
                      *(str(n) if self.static_span or n == 1 else "2+" for n in sizes))
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        out = self._compiled(*args)
+        checked = self._checked.setdefault(cache, set())
+        out = call_compiled(self._compiled, args, full_guards=key not in checked or not self.skip_guards)
+        checked.add(key)
         if self.graphs:
             out = (out[0].clone(), out[1].clone())
         if key not in self._seen:

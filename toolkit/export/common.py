@@ -146,4 +146,7 @@ def eagle_head_path(recipe, warnings: list[str], engine: str) -> str:
         warnings.append(f"draft.source: {source!r} is a head in the speculators layout, which "
                         f"{ENGINE_NAMES[engine]} does not read; write it in the EAGLE-3 repository's layout with "
                         f"`{convert('eagle')}` and point the engine at DIR")
+    if recipe.draft.precision == "int8":
+        warnings.append(f"draft.precision: int8 — the head's int8 weights are made at load time here "
+                        f"(toolkit.eagle.precision); {ENGINE_NAMES[engine]} runs the head at the engine's dtype")
     return command_value("draft.source", str(path) if source in SHIPPED or path.is_dir() else source)

@@ -23,7 +23,8 @@ from toolkit.models.spec import (  # noqa: F401 (re-exported: the recipe's model
 from toolkit.recipe.yaml_io import check_keys as _check_keys
 from toolkit.speculative.drafters import drafter_names
 
-EAGLE_PRECISIONS = ("fp32", "bf16", "fp16")
+#: an EAGLE head's ``draft.precision`` (:mod:`toolkit.eagle.precision`: int8 = torchao int8 weight-only linears)
+EAGLE_PRECISIONS = ("fp32", "bf16", "fp16", "int8")
 #: the registered drafter names (``spec.drafter``), from :mod:`toolkit.speculative.drafters`
 DRAFTERS = drafter_names()
 ADAPTIVE = ("constant", "ema", "cost")

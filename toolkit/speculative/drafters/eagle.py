@@ -54,7 +54,8 @@ from toolkit.speculative.verify import process_logits
 @dataclass
 class EagleConfig(DrafterConfig):
     """``drafter: eagle`` — an EAGLE feature-level head: ``draft.source`` is the head directory (or ``embedded``
-    for the head shipped for the embedded target), ``draft.precision`` its dtype (fp32, bf16 or fp16)."""
+    for the head shipped for the embedded target), ``draft.precision`` its dtype (fp32, bf16 or fp16) or
+    int8 (torchao int8 weight-only linears at bf16 activations: :mod:`toolkit.eagle.precision`)."""
 
     name = "eagle"
     draft = DRAFT_EAGLE_HEAD
