@@ -17,12 +17,21 @@ import torch
 from toolkit.speculative.verify import process_logits, sample_token, speculative_sample
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)``, the same index (the first maximal one; widening bf16 / fp16 to fp32 is exact). On a CPU
+    half-precision logits are widened first: ATen's bf16 argmax over a 49,152-token vocabulary took 177 us there,
+    the widening and an fp32 argmax 57 us."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(-1)
+
+
 def choose(logits: torch.Tensor, gen, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of ``logits`` ``(n, vocab)``: argmax, or (``gen.do_sample``) a sample with ``generator``
     from the processed distribution. Returns ``(n,)`` long on the logits' device."""
     if gen.do_sample:
         return sample_token(process_logits(logits, gen.temperature, gen.top_k, gen.top_p), generator)
-    return logits.argmax(-1)
+    return greedy(logits)
 
 
 def accept(logits: torch.Tensor, inputs: torch.Tensor, drafted: torch.Tensor, counts: list[int], gen,
@@ -46,7 +55,7 @@ def accept(logits: torch.Tensor, inputs: torch.Tensor, drafted: torch.Tensor, co
     """
     width = inputs.shape[1]
     if not gen.do_sample:
-        best = logits.argmax(-1)  # (B, W)
+        best = greedy(logits)  # (B, W)
         valid = torch.arange(width - 1, device=inputs.device)[None, :] < drafted[:, None]
         agree = (best[:, : width - 1] == inputs[:, 1:]) & valid
         accepted = agree.long().cumprod(1).sum(1)
@@ -79,7 +88,7 @@ def accept_tree(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
     """
     width = tokens.shape[0]
     index = torch.arange(width, device=tokens.device)
-    best = logits.argmax(-1)
+    best = greedy(logits)
     match = (tokens == best.index_select(0, parents)) | (index == 0)
     accepted = ~(ancestors & ~match[None, :]).any(-1)  # it and every ancestor match
     deepest = torch.where(accepted, depth * width + (width - 1 - index), -1).argmax()
