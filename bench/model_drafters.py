@@ -10,8 +10,8 @@ Methods, timed interleaved per prompt with the order rotated between repetitions
 * ``ours AR``: the recipe with no drafter (the compiled static engine where the recipe compiles);
 * ``ours lookup``: the recipe itself (for reference: the drafter that needs no network);
 * ``ours EAGLE K=N``: the shipped EAGLE-1 head (``toolkit/heads/``, bf16; ``--head-precisions bf16 int8`` adds
-  ``ours EAGLE K=N (int8 head)``) reading the target's last-layer features, constant K: the compiled target graph returns the features with its logits (no hooks) and the head's
-  step is compiled too;
+  ``ours EAGLE K=N (int8 head)``) reading the target's last-layer features, constant K: the compiled target graph
+  returns the features with its logits (no hooks) and the head's step is compiled too;
 * ``ours draft model K=4``: the embedded model at int4 as a separate draft model, constant K, on its own static
   cache through the compiled engine;
 * ``ours EAGLE tree`` / ``ours draft model tree`` (``--no-trees`` skips them): the same drafters proposing EAGLE-2

@@ -9,9 +9,9 @@ embedding (the target's) is not the head's to quantize and stays as the target h
 Why weight-only at bf16 activations, whatever ``draft.torchao_int8`` says (that field is the target's and a draft
 model's): one head step of the shipped SmolLM2 head (one row, one token, compiled, 2-core AMD EPYC with avx512_bf16)
 took 1.38-1.62 ms in bf16, **0.69-0.73 ms** as int8 weight-only at bf16 activations, 1.29-1.42 ms as int8 dynamic
-activations (W8A8) and 5.3-5.5 ms as int8 weight-only at fp32 activations (a slow path in this torch build); fp32 3.2-3.3
-ms. The head only proposes tokens, so its precision never changes what the target commits (greedy or sampled): it
-moves the acceptance rate, which the run reports.
+activations (W8A8) and 5.3-5.5 ms as int8 weight-only at fp32 activations (a slow path in this torch build); fp32
+3.2-3.3 ms. The head only proposes tokens, so its precision never changes what the target commits (greedy or
+sampled): it moves the acceptance rate, which the run reports.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def load_recipe_head(spec, target, field: str = "draft"):
     Raises:
         ConfigError (``{field}.source``): as :func:`~toolkit.eagle.checkpoint.load_head`.
         ModelLoadError (``{field}.backend``): int8 without torchao installed.
-        KeyError: a precision outside :data:`toolkit.recipe.sections.EAGLE_PRECISIONS` (the recipe's validation names the field first).
+        KeyError: a precision outside :data:`toolkit.recipe.sections.EAGLE_PRECISIONS` (a recipe's own validation
+            names the field first).
     """
     from toolkit.eagle.checkpoint import load_head, resolve_head
 
