@@ -107,7 +107,7 @@ class HeadForward:
     """
 
     def __init__(self, head, compile: bool = False, backend: str = "inductor", buckets: bool | None = None):
-        from toolkit.engine.forward import MODES, bucketed, inductor_cache
+        from toolkit.engine.forward import LEAN_CPU_OPTIONS, MODES, bucketed, inductor_cache
 
         self.head, self.backend = head, backend
         self.device = head.lm_head.weight.device
@@ -122,7 +122,8 @@ class HeadForward:
         if compile:
             inductor_cache()
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            self._compiled = torch.compile(_head_step, dynamic=False, backend=backend,
+            lean = LEAN_CPU_OPTIONS if backend == "inductor" and self.device.type == "cpu" else None
+            self._compiled = torch.compile(_head_step, dynamic=False, backend=backend, options=lean,
                                            mode="reduce-overhead" if self.graphs else None)
 
     @property
