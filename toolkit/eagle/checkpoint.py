@@ -24,6 +24,8 @@ Missing tensors (embedding, EAGLE-1 LM head) are copied from the target. Every m
 
 from __future__ import annotations
 
+import itertools
+
 import json
 from pathlib import Path
 
@@ -134,7 +136,8 @@ def dense_weight(module: torch.nn.Module) -> torch.Tensor:
     if weight is not None and (type(weight) is torch.Tensor or not isinstance(module, torch.nn.Linear)):
         return weight
     bf16 = weight is None or weight.dtype == torch.bfloat16  # a packed int4 kernel takes bf16 activations
-    device = weight.device if weight is not None else next(iter([*module.parameters(), *module.buffers()])).device
+    held = itertools.chain(module.parameters(), module.buffers())  # a packed linear's planes are parameters
+    device = weight.device if weight is not None else next(held).device
     eye = torch.eye(module.in_features, dtype=torch.bfloat16 if bf16 else torch.float32, device=device)
     with torch.no_grad():
         try:

@@ -41,6 +41,8 @@ from types import SimpleNamespace
 
 import torch
 
+from toolkit.engine.forward import CUDA_BATCH_SIZES, CUDA_WIDTHS, LEAN_CPU_OPTIONS, MODES, bucket, bucketed, \
+    inductor_cache
 from toolkit.engine.guards import call_compiled, skip_guards_default
 from toolkit.kv.static import StaticKV
 
@@ -107,8 +109,6 @@ class HeadForward:
     """
 
     def __init__(self, head, compile: bool = False, backend: str = "inductor", buckets: bool | None = None):
-        from toolkit.engine.forward import LEAN_CPU_OPTIONS, MODES, bucketed, inductor_cache
-
         self.head, self.backend = head, backend
         self.device = head.lm_head.weight.device
         self.dtype = next(head.parameters()).dtype
@@ -137,9 +137,7 @@ class HeadForward:
 
     def width_for(self, width: int) -> int:
         """Tokens per row a step of ``width`` really runs (its bucket where shapes are bucketed)."""
-        from toolkit.engine.forward import CUDA_WIDTHS
-
-        return next((b for b in CUDA_WIDTHS if b >= width), width) if self.static_span else width
+        return bucket(width, CUDA_WIDTHS) if self.static_span else width
 
     def __call__(self, cache: StaticKV, source: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor,
                  counts_host: list[int], first: bool, tree=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,8 +146,6 @@ class HeadForward:
         ``counts[r]`` entries (``counts_host`` the same on the host). Returns ``(out (B, H), logits (B, d))`` at each
         row's last real input; with ``tree`` (a token tree's region on row 0,
         :class:`~toolkit.kv.static_tree.TreeInputs`) ``(out (1, W, H), logits (1, W, d))`` at every input."""
-        from toolkit.engine.forward import CUDA_WIDTHS
-
         rows, width = tokens.shape
         # a catch-up wider than the widest bucket (a long prompt's pairs) runs eager, as the target's prefill does
         compiled = self.compiled and not (self.static_span and width > CUDA_WIDTHS[-1])
@@ -172,10 +168,8 @@ class HeadForward:
         allocated rows (padding rows are unused rows of the head cache, counting one entry), width to the next
         bucket (each row's last token and source repeated past its end: written past the kept entries, never
         accepted)."""
-        from toolkit.engine.forward import CUDA_BATCH_SIZES
-
         rows, width = tokens.shape
-        run_rows = min(next((b for b in CUDA_BATCH_SIZES if b >= rows), rows), cache.allocated)
+        run_rows = min(bucket(rows, CUDA_BATCH_SIZES), cache.allocated)
         run_width = self.width_for(width)
         if (run_rows, run_width) == (rows, width):
             return source, tokens, counts

@@ -131,7 +131,8 @@ def _foreign(hook) -> bool:
     return not getattr(getattr(hook, "__func__", hook), "__module__", "").startswith("transformers.")
 
 
-def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest of ``buckets`` (ascending) that holds ``n``. Raises ``ValueError`` past the largest."""
     for b in buckets:
         if b >= n:
             return b
@@ -194,12 +195,12 @@ class TargetForward:
 
     def width_for(self, width: int) -> int:
         """Tokens per row a forward of ``width`` really runs (its bucket when shapes are bucketed)."""
-        return _bucket(width, self.widths) if self.compiled and self.buckets else width
+        return bucket(width, self.widths) if self.compiled and self.buckets else width
 
     def rows_for(self, rows: int, allocated: int) -> int:
         """Rows a forward over ``rows`` rows really runs (its bucket, within the cache's allocated rows)."""
         if self.compiled and self.buckets:
-            return min(_bucket(rows, self.batch_sizes), allocated)
+            return min(bucket(rows, self.batch_sizes), allocated)
         return rows
 
     def cache_for(self, policy, rows: int, capacity: int, widest: int, keep: bool = True):

@@ -44,7 +44,7 @@ import torch
 from toolkit.eagle.features import hidden_indices
 from toolkit.eagle.head import EagleHead
 from toolkit.eagle.static_head import HeadForward, head_cache
-from toolkit.engine.forward import CUDA_BATCH_SIZES, CUDA_WIDTHS
+from toolkit.engine.forward import CUDA_BATCH_SIZES, CUDA_WIDTHS, bucket
 from toolkit.kv.static_tree import TreeInputs
 from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DrafterConfig, register_drafter
 from toolkit.speculative.drafters.rows import ModelDrafter
@@ -116,11 +116,11 @@ class EagleDrafter(ModelDrafter):
             capacity, widest = capacity + max(0, region - widest), max(widest, region)
         static = self.step.static_span
         if static:  # rows for the batch bucket; room for a step padded to its width bucket past any row's entries
-            rows = next((b for b in CUDA_BATCH_SIZES if b >= rows), rows)
+            rows = bucket(rows, CUDA_BATCH_SIZES)  # the target's cache_for refused more rows than the largest
             capacity += CUDA_WIDTHS[-1]
         cached = self.cache
-        if cached is not None and cached.allocated >= rows and cached.capacity >= capacity \
-                and cached.widest >= widest and cached.static_span == static:
+        if cached is not None and cached.allocated >= rows and cached.fits(capacity) and cached.widest >= widest \
+                and cached.static_span == static:
             cached.keep_rows([])  # the same buffers: compiled graphs and captured CUDA graphs keep their addresses
         else:
             self.cache = head_cache(self.head, rows, capacity, widest, static_span=static)
