@@ -149,3 +149,35 @@ def test_process_logits_filters():
     assert (kept[:3] > 0).all() and (kept[3:] == 0).all()  # 0.64 + 0.24 = 0.88 < 0.9 -> a third token
     cold = process_logits(logits, temperature=0.5)
     assert cold[0, 0] > full[0, 0]
+
+
+# ------------------------------------------------------------------------------------------------ batched greedy
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_batched_greedy_accept_on_host_matches_a_plain_reading(dtype):
+    """The decoder's batched greedy acceptance on CPU logits (NumPy's argmax and prefix count) against the rule read
+    row by row in Python: the first maximal index (logits with ties on purpose), the agreeing prefix of each row's
+    own drafts only (padding after them never accepted), then the target's token after that prefix."""
+    from types import SimpleNamespace
+
+    from toolkit.engine.accept import accept, greedy
+
+    g = torch.Generator().manual_seed(0)
+    gen = SimpleNamespace(do_sample=False)
+    for case in range(200):
+        rows, width = 1 + case % 4, 1 + case % 6
+        logits = torch.randint(0, 3, (rows, width, VOCAB), generator=g).to(dtype)  # many ties
+        best = [[max(range(VOCAB), key=lambda v: (float(logits[r, i, v]), -v)) for i in range(width)]
+                for r in range(rows)]
+        assert greedy(logits).tolist() == best
+        drafted = torch.randint(0, width, (rows,), generator=g)
+        inputs = torch.randint(0, VOCAB, (rows, width), generator=g)
+        for r in range(rows):  # drafts that agree for a while, then maybe not
+            agree = int(torch.randint(0, width, (), generator=g))
+            inputs[r, 1:1 + agree] = torch.tensor(best[r][:agree], dtype=torch.long)
+        result = accept(logits, inputs, drafted, drafted.tolist(), gen, [None] * rows)
+        assert result.dtype == torch.long and result.shape == (rows, 2)
+        for r in range(rows):
+            kept = 0
+            while kept < int(drafted[r]) and int(inputs[r, kept + 1]) == best[r][kept]:
+                kept += 1
+            assert result[r].tolist() == [kept, best[r][kept]]

@@ -12,18 +12,30 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from toolkit.speculative.verify import process_logits, sample_token, speculative_sample
 
 
+def on_host(tensor: torch.Tensor) -> bool:
+    """Whether greedy choice and acceptance run in NumPy (CPU tensors: they are host memory already, so the NumPy
+    views read nothing back from a device). ``tests/test_host_syncs.py`` switches it off to count, on a CPU, the reads
+    that the device path makes on a GPU."""
+    return tensor.device.type == "cpu"
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)``, the same index (the first maximal one; widening bf16 / fp16 to fp32 is exact). On a CPU
-    half-precision logits are widened first: ATen's bf16 argmax over a 49,152-token vocabulary took 177 us there,
-    the widening and an fp32 argmax 57 us."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+    """``logits.argmax(-1)``: ``(..., vocab)`` -> ``(...)`` long, the same index (the first maximal one). On a CPU the
+    argmax runs in NumPy over fp32 (bf16 / fp16 widened first, which is exact): ATen's CPU argmax reduces one element
+    at a time, NumPy's is vectorized. Over a 49,152-token vocabulary on the 2-core AVX-512 machine of DESIGN.md: one
+    position 43 us in ATen, 6 us in NumPy; five positions 127-210 us, 20 us (bf16: 177 us in ATen before the
+    widening). A decode round reads it once per verify, right after the target's forward."""
+    if not on_host(logits) or logits.requires_grad:
+        return logits.argmax(-1)
+    if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
-    return logits.argmax(-1)
+    return torch.from_numpy(np.asarray(np.argmax(logits.numpy(), -1)))
 
 
 def choose(logits: torch.Tensor, gen, generator: torch.Generator | None) -> torch.Tensor:
@@ -54,6 +66,8 @@ def accept(logits: torch.Tensor, inputs: torch.Tensor, drafted: torch.Tensor, co
         ``(B, 2)`` long on the device: accepted count and the next token, per row.
     """
     width = inputs.shape[1]
+    if not gen.do_sample and on_host(logits):
+        return _greedy_on_host(logits, inputs, drafted)
     if not gen.do_sample:
         best = greedy(logits)  # (B, W)
         valid = torch.arange(width - 1, device=inputs.device)[None, :] < drafted[:, None]
@@ -66,6 +80,18 @@ def accept(logits: torch.Tensor, inputs: torch.Tensor, drafted: torch.Tensor, co
         q = None if row.q is None else row.q[:d]
         results.append(torch.stack(speculative_sample(inputs[i, 1: d + 1], q, p, row.generator)))
     return torch.stack(results)
+
+
+def _greedy_on_host(logits: torch.Tensor, inputs: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+    """:func:`accept`'s greedy branch for CPU logits, the same steps in NumPy: a round's tensors are a few dozen
+    numbers after the argmax, where each ATen call costs more than its work (on the 2-core machine, right after a
+    llama.cpp decode had streamed the weights through the caches: the torch steps 180-260 us a round, these ~60)."""
+    best = greedy(logits).numpy()  # (B, W)
+    width = best.shape[1]
+    valid = np.arange(width - 1)[None, :] < drafted.numpy()[:, None]
+    agree = (best[:, : width - 1] == inputs.numpy()[:, 1:]) & valid
+    accepted = np.cumprod(agree, 1).sum(1)
+    return torch.from_numpy(np.stack([accepted, best[np.arange(best.shape[0]), accepted]], 1).astype(np.int64))
 
 
 def accept_tree(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
