@@ -64,3 +64,26 @@ def test_bad_arguments_raise():
         measure({"a": _fake("a", [], 1.0, 1, 1)}, [], GEN)
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         measure({"a": _fake("a", [], 1.0, 1, 1)}, _prompts(1), GEN, repeats=0)
+
+
+def test_a_cpu_decode_warns_once_under_a_passive_openmp_wait(monkeypatch, caplog):
+    """OMP_WAIT_POLICY=PASSIVE halves a CPU decode's speed on a quiet machine: one warning per process, none when
+    unset, and every result's environment records the policy."""
+    import logging
+
+    from toolkit import threads
+    from toolkit.measure.harness import environment
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    threads.warn_passive_wait.cache_clear()
+    assert threads.wait_policy() == "default" and not threads.warn_passive_wait()
+    assert environment()["omp_wait_policy"] == "default"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    threads.warn_passive_wait.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="toolkit.threads"):
+        assert threads.warn_passive_wait()
+        threads.warn_passive_wait()
+    warned = [r.getMessage() for r in caplog.records if r.name == "toolkit.threads"]
+    assert len(warned) == 1 and warned[0].startswith("OMP_WAIT_POLICY=PASSIVE")
+    assert environment()["omp_wait_policy"] == "passive"
+    threads.warn_passive_wait.cache_clear()

@@ -39,6 +39,7 @@ import torch
 
 from toolkit.engine.guards import call_compiled, skip_guards_default
 from toolkit.kv.attention import STATIC_NAME, attached
+from toolkit.threads import warn_passive_wait
 
 log = logging.getLogger("toolkit.engine")
 
@@ -163,6 +164,8 @@ class TargetForward:
                  buckets: bool | None = None, tuned: bool = False, name: str = "target"):
         self.model, self.name = model, name
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":
+            warn_passive_wait()
         self.buckets = bucketed(self.device) if buckets is None else buckets
         self.widths, self.batch_sizes = CUDA_WIDTHS, CUDA_BATCH_SIZES
         self.mode = mode or MODES.get(self.device.type, "default")

@@ -33,6 +33,7 @@ from toolkit.errors import ConfigError
 from toolkit.kv.llamacpp_cache import LlamaCppCache, LlamaCppForm, bytes_per_token, llamacpp_form
 from toolkit.kv.static import CAPACITY_STEP
 from toolkit.models.llamacpp import LLAMACPP, N_BATCH
+from toolkit.threads import warn_passive_wait
 
 
 class LlamaCppForward:
@@ -58,6 +59,7 @@ class LlamaCppForward:
         import llama_cpp
 
         self.model, self.llama_cpp = target, llama_cpp
+        warn_passive_wait()  # ggml's per-operation barriers are OpenMP barriers
         self.form: LlamaCppForm = llamacpp_form(policy)
         self.llama = target.context(self.form.type_k, self.form.type_v)
         self.device = torch.device("cpu")

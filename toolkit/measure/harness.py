@@ -31,6 +31,7 @@ import torch
 from toolkit.measure.timing import Summary
 from toolkit.recipe import GenerationSpec
 from toolkit.speculative.stats import GenerationStats
+from toolkit.threads import wait_policy
 
 
 @dataclass
@@ -235,7 +236,7 @@ def environment() -> dict:
         cpu_count = os.cpu_count() or 1
     info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "platform": platform.platform(), "machine": platform.machine(), "cpu_count": cpu_count,
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": torch.get_num_threads(), "omp_wait_policy": wait_policy(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     try:
         import bitsandbytes
