@@ -28,7 +28,7 @@ def on_host(tensor: torch.Tensor) -> bool:
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)``: ``(..., vocab)`` -> ``(...)`` long, the same index (the first maximal one). On a CPU the
     argmax runs in NumPy over fp32 (bf16 / fp16 widened first, which is exact): ATen's CPU argmax reduces one element
-    at a time, NumPy's is vectorized. Over a 49,152-token vocabulary on the 2-core AVX-512 machine of DESIGN.md: one
+    at a time, NumPy's is vectorized. Over a 49,152-token vocabulary on the 2-core AVX-512 machine (docs/design.md): one
     position 43 us in ATen, 6 us in NumPy; five positions 127-210 us, 20 us (bf16: 177 us in ATen before the
     widening). A decode round reads it once per verify, right after the target's forward."""
     if not on_host(logits) or logits.requires_grad:
@@ -84,8 +84,9 @@ def accept(logits: torch.Tensor, inputs: torch.Tensor, drafted: torch.Tensor, co
 
 def _greedy_on_host(logits: torch.Tensor, inputs: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
     """:func:`accept`'s greedy branch for CPU logits, the same steps in NumPy: a round's tensors are a few dozen
-    numbers after the argmax, where each ATen call costs more than its work (on the 2-core machine, right after a
-    llama.cpp decode had streamed the weights through the caches: the torch steps 180-260 us a round, these ~60)."""
+    numbers after the argmax, where each ATen call costs more than its work (on the 2-core machine, one position: 24
+    against 43 us hot; 180-190 against 256-280 us a round inside the llama.cpp backend's decode loop, where a decode
+    has just streamed the weights through the caches)."""
     best = greedy(logits).numpy()  # (B, W)
     width = best.shape[1]
     valid = np.arange(width - 1)[None, :] < drafted.numpy()[:, None]
