@@ -88,11 +88,13 @@ def _greedy_on_host(logits: torch.Tensor, inputs: torch.Tensor, drafted: torch.T
     against 43 us hot; 180-190 against 256-280 us a round inside the llama.cpp backend's decode loop, where a decode
     has just streamed the weights through the caches)."""
     best = greedy(logits).numpy()  # (B, W)
-    width = best.shape[1]
+    rows, width = best.shape
+    if width == 1:  # a plain step: nothing to compare
+        return torch.from_numpy(np.stack([np.zeros(rows, np.int64), best[:, 0]], 1))
     valid = np.arange(width - 1)[None, :] < drafted.numpy()[:, None]
     agree = (best[:, : width - 1] == inputs.numpy()[:, 1:]) & valid
     accepted = np.cumprod(agree, 1).sum(1)
-    return torch.from_numpy(np.stack([accepted, best[np.arange(best.shape[0]), accepted]], 1).astype(np.int64))
+    return torch.from_numpy(np.stack([accepted, best[np.arange(rows), accepted]], 1).astype(np.int64))
 
 
 def accept_tree(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,

@@ -54,6 +54,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from toolkit.speculative.verify import process_logits, sample_token
@@ -61,6 +62,12 @@ from toolkit.speculative.verify_length import Calibrator
 
 #: weight of a new timing in the moving average of a draft step's milliseconds
 STEP_OBSERVE_WEIGHT = 0.3
+
+
+def ids_tensor(ids: list[int]) -> torch.Tensor:
+    """A row's token ids as the ``(1, n)`` long tensor a drafter's ``propose`` takes, through NumPy: ``torch.tensor``
+    parses a nested list element by element (600 ids: 73 us against 12, every round of a model-free drafter)."""
+    return torch.from_numpy(np.array(ids, dtype=np.int64)).view(1, -1)
 
 
 @runtime_checkable
@@ -149,7 +156,7 @@ class RowDrafters:
         for row, n in zip(rows, num_draft_tokens):
             row.proposal, row.confidence, row.q = [], None, None
             if row.drafter is not None and n > 0:
-                tokens, logits = row.drafter.propose(torch.tensor([row.ids]), n)
+                tokens, logits = row.drafter.propose(ids_tensor(row.ids), n)
                 row.proposal = tokens[0].tolist()
                 row.confidence = row.drafter.confidence() if row.proposal else None
                 if gen is not None and gen.do_sample and logits is not None and row.proposal:
@@ -161,7 +168,7 @@ class RowDrafters:
                 row.drafter.commit(a)
 
     def propose_tree_row(self, row, budget: int, depth: int, topk: int):
-        return row.drafter.propose_tree(torch.tensor([row.ids]), budget=budget, depth=depth, topk=topk)
+        return row.drafter.propose_tree(ids_tensor(row.ids), budget=budget, depth=depth, topk=topk)
 
     def commit_tree_row(self, row, path: list[int], features=None) -> None:
         row.drafter.commit_tree(path)
