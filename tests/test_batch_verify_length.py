@@ -131,3 +131,24 @@ def test_sampled_drafts_truncated_by_the_cost_curve_keep_the_target_law():
         [(ids, _)] = decoder.decode_batch([prompt], gen)
         counts[ids[1]] += 1
     assert chisquare(counts, p2 / p2.sum() * counts.sum()).pvalue > 0.01, (counts, p2 * counts.sum())
+
+
+def test_a_plan_prices_each_draft_length_as_the_forward_cost_rule_does():
+    """The planner prices the widths once per plan; every draft length must still get ForwardCost.cheapest's width
+    (the cheapest holding it, a wider one only when 2% cheaper) and its cost, for one row (the curve, staircases
+    included) and for batches (learned costs), and past the controller's widest width."""
+    from toolkit.engine.planner import CostAwareK, ForwardCost
+    from toolkit.speculative.verify_length import Calibrator
+
+    rng = np.random.default_rng(0)
+    for case in range(40):
+        steps = np.cumsum(rng.uniform(-3.0, 6.0, 24)) + 60.0  # ups and downs: paddings that pay and ones that do not
+        cost = ForwardCost(VerifyCost([float(x) for x in steps], learn=False))
+        cost.seen[(2, 3)], cost.ratio[2] = 40.0, 1.3  # a batch width learned online
+        widest = int(rng.integers(2, 12))
+        controller = CostAwareK(cost, Calibrator(), widest - 1, widest, overhead_ms=0.5)
+        for rows in (1, 2, 3):
+            price = controller._forward_ms(rows)
+            for n in range(widest + 2):
+                width = cost.cheapest(rows, n + 1, max(widest, n + 1))
+                assert price(n) == (cost.ms(rows, width) + 0.5, width), (case, rows, n)

@@ -210,10 +210,19 @@ class CostAwareK:
 
     def _forward_ms(self, rows: int) -> Callable[[int], tuple[float, int]]:
         """``n -> (ms, m)``: the cheapest forward over ``rows`` rows holding ``n + 1`` tokens each, with the round's
-        bookkeeping."""
+        bookkeeping (:meth:`ForwardCost.cheapest`'s rule over the widths up to ``widest``, each priced once per plan:
+        a plan asks for every ``n`` up to the longest proposal, and the curve does not change within it)."""
+        costs = [self.cost.ms(rows, m) for m in range(1, self.widest + 1)]
+
         def forward_ms(n: int) -> tuple[float, int]:
-            width = self.cost.cheapest(rows, n + 1, max(self.widest, n + 1))
-            return self.cost.ms(rows, width) + self.overhead_ms, width
+            if n + 1 > self.widest:
+                width = self.cost.cheapest(rows, n + 1, n + 1)
+                return self.cost.ms(rows, width) + self.overhead_ms, width
+            best, best_ms = n + 1, costs[n]
+            for m in range(n + 2, self.widest + 1):
+                if costs[m - 1] < best_ms * PAD_MARGIN:
+                    best, best_ms = m, costs[m - 1]
+            return best_ms + self.overhead_ms, best
 
         return forward_ms
 
