@@ -25,7 +25,6 @@ Missing tensors (embedding, EAGLE-1 LM head) are copied from the target. Every m
 from __future__ import annotations
 
 import itertools
-
 import json
 from pathlib import Path
 

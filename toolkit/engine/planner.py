@@ -32,6 +32,7 @@ Controllers (the recipe's ``spec.adaptive``): :class:`CostAwareK` (``cost``) pla
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -67,11 +68,13 @@ class ForwardCost:
         narrower = [w for w in self.ratio if w <= width]
         return self.curve.ms(rows * width) * (self.ratio[max(narrower)] if narrower else 1.0)
 
-    def cheapest(self, rows: int, width: int, widest: int) -> int:
-        """The forward width ``m`` in ``[width, widest]`` with the lowest cost (``width`` itself on near-ties)."""
-        best, best_ms = width, self.ms(rows, width)
+    def cheapest(self, rows: int, width: int, widest: int, price: Callable[[int], float] | None = None) -> int:
+        """The forward width ``m`` in ``[width, widest]`` with the lowest cost (``width`` itself on near-ties);
+        ``price``: ``m -> ms`` read instead of :meth:`ms` (a plan prices each width once)."""
+        price = price or (lambda m: self.ms(rows, m))
+        best, best_ms = width, price(width)
         for m in range(width + 1, widest + 1):
-            ms = self.ms(rows, m)
+            ms = price(m)
             if ms < best_ms * PAD_MARGIN:
                 best, best_ms = m, ms
         return best
@@ -210,19 +213,13 @@ class CostAwareK:
 
     def _forward_ms(self, rows: int) -> Callable[[int], tuple[float, int]]:
         """``n -> (ms, m)``: the cheapest forward over ``rows`` rows holding ``n + 1`` tokens each, with the round's
-        bookkeeping (:meth:`ForwardCost.cheapest`'s rule over the widths up to ``widest``, each priced once per plan:
-        a plan asks for every ``n`` up to the longest proposal, and the curve does not change within it)."""
-        costs = [self.cost.ms(rows, m) for m in range(1, self.widest + 1)]
+        bookkeeping; each width priced once per plan (a plan asks for every ``n`` up to the longest proposal, and the
+        curve does not change within it)."""
+        price = functools.cache(lambda m: self.cost.ms(rows, m))
 
         def forward_ms(n: int) -> tuple[float, int]:
-            if n + 1 > self.widest:
-                width = self.cost.cheapest(rows, n + 1, n + 1)
-                return self.cost.ms(rows, width) + self.overhead_ms, width
-            best, best_ms = n + 1, costs[n]
-            for m in range(n + 2, self.widest + 1):
-                if costs[m - 1] < best_ms * PAD_MARGIN:
-                    best, best_ms = m, costs[m - 1]
-            return best_ms + self.overhead_ms, best
+            width = self.cost.cheapest(rows, n + 1, max(self.widest, n + 1), price)
+            return price(width) + self.overhead_ms, width
 
         return forward_ms
 
