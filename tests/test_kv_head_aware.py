@@ -49,6 +49,15 @@ def test_long_range_mass_separates_local_from_global_heads():
     assert importance[0, 0] == 1.0 and importance[0, 1] < importance[0, 0]
 
 
+def test_long_range_mass_builds_its_indices_on_the_query_device():
+    """The H100 run of 2026-11-27 stopped the head-aware calibration with 'mask on cpu and self on cuda:0'; tensors on
+    the meta device fail the same way when an index is built on the CPU, so this runs without a GPU."""
+    query, key = torch.empty(1, 4, 40, 8, device="meta"), torch.empty(1, 2, 40, 8, device="meta")
+    out, mass = calibration.long_range_mass(query, key, key, 0.35, sink_tokens=4, local_window=8)
+    assert out.device.type == mass.device.type == "meta"
+    assert out.shape == (1, 40, 4, 8) and mass.shape == (2,)
+
+
 @pytest.mark.parametrize("make", [tiny_llama, tiny_neox])
 def test_one_tier_equals_l2norm(make):
     """With one tier the tiered layout is the L2-norm policy: identical tokens and bytes (per-tier attention ok)."""

@@ -64,6 +64,29 @@ def calibration_ids(model, files: list[str], num_tokens: int) -> torch.Tensor:
     return torch.tensor([ids[:num_tokens]])
 
 
+def long_range_mass(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, sink_tokens: int,
+                    local_window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's causal attention over a calibration prompt and each KV head's long-range attention mass.
+
+    ``query`` ``(1, q_heads, n, head_dim)``, ``key`` / ``value`` ``(1, kv_heads, n, head_dim)`` (HF's attention
+    interface). Returns ``(out (1, n, q_heads, head_dim), mass (kv_heads,))``: the attention output as HF's layers
+    expect it, and the mean softmax mass queries put on keys past the sinks and outside their last ``local_window``
+    positions (averaged over the queries that have such keys and over the query heads of each KV head's group). Every
+    index is built on ``query``'s device (a CUDA model calibrates on CUDA)."""
+    groups = query.shape[1] // key.shape[1]
+    key_r, value_r = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    n = query.shape[-2]
+    logits = (query.float() @ key_r.float().transpose(-1, -2)) * scaling
+    positions = torch.arange(n, device=query.device)
+    i, j = positions[:, None], positions[None, :]
+    probs = logits.masked_fill(j > i, float("-inf")).softmax(-1)
+    far = (j >= sink_tokens) & (j <= i - local_window)
+    rows = far.any(-1)  # (n,): queries with keys that far
+    mass = ((probs * far).sum(-1) * rows).sum(-1) / rows.sum()  # (b, q_heads): the mean over those queries
+    out = probs.to(value.dtype) @ value_r
+    return out.transpose(1, 2).contiguous(), mass.mean(0).view(-1, groups).mean(-1)
+
+
 def measure_importance(model, input_ids: torch.Tensor, sink_tokens: int = 4, local_window: int = 64) -> torch.Tensor:
     """Long-range attention mass per head: ``(num_layers, num_kv_heads)`` in [0, 1] (see the module docstring)."""
     from transformers import AttentionInterface
@@ -73,19 +96,8 @@ def measure_importance(model, input_ids: torch.Tensor, sink_tokens: int = 4, loc
     scores: dict[int, torch.Tensor] = {}
 
     def observe(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        groups = query.shape[1] // key.shape[1]
-        key_r, value_r = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-        n = query.shape[-2]
-        logits = (query.float() @ key_r.float().transpose(-1, -2)) * scaling
-        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-        logits = logits.masked_fill(j > i, float("-inf"))
-        probs = logits.softmax(-1)
-        far = (j >= sink_tokens) & (j <= i - local_window)
-        rows = far.any(-1)
-        mass = (probs * far).sum(-1)[..., rows].mean(-1)  # (b, q_heads)
-        scores[module.layer_idx] = mass.mean(0).view(-1, groups).mean(-1)  # (kv_heads,)
-        out = probs.to(value.dtype) @ value_r
-        return out.transpose(1, 2).contiguous(), None
+        out, scores[module.layer_idx] = long_range_mass(query, key, value, scaling, sink_tokens, local_window)
+        return out, None
 
     AttentionInterface.register(_CALIB_NAME, observe)
     previous = model.config._attn_implementation
