@@ -85,6 +85,26 @@ def test_identity_verdict_of_a_cut_stage_is_not_a_miss():
     assert _identity(capped)[1] == "not measured: cut" and "(before 'x')" in _identity(capped)[0]
 
 
+def test_long_context_verdict_reads_the_decode_rate_of_rows_within_a_quarter_of_the_bytes():
+    """The H100's 32k run of 2026-11-27 (4th) timed prefill and decode together (the prefill most of it), so the
+    verdict reads the decode's tok/s, with the end-to-end ratio beside it; a row over 25% of the bytes is not one."""
+    from gpu_kit.kv_long import decode_rate
+    from gpu_kit.targets import _long
+
+    assert decode_rate(8 * 63, 2900.0, 2500.0) == {"prefill_s": 2.5, "decode_tok_s": 8 * 63 / 0.4}
+    assert decode_rate(0, 10.0, 5.0)["decode_tok_s"] is None and decode_rate(8, 5.0, 5.0)["decode_tok_s"] is None
+    rows = {"none": {"tok_s": 177.8, "decode_tok_s": 1000.0, "kv_bytes": 8000},
+            "KIVI-4": {"tok_s": 150.0, "decode_tok_s": 3000.0, "kv_bytes": 2800},  # 35% of the bytes
+            "L2-norm": {"tok_s": 180.9, "decode_tok_s": 1600.0, "kv_bytes": 1900}}
+    results = {"kv_long": {"status": "ok", "result": {"runs": {"llama-3.2-1b, 32768 tokens, B = 8": {"rows": rows}}}}}
+    text, verdict = _long(results)
+    assert verdict == "met" and text.startswith("L2-norm: 1.60x the uncompressed's decode tok/s")
+    assert "(prefill included: 1.02x)" in text and "24% of its KV bytes" in text
+    for row in rows.values():  # a report before the decode rate was recorded: end to end
+        row.pop("decode_tok_s")
+    assert _long(results)[1] == "missed by 0.48x"
+
+
 def test_linear_probe_counts_every_linear_once_with_its_bytes():
     from conftest import tiny_llama
     from gpu_kit.linear_probe import linear_probe

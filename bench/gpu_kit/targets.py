@@ -95,17 +95,20 @@ def _long(results: dict) -> tuple[str, str]:
         why = "not measured: no 1B, 32k, B = 8 run in this call" if result else _why_not(results, "kv_long")
         return why, "not measured"
     base = run["rows"].get("none", {})
+    rate = "decode_tok_s" if base.get("decode_tok_s") else "tok_s"  # reports before 2026-11-27's fourth: end to end
     best = None
     for label, row in run["rows"].items():
-        if label == "none" or not row.get("tok_s") or not row.get("kv_bytes") or not base.get("kv_bytes"):
+        if label == "none" or not row.get(rate) or not row.get("kv_bytes") or not base.get("kv_bytes"):
             continue
-        if row["kv_bytes"] <= 0.25 * base["kv_bytes"] and (best is None or row["tok_s"] > best[1]["tok_s"]):
+        if row["kv_bytes"] <= 0.25 * base["kv_bytes"] and (best is None or row[rate] > best[1][rate]):
             best = (label, row)
-    if best is None or not base.get("tok_s"):
+    if best is None or not base.get(rate):
         return "no compressed row at <= 25% of the KV bytes measured", "not measured"
-    ratio = best[1]["tok_s"] / base["tok_s"]
-    return f"{best[0]}: {ratio:.2f}x the uncompressed at {best[1]['kv_bytes'] / base['kv_bytes']:.0%} of its KV " \
-           f"bytes", "met" if ratio >= 1.5 else f"missed by {1.5 - ratio:.2f}x"
+    ratio = best[1][rate] / base[rate]
+    whole = f" (prefill included: {best[1]['tok_s'] / base['tok_s']:.2f}x)" if rate == "decode_tok_s" else ""
+    return f"{best[0]}: {ratio:.2f}x the uncompressed's {'decode ' if whole else ''}tok/s{whole} at " \
+           f"{best[1]['kv_bytes'] / base['kv_bytes']:.0%} of its KV bytes", \
+        "met" if ratio >= 1.5 else f"missed by {1.5 - ratio:.2f}x"
 
 
 def _search(results: dict) -> tuple[str, str]:
@@ -147,10 +150,10 @@ def markdown(results: dict, table) -> list[str]:
                                                        "weight bytes", "note"], rows) + [""]
     kv = _result(results, "kv_long")
     for key, run in (kv or {}).get("runs", {}).items():
-        rows = [[label, r.get("tok_s"), r.get("kv_bytes"), r.get("tau"), r.get("path") or r.get("error")]
-                for label, r in run["rows"].items()]
-        lines += [f"## KV at long context: {key}", ""] + table(["policy", "tok/s", "KV bytes", "τ", "path"],
-                                                               rows) + [""]
+        rows = [[label, r.get("tok_s"), r.get("prefill_s"), r.get("decode_tok_s"), r.get("kv_bytes"), r.get("tau"),
+                 r.get("path") or r.get("error")] for label, r in run["rows"].items()]
+        lines += [f"## KV at long context: {key}", ""] + table(
+            ["policy", "tok/s (prefill included)", "prefill s", "decode tok/s", "KV bytes", "τ", "path"], rows) + [""]
     for stage in ("drafters_real",):
         r = _result(results, stage)
         if r:
