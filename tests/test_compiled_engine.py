@@ -190,7 +190,7 @@ def test_inductor_compiled_engine_matches_hf_greedy(tuned):
 def test_inductor_cache_goes_to_the_toolkit_cache_unless_the_user_chose_one(monkeypatch, tmp_path):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from toolkit.engine import forward
+    from toolkit import resources
 
     monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(tmp_path / "toolkit"))
     for before in (None, default_cache_dir()):  # unset, or the default inductor wrote in on its first use
@@ -198,11 +198,11 @@ def test_inductor_cache_goes_to_the_toolkit_cache_unless_the_user_chose_one(monk
             monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
         else:
             monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)
-        forward.inductor_cache()
-        assert forward.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "toolkit" / "inductor")
+        resources.inductor_cache()
+        assert resources.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "toolkit" / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    forward.inductor_cache()
-    assert forward.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    resources.inductor_cache()
+    assert resources.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 def test_first_call_reports_its_compile_apart_and_announces_it(monkeypatch, caplog):

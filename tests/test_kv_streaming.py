@@ -10,7 +10,7 @@ from conftest import perturbed_copy, tiny_llama, tiny_neox
 
 from toolkit.engine.decoder import SpeculativeDecoder
 from toolkit.engine.planner import ConstantK
-from toolkit.kv import make_policy
+from toolkit.kv import make_policy, window_prefill
 from toolkit.kv.rows import SingleRowCache
 from toolkit.recipe import GenerationSpec, KVSpec
 from toolkit.speculative.drafters import DraftModel, NGramDrafter
@@ -181,6 +181,10 @@ def test_a_long_prompt_is_attended_in_chunks_exactly(monkeypatch):
     torch.manual_seed(0)
     target = tiny_llama(max_positions=2048)
     prompt = torch.randint(0, 128, (1, 1100), generator=torch.Generator().manual_seed(3))
+    reference = banded_greedy(target, prompt, 6)
+    monkeypatch.setitem(window_prefill.CHUNK_TOKENS, "cpu", 10**6)  # the ring's prompt in one masked forward
     ar, _ = run(target, None, streaming(), prompt, 6)
-    assert len(calls) == 2  # the prompt's forward, once per layer
-    assert ar == banded_greedy(target, prompt, 6)
+    assert len(calls) == 2 and ar == reference  # the prompt's forward, once per layer
+    monkeypatch.setitem(window_prefill.CHUNK_TOKENS, "cpu", 512)  # in chunks (toolkit/kv/window_prefill.py)
+    ar, _ = run(target, None, streaming(), prompt, 6)
+    assert len(calls) == 2 and ar == reference  # no forward as long as CHUNKED_MIN under a mask

@@ -27,6 +27,21 @@ def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("llm-toolkit"))
 
 
+def inductor_cache() -> None:
+    """Inductor's on-disk cache under the toolkit's cache directory, unless the user chose one. Inductor reads the
+    variable at every use but writes its default (``/tmp/torchinductor_<user>``) into it on first use, so a value
+    equal to that default counts as unset."""
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        default = os.path.abspath(default_cache_dir())
+    except (ImportError, OSError):  # a torch without this helper: only an unset variable is replaced
+        default = None
+    if current is None or os.path.abspath(current) == default:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+
+
 def recipes_root() -> Path:
     """The directory of the shipped recipes: ``recipes/`` next to this code in a source checkout (so a work tree
     reads its own files, whatever an editable install elsewhere maps), else the installed package data."""

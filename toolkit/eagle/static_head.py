@@ -41,10 +41,10 @@ from types import SimpleNamespace
 
 import torch
 
-from toolkit.engine.forward import CUDA_BATCH_SIZES, CUDA_WIDTHS, LEAN_CPU_OPTIONS, MODES, bucket, bucketed, \
-    inductor_cache
+from toolkit.engine.forward import CUDA_BATCH_SIZES, CUDA_WIDTHS, LEAN_CPU_OPTIONS, MODES, bucket, bucketed
 from toolkit.engine.guards import call_compiled, skip_guards_default
 from toolkit.kv.static import StaticKV
+from toolkit.resources import inductor_cache
 
 log = logging.getLogger("toolkit.engine")
 

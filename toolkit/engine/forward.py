@@ -39,6 +39,8 @@ import torch
 
 from toolkit.engine.guards import call_compiled, skip_guards_default
 from toolkit.kv.attention import STATIC_NAME, attached
+from toolkit.kv.window_prefill import WindowedPrompt
+from toolkit.resources import inductor_cache
 from toolkit.threads import warn_passive_wait
 
 log = logging.getLogger("toolkit.engine")
@@ -74,23 +76,6 @@ def _graphs() -> int:
     """Graphs dynamo has compiled in this process (a call that raises it compiled; recompiles for a new cache shape
     included)."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
-def inductor_cache() -> None:
-    """Inductor's on-disk cache under the toolkit's cache directory, unless the user chose one. Inductor reads the
-    variable at every use but writes its default (``/tmp/torchinductor_<user>``) into it on first use, so a value
-    equal to that default counts as unset."""
-    from toolkit.resources import cache_dir
-
-    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-        default = os.path.abspath(default_cache_dir())
-    except (ImportError, OSError):  # a torch without this helper: only an unset variable is replaced
-        default = None
-    if current is None or os.path.abspath(current) == default:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 
 
 def model_kwargs(model, kwargs: dict) -> dict:
@@ -234,7 +219,14 @@ class TargetForward:
 
     def prefill(self, input_ids: torch.Tensor, kwargs: dict, hidden: tuple[int, ...] = ()):
         """Eager forward of a prompt ``(1, n)`` on ``kwargs`` (a cache's ``begin_row``); logits ``(vocab,)`` of the
-        last position, or with ``hidden`` ``(logits, features (1, n, F))`` (:func:`select_hidden`)."""
+        last position, or with ``hidden`` ``(logits, features (1, n, F))`` (:func:`select_hidden`). A
+        :class:`~toolkit.kv.window_prefill.WindowedPrompt` cache runs the prompt in its chunks."""
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, WindowedPrompt):
+            return cache.prefill(lambda ids, chunk: self._prefill_once(ids, chunk, hidden), input_ids)
+        return self._prefill_once(input_ids, kwargs, hidden)
+
+    def _prefill_once(self, input_ids: torch.Tensor, kwargs: dict, hidden: tuple[int, ...]):
         out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, output_hidden_states=bool(hidden),
                          **model_kwargs(self.model, kwargs))
         return (out.logits[0, -1], select_hidden(out, hidden)) if hidden else out.logits[0, -1]

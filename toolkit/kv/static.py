@@ -20,7 +20,7 @@ policy keeps ``p`` for ``q``):
   computed, not stored (the newest ``p`` written that maps to it); a query sees the sinks and its own last ``window``
   positions, exactly what the single-sequence policy keeps. ``R`` leaves room for a whole verify forward, so no
   position a query needs is ever overwritten by a draft token that is later rejected. Capacity is fixed whatever
-  the generation length: ``sinks + window + widest`` slots.
+  the generation length: ``sinks + window + widest`` slots. Long prompts fill it in chunks (:mod:`~.window_prefill`).
 
 Policies that change what they hold at commit points subclass it with buffers of their own, still fixed in size and
 moved only at commit points: L2-norm and head-aware eviction as fixed-budget tiers compacted there
@@ -36,6 +36,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from toolkit.kv.static_tree import TreeRows
+from toolkit.kv.window_prefill import WindowedPrompt, prompt_cache
 
 #: capacities are rounded up to a multiple of this many tokens (one compiled graph serves requests up to it)
 CAPACITY_STEP = 256
@@ -145,6 +146,8 @@ class StaticKV(TreeRows, Cache):
 
     compressions = 0
     static = True
+    #: whether :meth:`load_row` takes a :class:`~toolkit.kv.window_prefill.WindowedPrompt` (a ring's long prompt)
+    chunks_prompts = True
 
     def __init__(self, model, rows: int, capacity: int, widest: int = 1, window=None, dtype=None, device=None,
                  static_span: bool = False):
@@ -274,22 +277,15 @@ class StaticKV(TreeRows, Cache):
 
     # ------------------------------------------------------------------------------------------------ rows
     def begin_row(self, length: int) -> tuple[Cache, dict]:
-        """Where a new request's prompt of ``length`` tokens is prefilled alone: a ``DynamicCache`` (every position),
-        with the policy's window as a boolean ``(1, 1, length, length)`` mask (``None``: plain causal attention).
+        """Where a new request's prompt of ``length`` tokens is prefilled alone
+        (:func:`~toolkit.kv.window_prefill.prompt_cache`: every position, or in chunks under a ring's window).
 
         Raises:
             ValueError: every allocated row is in use.
         """
-        from transformers import DynamicCache
-
         if self.active >= self.allocated:
             raise ValueError(f"StaticKV: all {self.allocated} rows are in use")
-        device = self.lengths.device
-        kwargs = {"position_ids": torch.arange(length, device=device).view(1, -1)}
-        if self.window is not None:
-            kwargs["attention_mask"] = self.window.prompt_mask(length, device)
-        cache = DynamicCache()
-        return cache, {**kwargs, "past_key_values": cache}
+        return prompt_cache(self.window, length, self.lengths.device, self.ring if self.chunks_prompts else None)
 
     def add_row(self, prefilled: Cache, length: int) -> None:
         """The prompt prefilled by :meth:`begin_row` becomes the last row in use."""
@@ -315,9 +311,10 @@ class StaticKV(TreeRows, Cache):
             kept = torch.cat([torch.arange(min(self.sinks, length)), torch.arange(start, length)])
         kept = kept.to(self.lengths.device)
         slots = self.slots(kept)
+        held = source.index_of(kept) if isinstance(source, WindowedPrompt) else kept  # entries of `source`
         for layer, single in zip(self.layers, source.layers):
-            layer.keys[row].index_copy_(1, slots, single.keys[0].index_select(1, kept).to(layer.keys.dtype))
-            layer.values[row].index_copy_(1, slots, single.values[0].index_select(1, kept).to(layer.values.dtype))
+            layer.keys[row].index_copy_(1, slots, single.keys[0].index_select(1, held).to(layer.keys.dtype))
+            layer.values[row].index_copy_(1, slots, single.values[0].index_select(1, held).to(layer.values.dtype))
         self.lengths[row] = length
         self.held[row] = length
 

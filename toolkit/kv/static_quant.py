@@ -145,6 +145,8 @@ class StaticQuantKV(StaticKV):
 
     #: the StreamingLLM window this form holds: the exact one (the band mask)
     exact_window = True
+    #: a prompt is prefilled whole: :meth:`load_row` packs groups from every position of it
+    chunks_prompts = False
 
     def __init__(self, model, rows: int, capacity: int, widest: int, policy, dtype=None, device=None,
                  static_span: bool = False):
