@@ -20,7 +20,8 @@ policy keeps ``p`` for ``q``):
   computed, not stored (the newest ``p`` written that maps to it); a query sees the sinks and its own last ``window``
   positions, exactly what the single-sequence policy keeps. ``R`` leaves room for a whole verify forward, so no
   position a query needs is ever overwritten by a draft token that is later rejected. Capacity is fixed whatever
-  the generation length: ``sinks + window + widest`` slots. Long prompts fill it in chunks (:mod:`~.window_prefill`).
+  the generation length: ``sinks + window + widest`` slots. On a GPU long prompts fill it in chunks
+  (:mod:`~.window_prefill`).
 
 Policies that change what they hold at commit points subclass it with buffers of their own, still fixed in size and
 moved only at commit points: L2-norm and head-aware eviction as fixed-budget tiers compacted there

@@ -13,9 +13,15 @@ holds the sinks and the newest ``tail`` positions (``tail >= window``: every key
 the chunk); the chunk attends to those and to itself under a ``(1, 1, chunk, held + chunk)`` mask, so the prompt's
 cache and mask never exceed ``sinks + tail + chunk`` positions and the attention costs ``n * (sinks + tail +
 chunk)`` pairs. Every query sees exactly the keys the one masked forward shows it: the logits and the kept keys and
-values are the same up to floating-point summation order. On this 2-core CPU (embedded model, fp32, a window of 1/8
-of the prompt): 8,000 tokens 18.9-21.1 s -> 17.0-17.5 s; 4,096 tokens 7.7-8.6 s either way (chunks of 1,024 and
-2,048 no better).
+values are the same up to floating-point summation order.
+
+Not on a CPU by default (:data:`CHUNK_TOKENS`): measured on this 2-core CPU with a window of 1/8 of the prompt, the
+embedded model in fp32 gained at 8,000 tokens (18.9-21.1 s -> 17.0-17.5 s in chunks of 512) and nothing at 4,096
+(7.7-8.6 s either way), but on the GGUF's own Q4_1 blocks (the shipped `long` recipe) a 4,096-token prompt took
+4.4-5.5 s whole against 6.0-6.9 s in chunks of 512, 1,024 or 2,048 (more calls of those weights' prompt-sized
+matmuls, each with a fixed cost of its own: not profiled), while the static attention's query chunks already keep
+the masked pairs out there. On an accelerator the chunks replace thousands of small gathers and SDPA calls; the GPU
+kit's ``kv_long`` stage times both forms of the prompt side by side.
 
 The cache that takes the row (:meth:`toolkit.kv.static.StaticKV.load_row`) reads the positions it keeps through
 :meth:`WindowedPrompt.index_of`: the sinks and the newest ``tail`` positions are there, as they are in a prompt
@@ -27,13 +33,13 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-#: tokens per chunk on a CPU (the module docstring's measurements) and on an accelerator, where a chunk also
-#: amortizes one read of the weights (not yet timed on a GPU)
-CHUNK_TOKENS = {"cpu": 512, "other": 2048}
+#: tokens per chunk on a CPU (``None``: a prompt runs whole there; the module docstring's measurements) and on an
+#: accelerator, where a chunk also amortizes one read of the weights
+CHUNK_TOKENS: dict[str, int | None] = {"cpu": None, "other": 2048}
 
 
-def chunk_tokens(device) -> int:
-    """Tokens per chunk of a windowed prefill on ``device`` (:data:`CHUNK_TOKENS`)."""
+def chunk_tokens(device) -> int | None:
+    """Tokens per chunk of a windowed prefill on ``device`` (:data:`CHUNK_TOKENS`; ``None``: never chunked)."""
     return CHUNK_TOKENS["cpu" if torch.device(device).type == "cpu" else "other"]
 
 
@@ -44,7 +50,7 @@ def prompt_cache(window, length: int, device, tail: int | None = None) -> tuple[
     ``position_ids`` ``(1, length)`` and, under a ``window`` (a StreamingLLM policy or ``None``), its boolean ``(1,
     1, length, length)`` band mask."""
     chunk = chunk_tokens(device)
-    if tail is not None and WindowedPrompt.pays(window, length, tail, chunk):
+    if tail is not None and chunk is not None and WindowedPrompt.pays(window, length, tail, chunk):
         cache = WindowedPrompt(window, length, tail, chunk)
         return cache, {"past_key_values": cache}
     cache = DynamicCache()
