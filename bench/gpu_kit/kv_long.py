@@ -4,9 +4,9 @@ recipe per policy, the decoding path the toolkit picks for it reported as its ``
 Contexts of 8k and 32k tokens on the 1B shape and 8k on the 8B shape (random weights, bf16; the dry run: ``tiny``,
 64 and 128), B = 1 and 8 rows, ``new`` tokens per row, greedy, EOS off. Per (shape, context, B):
 
-* policies of :func:`policies`: none, StreamingLLM (4 sinks + a window of 1/8 of the context; at B = 1 also with the
-  prompt in one forward under the window's mask instead of the chunks of :mod:`toolkit.kv.window_prefill`, the A/B
-  of that choice on the device), KIVI-4 and KIVI-2
+* policies of :func:`policies`: none, StreamingLLM (4 sinks + a window of 1/8 of the context; right after it the
+  same with the prompt in one forward under the window's mask instead of the chunks of
+  :mod:`toolkit.kv.window_prefill`, the A/B of that choice on the device), KIVI-4 and KIVI-2
   (groups of 64, 128 residual tokens), L2-norm and head-aware eviction at a budget of 1/8 of the context — AR on the
   target's compressed cache (``spec.drafter: none``), ``compile: auto`` (the static engine where the policy has a
   static form, else the eager per-row caches: the path line says which);
@@ -194,8 +194,8 @@ def kv_long(kit) -> dict:
         prompts = [p for p in shapes.prompts(kit.tokenizer, rows, context)]
         run = out["runs"].setdefault(key, {"rows": {}})
         for label, entry in policies(context).items():
-            if (entry.get("draft_kv") is not None or entry.get("whole_prompt")) and rows > 1:
-                continue  # a compressed draft cache decodes one row at a time; the prefill A/B needs one row
+            if entry.get("draft_kv") is not None and rows > 1:
+                continue  # a compressed draft cache decodes one row at a time: B = 1 only
             if kit.out_of_time(f"{key}: {label}"):
                 break
             run["rows"][label] = kit.row(f"kv_long {key}: {label}", ours_row, kit, model, label, entry, prompts, new)
