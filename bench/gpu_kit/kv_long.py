@@ -6,8 +6,8 @@ Contexts of 8k and 32k tokens on the 1B shape and 8k on the 8B shape (random wei
 
 * policies of :func:`policies`: none, StreamingLLM (4 sinks + a window of 1/8 of the context; right after it the
   same with the prompt in one forward under the window's mask instead of the chunks of
-  :mod:`toolkit.kv.window_prefill`, the A/B of that choice on the device), KIVI-4 and KIVI-2
-  (groups of 64, 128 residual tokens), L2-norm and head-aware eviction at a budget of 1/8 of the context — AR on the
+  :mod:`toolkit.kv.window_prefill`, the A/B of that choice on the device), L2-norm eviction, KIVI-2, head-aware
+  eviction (budgets 1/8 of the context) and KIVI-4 (KIVI: groups of 64, 128 residual tokens) — AR on the
   target's compressed cache (``spec.drafter: none``), ``compile: auto`` (the static engine where the policy has a
   static form, else the eager per-row caches: the path line says which);
 * at B = 1, self-speculation with a compressed draft cache (MagicDec / QuantSpec style: ``drafter: self``, the target
@@ -45,8 +45,9 @@ CALIBRATION = [str(ROOT / "docs/design.md"), str(ROOT / "README.md")]
 
 
 def policies(context: int) -> dict[str, dict]:
-    """``{label: {"kv": KVSpec, "draft_kv": KVSpec | None}}``; ``draft_kv`` set: self-speculation over that draft
-    cache (B = 1 rows only). Budgets: 1/8 of ``context``."""
+    """``{label: {"kv": KVSpec, "draft_kv": KVSpec | None}}`` in the order they run (the target's candidates, at most
+    25% of the uncompressed bytes, first); ``draft_kv`` set: self-speculation over that draft cache (B = 1 rows only).
+    Budgets: 1/8 of ``context``."""
     budget = max(context // 8, 16)
     recent = min(32, budget // 4)
     kivi = {"quant_group_size": 64 if context >= 1024 else 8, "residual_length": 128 if context >= 1024 else 8}
@@ -56,12 +57,12 @@ def policies(context: int) -> dict[str, dict]:
                                                                                 "window": budget - 4})},
         f"StreamingLLM (4 sinks + {budget - 4}), prompt in one masked forward": {
             "kv": KVSpec("streaming", {"sink_tokens": 4, "window": budget - 4}), "whole_prompt": True},
-        "KIVI-4": {"kv": KVSpec("quantized", {"quant_bits": 4, **kivi})},
-        "KIVI-2": {"kv": KVSpec("quantized", {"quant_bits": 2, **kivi})},
         f"L2-norm (budget {budget})": {"kv": KVSpec("l2norm", {"budget": budget, "protect_recent": recent})},
+        "KIVI-2": {"kv": KVSpec("quantized", {"quant_bits": 2, **kivi})},
         f"head-aware (budget {budget})": {"kv": KVSpec("head_aware", {
             "budget": budget, "protect_recent": recent, "tiers": 2, "calibration_files": CALIBRATION,
             "calibration_tokens": 512})},
+        "KIVI-4": {"kv": KVSpec("quantized", {"quant_bits": 4, **kivi})},  # 28% of the bytes at 32k: no candidate
         "self-speculation, draft over StreamingLLM (K=4)": {"kv": KVSpec("none", {}), "draft_kv": KVSpec(
             "streaming", {"sink_tokens": 4, "window": budget - 4})},
         "self-speculation, draft over KIVI-4 (K=4)": {"kv": KVSpec("none", {}), "draft_kv": KVSpec(
