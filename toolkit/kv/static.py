@@ -244,7 +244,7 @@ class StaticKV(TreeRows, Cache):
         held_at = newest - torch.remainder(newest - slot, self.ring)  # the newest position of the slot's residue
         held_at = torch.where(slot < self.sinks, slot, held_at)
         written = (slot < self.sinks) | (held_at >= self.sinks)  # a ring slot below the sinks was never written
-        visible = written & (held_at <= query) & self.window.in_window(held_at, query)
+        visible = written & self.window.sees(held_at, query)
         return visible[:, None]
 
     def prepare(self, width: int, rows: range | None = None, span: int | None = None) -> dict:

@@ -90,6 +90,11 @@ class StreamingLLM(KVPolicy):
         of its own last ``window`` positions; causality apart). Tensors broadcast."""
         return (key_pos < self.sink_tokens) | (key_pos > query_pos - self.window)
 
+    def sees(self, key_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+        """Whether a query at absolute ``query_pos`` attends to the entry at ``key_pos`` under the exact window:
+        causal (``key_pos <= query_pos``) and :meth:`in_window`. Tensors broadcast."""
+        return (key_pos <= query_pos) & self.in_window(key_pos, query_pos)
+
     @property
     def ring(self) -> bool:
         """Held by the static cache's ring (:mod:`toolkit.kv.static`), one row or a batch: absolute positions and
@@ -125,7 +130,7 @@ class StreamingLLM(KVPolicy):
             return None
         positions = torch.arange(length, device=device)
         query, key = positions[:, None], positions[None, :]
-        return ((key <= query) & self.in_window(key, query))[None, None]
+        return self.sees(key, query)[None, None]
 
     def static_cache(self, model, rows: int, capacity: int, widest: int, static_span: bool = False):
         """The decoder's form, one row or a batch: with absolute positions and the exact window the static cache's
@@ -193,7 +198,7 @@ class StreamingCache(CompressedCache):
             cached_pos = torch.where(slots < policy.sink_tokens, slots, slots + evicted)
             key_pos = torch.cat((cached_pos, position_ids[0].to(device)))[None, :]
             query_pos = position_ids[0][:, None]
-            visible = (key_pos <= query_pos) & policy.in_window(key_pos, query_pos)
+            visible = policy.sees(key_pos, query_pos)
             mask = torch.zeros(visible.shape, dtype=self.dtype, device=device)
             mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[None, None]
         return {"position_ids": positions, "attention_mask": mask}

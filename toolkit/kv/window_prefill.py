@@ -124,7 +124,7 @@ class WindowedPrompt(DynamicCache):
     def _chunk_kwargs(self, start: int, stop: int, device) -> dict:
         keys = torch.cat([self._held_positions(start), torch.arange(start, stop)]).to(device)
         queries = torch.arange(start, stop, device=device)[:, None]
-        mask = (keys[None, :] <= queries) & self.policy.in_window(keys[None, :], queries)
+        mask = self.policy.sees(keys[None, :], queries)
         return {"position_ids": queries.view(1, -1), "attention_mask": mask[None, None], "past_key_values": self}
 
     def _trim(self, stop: int) -> None:
