@@ -51,8 +51,8 @@ from gpu_kit.context import StageSkipped  # noqa: E402
 STAGES = ("environment", "greedy", "verify_cost", "speed", "speed_real", "sampling", "kv", "projection",
           "verify_cost_more")
 #: the second edition's stages (bench/README.md): not in the default run, named with --stages (or --stages new)
-NEW_STAGES = ("accept_identity", "width_probe", "kivi_device", "weights", "kv_long", "drafters_real", "eagle_train",
-              "search")
+NEW_STAGES = ("accept_identity", "width_probe", "kivi_device", "weights", "kv_long", "drafters_real", "compositions",
+              "eagle_train", "search")
 #: --stages shorthands: ``new`` = every second-edition stage in priority order, ``all`` = both editions
 GROUPS = {"new": NEW_STAGES, "all": STAGES + NEW_STAGES}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

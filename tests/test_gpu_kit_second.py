@@ -122,3 +122,17 @@ def test_linear_probe_counts_every_linear_once_with_its_bytes():
     step_ms = 2 * probe["ms_per_token"]
     assert _linears({"linear_probe": probe}, {"tok_s": 1000.0 / step_ms}) == \
         f"linears {probe['ms_per_token']:.2f} of {step_ms:.2f} ms/token"
+
+
+def test_compositions_verdict_judges_every_pair_but_the_reference_by_its_worst():
+    from gpu_kit.compositions import kv_recipes, verdict
+
+    labels = list(kv_recipes(8))
+    assert [label.split(" ")[0] for label in labels] == ["StreamingLLM", "none", "KIVI-4", "L2-norm", "head-aware"]
+    assert verdict({"rows": {}}) == ("no composition ran in both forms", "not measured")
+    rows = {"none": {"x_eager": 0.9}, "StreamingLLM (4 sinks + 508)": {"x_eager": 1.6},
+            "EAGLE-1 head, K=3 chain": {"x_eager": 1.25}, "KIVI-4": {"eager": {"tok_s": 3.0}}}  # KIVI-4: cut
+    text, judged = verdict({"rows": rows})
+    assert judged == "missed (EAGLE-1 head, K=3 chain: 1.25x of 1.3x)" and "none" not in text
+    rows["EAGLE-1 head, K=3 chain"]["x_eager"] = 1.31
+    assert verdict({"rows": rows})[1] == "met"

@@ -44,10 +44,12 @@ def _recipe(drafter: str, k: int, tree: bool, draft: ModelSpec | None, new: int)
 
 
 def ours_pass(lm, prompts: list, device) -> dict:
-    """One untimed pass over ``prompts`` then one timed: tok/s of the pass, α, τ, the mean round split, the ids,
+    """One untimed pass over ``prompts`` then one timed: tok/s of the pass (prefill included), its prefill seconds and
+    decode tok/s (:func:`gpu_kit.kv_long.decode_rate`), α, τ, the mean round split, the ids,
     the untimed pass's seconds (the compile and the CUDA graph captures are in it) and what dynamo and the CUDA graph
     trees did in each pass (graphs compiled, graph breaks, graphs declined: a timed pass that compiles or declines
     is not running on captured graphs; the H100's EAGLE-3 round of 2026-11-27 came without these)."""
+    from gpu_kit.kv_long import decode_rate
     from gpu_kit.weights import compile_counts
 
     before = compile_counts()
@@ -62,6 +64,8 @@ def ours_pass(lm, prompts: list, device) -> dict:
     stats = [r.stats for r in results]
     seconds = sum(s.total_ms for s in stats) / 1000.0
     return {"tok_s": sum(len(r.token_ids) for r in results) / seconds, "path": lm.engine_note,
+            **decode_rate(sum(len(r.token_ids) - 1 for r in results), seconds * 1000.0,
+                          sum(s.ttft_ms for s in stats)),
             "alpha": statistics.mean(s.acceptance_rate for s in stats),
             "tau": statistics.mean(s.tokens_per_round for s in stats), "round_ms": round_summary(stats),
             "ids": [r.token_ids for r in results], "first_pass_s": first_pass_s,

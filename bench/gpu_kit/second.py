@@ -14,6 +14,7 @@ MODULES = {
     "weights": ("weights", "weights"),
     "kv_long": ("kv_long", "kv_long"),
     "drafters_real": ("drafters_real", "drafters_real"),
+    "compositions": ("compositions", "compositions"),
     "eagle_train": ("eagle_gpu", "eagle_train"),
     "search": ("search_gpu", "search"),
 }
