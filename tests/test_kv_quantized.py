@@ -78,9 +78,30 @@ def test_pack_is_planar_within_a_group(bits):
     assert torch.equal(dequantize(packed), x)
 
 
-@pytest.mark.parametrize("width,dtype", [(1, torch.float32), (5, torch.float32), (3, torch.bfloat16)])
-def test_quant_keys_attend_equals_sdpa_over_the_concatenated_parts(width, dtype):
-    """QuantKeys (part by part, one softmax) computes what SDPA computes over [dequantized groups | fp parts]."""
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_folded_matmul_equals_the_matmul_of_the_dequantized_tensor(bits):
+    """Scales folded into the other operand, codes unpacked plane by plane: keys (groups along the tokens) and
+    values (groups along the channels), exact to fp64 rounding; float32 at least for a bf16 operand."""
+    from toolkit.kv.quant_attention import folded_matmul
+
+    torch.manual_seed(bits)
+    keys = quantize(torch.randn(2, 3, 40, 16).transpose(-1, -2), bits, 8)  # (B, h, head_dim 16, 40 tokens)
+    values = quantize(torch.randn(2, 3, 40, 16), bits, 8)  # (B, h, 40 tokens, head_dim 16)
+    for packed, reduced in ((keys, 16), (values, 40)):
+        a = torch.randn(2, 3, 5, reduced, dtype=torch.float64)
+        got = folded_matmul(a, packed)
+        assert got.dtype == torch.float64 and got.shape == (2, 3, 5, packed.length if reduced == 16 else 16)
+        assert torch.allclose(got, a @ dequantize(packed, torch.float64), rtol=0, atol=1e-12)
+        assert folded_matmul(a.to(torch.bfloat16), packed).dtype == torch.float32
+
+
+@pytest.mark.parametrize("width,dtype,compiled", [(1, torch.float32, False), (5, torch.float32, False),
+                                                  (3, torch.bfloat16, False), (1, torch.float32, True),
+                                                  (5, torch.float32, True)])
+def test_quant_keys_attend_equals_sdpa_over_the_concatenated_parts(width, dtype, compiled):
+    """QuantKeys (part by part, one softmax) computes what SDPA computes over [dequantized groups | fp parts];
+    compiled (dynamo traces it), a one-token forward folds the scales instead of dequantizing (width 1) and wider
+    ones dequantize (width 5)."""
     from toolkit.kv.quant_attention import QuantKeys
 
     torch.manual_seed(0)
@@ -92,7 +113,11 @@ def test_quant_keys_attend_equals_sdpa_over_the_concatenated_parts(width, dtype)
     mask = torch.rand(rows, 1, width, packed + 23) < 0.7
     mask[..., packed] = True  # every query sees a key
     query = torch.randn(rows, q_heads, width, dim).to(dtype)
-    got = QuantKeys(qk, qv, keys, values, mask).attend(query, 0.3)
+    attend = lambda q: QuantKeys(qk, qv, keys, values, mask).attend(q, 0.3)  # noqa: E731
+    if compiled:
+        torch._dynamo.reset()
+        attend = torch.compile(attend, backend="eager", fullgraph=True)
+    got = attend(query)
     k = torch.cat([dequantize(qk).transpose(-1, -2)] + keys, -2)
     v = torch.cat([dequantize(qv)] + values, -2)
     want = torch.nn.functional.scaled_dot_product_attention(query.float(), k, v, attn_mask=mask, scale=0.3,

@@ -13,6 +13,21 @@ query heads of a GQA group are stacked as rows (``(B, kv_heads, groups * W, head
 batched matmul over the KV heads. One layer, one query over 4,096 packed 4-bit tokens + 200 fp slots, compiled, fp32,
 this 2-core CPU: 1.2 ms against 2.9 ms for dequantize + concatenate + SDPA (uncompressed SDPA: 0.4 ms); 17 queries
 3.4 vs 4.2 ms (``bench/kivi_attention.py``).
+
+**One-token forwards** (a decode step): the packed parts are not dequantized at all. A key group's
+element is ``code * scale + zero`` with one scale and zero point per (channel, group), so
+``q . k_t = sum_c (q_c scale_cg) code_ct + sum_c q_c zero_cg``: the scales fold into the query (one small
+``(rows, head_dim, groups)`` tensor), and the scores are one reduction over the channels that reads each byte of codes
+once per query row, unpacked in registers. Values the same way from the other side: a value group's scale and zero
+point fold into the probabilities (``p_t scale_tg``). No dequantized copy of the keys or values is written (3 MB
+each per layer at 4,096 4-bit tokens in fp32, written and read again by the matmul). Its cost grows with the rows
+(each reads the codes again), so compiled one-token forwards (a decode step, a plain step of the cost-aware
+planner) run it and wider ones dequantize; eager forwards always dequantize (their matmuls are faster than unfused
+reductions). One layer of the embedded model (3 KV heads, 3 query heads each), 4,096 packed 4-bit tokens + 200 fp
+slots, compiled, fp32, this 2-core CPU, medians of 5 x 40 calls, folded / dequantized ms: width 1 0.44 / 0.73, 2 0.78
+/ 0.87, 3 1.16 / 1.13, 4 1.75 / 2.27, 8 3.4 / 2.1-3.6, 17 6.4 / 3.5-3.7 (uncompressed SDPA at width 1: 0.35). Only
+width 1 folds: a width-1 forward is a graph of its own already (dynamo specializes sizes of 1), while a width bound
+would split the dynamic-width graph in two (8 graphs instead of 4 for a lookup recipe) for gains within noise.
 """
 
 from __future__ import annotations
@@ -20,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from toolkit.kv.quant_pack import Packed, dequantize
+
 
 
 class QuantKeys:
@@ -47,15 +63,37 @@ class QuantKeys:
         groups = q_heads // kv_heads
         dtype = query.dtype
         q = query.reshape(rows, kv_heads, groups * width, dim) * (dim ** -0.5 if scaling is None else scaling)
-        scores = [q @ dequantize(self.qkeys, dtype)] + [q @ k.to(dtype).transpose(-1, -2) for k in self.keys]
+        folded = width == 1 and torch.compiler.is_compiling()  # a decode step (see the module docstring)
+        packed_scores = folded_matmul(q, self.qkeys) if folded else q @ dequantize(self.qkeys, dtype)
+        scores = [packed_scores.to(dtype)] + [q @ k.to(dtype).transpose(-1, -2) for k in self.keys]
         scores = torch.cat(scores, -1).to(torch.promote_types(dtype, torch.float32))
         span = scores.shape[-1]  # every query head of a GQA group under the same (B, 1, W, span) mask, broadcast
         scores = scores.view(rows, kv_heads, groups, width, span).masked_fill(~self.mask.unsqueeze(2), float("-inf"))
         probs = torch.softmax(scores, -1).view(rows, kv_heads, groups * width, span).to(dtype)
         packed = self.qkeys.length
-        out = probs[..., :packed] @ dequantize(self.qvalues, dtype)
+        out = (folded_matmul(probs[..., :packed], self.qvalues).to(dtype) if folded
+               else probs[..., :packed] @ dequantize(self.qvalues, dtype))
         start = packed
         for v in self.values:
             out = out + probs[..., start:start + v.shape[-2]] @ v.to(dtype)
             start += v.shape[-2]
         return out.reshape(rows, q_heads, width, dim)
+
+
+def folded_matmul(a: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """``a @ dequantize(packed)`` without the dequantized tensor: ``a`` ``(B, h, m, R)``, ``packed`` ``(B, h, R, N)``
+    grouped along its last axis (keys transposed, ``R`` = head_dim, ``N`` = tokens; values, ``R`` = tokens, ``N`` =
+    head_dim). Element ``(r, n)`` of ``packed`` is ``code * scale + zero`` with one scale and zero point per ``(r,
+    group of n)``, so each group's scales fold into ``a`` and the product is a reduction over ``R`` of ``a * scale``
+    times the codes, unpacked plane by plane (the planar byte layout of :mod:`toolkit.kv.quant_pack`: plane ``i`` holds
+    codes ``i * group * bits / 8 + j`` of every group). Computed in float32 at least; returns ``(B, h, m, N)``."""
+    compute = torch.promote_types(a.dtype, torch.float32)
+    bits, groups = packed.bits, packed.scale.shape[-1]
+    per_byte, levels = 8 // bits, (1 << bits) - 1
+    codes = packed.data.reshape(*packed.data.shape[:-1], groups, packed.group // per_byte)  # (B, h, R, groups, g')
+    planes = [codes] if per_byte == 1 else [(codes >> shift) & levels for shift in range(0, 8, bits)]
+    af = a.to(compute).unsqueeze(-1)                                                      # (B, h, m, R, 1)
+    scaled = (af * packed.scale.to(compute).unsqueeze(2)).unsqueeze(-1)                   # (B, h, m, R, groups, 1)
+    offset = (af * packed.zero.to(compute).unsqueeze(2)).sum(3)                           # (B, h, m, groups)
+    parts = [(scaled * plane.unsqueeze(2).to(compute)).sum(3) for plane in planes]        # (B, h, m, groups, g')
+    return (torch.cat(parts, -1) + offset.unsqueeze(-1)).flatten(-2)
