@@ -34,8 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.kv.quant_pack import Packed, dequantize
-
+from toolkit.kv.quant_pack import Packed, code_planes, dequantize
 
 
 class QuantKeys:
@@ -85,15 +84,12 @@ def folded_matmul(a: torch.Tensor, packed: Packed) -> torch.Tensor:
     grouped along its last axis (keys transposed, ``R`` = head_dim, ``N`` = tokens; values, ``R`` = tokens, ``N`` =
     head_dim). Element ``(r, n)`` of ``packed`` is ``code * scale + zero`` with one scale and zero point per ``(r,
     group of n)``, so each group's scales fold into ``a`` and the product is a reduction over ``R`` of ``a * scale``
-    times the codes, unpacked plane by plane (the planar byte layout of :mod:`toolkit.kv.quant_pack`: plane ``i`` holds
-    codes ``i * group * bits / 8 + j`` of every group). Computed in float32 at least; returns ``(B, h, m, N)``."""
+    times the codes, unpacked plane by plane (:func:`~toolkit.kv.quant_pack.code_planes`). Computed in float32 at
+    least; returns ``(B, h, m, N)``."""
     compute = torch.promote_types(a.dtype, torch.float32)
-    bits, groups = packed.bits, packed.scale.shape[-1]
-    per_byte, levels = 8 // bits, (1 << bits) - 1
-    codes = packed.data.reshape(*packed.data.shape[:-1], groups, packed.group // per_byte)  # (B, h, R, groups, g')
-    planes = [codes] if per_byte == 1 else [(codes >> shift) & levels for shift in range(0, 8, bits)]
     af = a.to(compute).unsqueeze(-1)                                                      # (B, h, m, R, 1)
     scaled = (af * packed.scale.to(compute).unsqueeze(2)).unsqueeze(-1)                   # (B, h, m, R, groups, 1)
     offset = (af * packed.zero.to(compute).unsqueeze(2)).sum(3)                           # (B, h, m, groups)
-    parts = [(scaled * plane.unsqueeze(2).to(compute)).sum(3) for plane in planes]        # (B, h, m, groups, g')
+    parts = [(scaled * plane.unsqueeze(2).to(compute)).sum(3)                             # (B, h, m, groups, g')
+             for plane in code_planes(packed)]
     return (torch.cat(parts, -1) + offset.unsqueeze(-1)).flatten(-2)

@@ -97,14 +97,20 @@ def quantize(x: torch.Tensor, bits: int, group: int) -> Packed:
                   low[..., 0].contiguous(), bits, group)
 
 
+def code_planes(packed: Packed) -> list[torch.Tensor]:
+    """The codes of ``packed`` as ``8 // bits`` planes, each ``uint8`` ``(..., n / group, group * bits / 8)``: plane
+    ``i`` holds codes ``i * group * bits / 8 + j`` of every group (the planar layout: one shift and mask each)."""
+    bits, data = packed.bits, packed.data
+    per_byte = 8 // bits
+    grouped = data.reshape(*data.shape[:-1], packed.scale.shape[-1], packed.group // per_byte)
+    if per_byte == 1:
+        return [grouped]
+    levels = (1 << bits) - 1
+    return [(grouped >> shift) & levels for shift in range(0, 8, bits)]
+
+
 def dequantize(packed: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The tensor ``(..., n)`` that :func:`quantize` encoded, in ``dtype`` (computed in float32)."""
-    bits, group, data = packed.bits, packed.group, packed.data
-    per_byte = 8 // bits
-    n = data.shape[-1] * per_byte
-    grouped = data.reshape(*data.shape[:-1], n // group, group // per_byte)
-    if per_byte > 1:
-        levels = (1 << bits) - 1
-        grouped = torch.cat([(grouped >> shift) & levels for shift in range(0, 8, bits)], -1)
+    grouped = torch.cat(code_planes(packed), -1)  # (..., n / group, group)
     out = grouped.float() * packed.scale.float().unsqueeze(-1) + packed.zero.float().unsqueeze(-1)
-    return out.reshape(*data.shape[:-1], n).to(dtype)
+    return out.reshape(*packed.data.shape[:-1], packed.length).to(dtype)
