@@ -288,6 +288,8 @@ SUITE_PROBES = [
     ("template-other-field", "prompts: [{kind: text, template: 'hi {name}'}]\n", "prompts[0].template"),
     ("unknown-entry-field", "prompts: [{kind: text, template: hi, colour: red}]\n", "prompts[0].colour"),
     ("id-a-list", "prompts: [{kind: text, template: hi, id: [1]}]\n", "prompts[0].id"),
+    ("reference-empty", "prompts: [{kind: text, template: hi, reference: '  '}]\n", "prompts[0].reference"),
+    ("reference-a-list", "prompts: [{kind: text, template: hi, reference: [an answer]}]\n", "prompts[0].reference"),
 ]
 
 

@@ -7,11 +7,14 @@ A suite lists prompts of three kinds:
 * ``code`` — the opening lines of a real Python standard-library module, continued as plain text.
 
 Passages are read at run time from files every Python install (or Debian) has, so nothing is downloaded; the suite
-file pins which lines, and its ``version`` changes whenever a prompt does, so results stay comparable.
+file pins which lines, and its ``version`` changes whenever a prompt does, so results stay comparable. An entry may
+carry a ``reference``: an answer written by a person for that prompt, which quality measures score generated text
+against (ROUGE-L, Lin 2004) instead of against another recipe's output.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -22,7 +25,7 @@ from toolkit.errors import ConfigError
 
 KINDS = ("chat", "summarize", "code", "text")
 #: keys of a suite entry and of its ``source`` mapping
-ENTRY_KEYS = ("id", "kind", "messages", "source", "template")
+ENTRY_KEYS = ("id", "kind", "messages", "source", "template", "reference")
 SOURCE_KEYS = ("files", "start_line", "num_lines")
 SUITE_KEYS = ("name", "version", "description", "prompts")
 MAX_LINES = 100_000
@@ -30,11 +33,13 @@ MAX_LINES = 100_000
 
 @dataclass
 class Prompt:
-    """One prompt: ``prompt`` is a string (plain text) or a list of chat messages."""
+    """One prompt: ``prompt`` is a string (plain text) or a list of chat messages; ``reference`` a written answer
+    to score generated text against (``None``: the suite gives none)."""
 
     id: str
     kind: str
     prompt: str | list[dict]
+    reference: str | None = None
 
 
 def _resolve(candidate: str) -> Path:
@@ -86,6 +91,14 @@ def _build(entry: object, field: str) -> Prompt:
     if not isinstance(pid, (str, int)) or isinstance(pid, bool) or not str(pid):
         raise ConfigError(f"{field}.id", f"must be a non-empty string, got {pid!r}")
     pid = str(pid)
+    reference = entry.get("reference")
+    if reference is not None and not (isinstance(reference, str) and reference.strip()):
+        raise ConfigError(f"{field}.reference", f"must be a non-empty string (a written answer), got {reference!r}")
+    return dataclasses.replace(_prompt(entry, field, kind, pid), reference=reference)
+
+
+def _prompt(entry: dict, field: str, kind: str, pid: str) -> Prompt:
+    """The prompt text or messages of a checked entry."""
     if kind == "chat":
         messages = entry.get("messages")
         if not isinstance(messages, list) or not messages:
