@@ -117,7 +117,8 @@ def _prompts(recipe: Recipe, prompts, generator, count: int | None) -> list[Prom
         elif isinstance(p, Prompt):  # already token ids, with an id and a kind (summarize, code, ...)
             out.append(p)
         else:
-            out.append(Prompt(p.id, p.kind, generator.encode(p.prompt, f"prompts.{p.id}")))
+            out.append(Prompt(p.id, p.kind, generator.encode(p.prompt, f"prompts.{p.id}"),
+                              getattr(p, "reference", None)))
     out = spread(out, count)
     if not out:
         raise ValueError("prompts: no prompts to evaluate")

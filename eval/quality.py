@@ -6,7 +6,10 @@ prompts, through the toolkit's shipped HF ``evaluate`` modules (:mod:`toolkit.me
 * summarization prompts (kind ``summarize``): ROUGE-L (Lin 2004; module ``rouge_l``: LCS of words, F1 with
   precision and recall) of the recipe's generated text against the reference text;
 * code prompts (kind ``code``): exact match, first divergence (index of the first differing token) and the fraction
-  of the reference before it (module ``first_divergence``), on token ids — code is judged by exact tokens.
+  of the reference before it (module ``first_divergence``), on token ids — code is judged by exact tokens;
+* summarization prompts whose suite gives a written answer (``reference`` in the suite file, e.g. the long-context
+  suites): ROUGE-L of the recipe's text against that answer (``rouge_l_written``), which needs no reference model and,
+  unlike agreement with one greedy text, does not fall when two good texts diverge early.
 
 The reference is the fp32 target without KV compression, HF greedy ``generate`` (autoregressive), on the same prompt
 with the same ``max_new_tokens`` and EOS setting: the output of the ``ar_fp32`` baseline when it was timed (a target
@@ -20,7 +23,8 @@ greedy reference; a sampling recipe's text is one sample and so is its reference
 The section (``metrics.json`` → ``quality``, schema ``eval/metrics.schema.json``): ``reference`` (which run gave the
 reference), ``greedy``, ``rouge_l`` (mean F1 / precision / recall over the summarization prompts and per prompt) or
 ``None`` without such a prompt, ``code`` (exact-match rate, mean matched fraction, per prompt first divergence) or
-``None`` without a code prompt, and ``reason`` when a part could not be measured.
+``None`` without a code prompt, ``rouge_l_written`` (as ``rouge_l``, against the written answers) or ``None``
+without one, and ``reason`` when a part could not be measured.
 """
 
 from __future__ import annotations
@@ -110,6 +114,16 @@ def rouge_l_section(ids: list[str], predictions: list[str], references: list[str
             "module": "toolkit.metrics rouge_l"}
 
 
+def written_section(items: list, summary: list[int], texts: list[str], tokenizer) -> dict | None:
+    """ROUGE-L of the summarization prompts' ``texts`` against their suites' written answers (``items[i].reference``),
+    over the prompts that have one; ``None`` when none has."""
+    written = [i for i in summary if getattr(items[i], "reference", None)]
+    if not written:
+        return None
+    return rouge_l_section([items[i].id for i in written], [texts[i] for i in written],
+                           [items[i].reference for i in written], tokenizer)
+
+
 def code_section(ids: list[str], predictions: list[list[int]], references: list[list[int]]) -> dict:
     """Exact match, first divergence and matched fraction of token ids through the ``first_divergence`` module."""
     from toolkit.metrics import load
@@ -136,7 +150,10 @@ def quality_section(items: list, first: dict, generator, reference_model, gen, o
     """
     summary = [i for i, it in enumerate(items) if it.kind in SUMMARY_KINDS]
     code = [i for i, it in enumerate(items) if it.kind in CODE_KINDS]
-    out = {"reference": None, "greedy": not gen.do_sample, "rouge_l": None, "code": None}
+    mine = [list(ids) for ids, _ in first[ours]]
+    tok = generator.tokenizer
+    out = {"reference": None, "greedy": not gen.do_sample, "rouge_l": None, "code": None,
+           "rouge_l_written": written_section(items, summary, [_text(tok, ids) for ids in mine], tok)}
     if not summary and not code:
         out["reason"] = "no summarization or code prompt among the evaluated prompts"
         return out
@@ -146,8 +163,6 @@ def quality_section(items: list, first: dict, generator, reference_model, gen, o
         return out
     sampled = "" if out["greedy"] else "; sampled with the recipe's sampling settings, like the recipe's own text"
     out["reference"] = {"method": method, "description": REFERENCE_DESCRIPTIONS[method] + sampled}
-    mine = [list(ids) for ids, _ in first[ours]]
-    tok = generator.tokenizer
     if summary:
         out["rouge_l"] = rouge_l_section([items[i].id for i in summary], [_text(tok, mine[i]) for i in summary],
                                          [_text(tok, refs[i]) for i in summary], tok)

@@ -64,7 +64,7 @@ def _quality_lines(q: dict | None) -> list[str]:
         return []
     lines = ["## Output quality vs the fp32 AR reference", ""]
     if q["reference"] is None:
-        return lines + [f"Not measured: {q.get('reason', 'no reference')}.", ""]
+        return lines + [f"Not measured: {q.get('reason', 'no reference')}.", ""] + _written_lines(q)
     lines += [f"Reference: {q['reference']['description']}; same prompts, same max_new_tokens. Computed with the "
               "shipped evaluate modules (toolkit/metrics)" + ("" if q["greedy"] else "; sampling recipe: one sample "
                                                                  "per prompt, exact agreement is not expected") + ".",
@@ -85,7 +85,18 @@ def _quality_lines(q: dict | None) -> list[str]:
         summary.append(f"code exact match **{c['exact_match']:.2f}**, mean matched fraction "
                        f"{c['matched_fraction']:.3f}")
     lines += ["", "; ".join(summary) + "." + (f" ({q['reason']}.)" if q.get("reason") else ""), ""]
-    return lines
+    return lines + _written_lines(q)
+
+
+def _written_lines(q: dict) -> list[str]:
+    """ROUGE-L against the prompt suite's written answers (``quality.rouge_l_written``), where the suite gives some."""
+    w = q.get("rouge_l_written")
+    if not w:
+        return []
+    head = ["### Against the suite's written answers", "", "| prompt | ROUGE-L F1 (precision / recall) |", "|---|---|"]
+    rows = [f"| {p['id']} | {p['value']:.3f} ({p['precision']:.3f} / {p['recall']:.3f}) |" for p in w["prompts"]]
+    return head + rows + ["", f"Mean ROUGE-L F1 against the written answers **{w['value']:.3f}** "
+                              f"({w['tokenization']}).", ""]
 
 
 def _perplexity_lines(p: dict) -> list[str]:

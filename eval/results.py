@@ -103,6 +103,11 @@ class EvalResult:
         return self.document
 
     @property
+    def rouge_l_written(self) -> float | None:
+        """Mean ROUGE-L F1 of our text against the prompt suite's written answers (``None``: the suite gives none)."""
+        return ((self.document.get("quality") or {}).get("rouge_l_written") or {}).get("value")
+
+    @property
     def memory_mb(self) -> float:
         """Weights + peak KV in MiB (the memory objective)."""
         return self.total_peak_bytes / MB
@@ -124,6 +129,8 @@ class EvalResult:
             parts.append(f"(x{self.ppl_ratio:.3f} of fp32)")
         if self.rouge_l is not None:
             parts.append(f"ROUGE-L {self.rouge_l:.3f}")
+        if self.rouge_l_written is not None:
+            parts.append(f"ROUGE-L vs written answers {self.rouge_l_written:.3f}")
         if self.code_exact_match is not None:
             parts.append(f"code exact match {self.code_exact_match:.2f}")
         parts.append(f"α {self.acceptance_rate:.2f} τ {self.tokens_per_round:.2f}")

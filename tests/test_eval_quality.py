@@ -41,7 +41,7 @@ def test_quality_section_scores_summaries_by_rouge_l_and_code_by_first_divergenc
     from eval.quality import quality_section
 
     items = [SimpleNamespace(id="chat", kind="chat", input_ids=torch.tensor([[1]])),
-             SimpleNamespace(id="sum", kind="summarize", input_ids=torch.tensor([[2]])),
+             SimpleNamespace(id="sum", kind="summarize", input_ids=torch.tensor([[2]]), reference="a dog sat on a mat"),
              SimpleNamespace(id="code", kind="code", input_ids=torch.tensor([[3]]))]
     ours = [[7, 7], [1, 2, 6, 4, 1, 5], [4, 5, 3, 2]]
     fp32 = [[7, 7], [1, 2, 3, 4, 1, 5], [4, 5, 1, 2]]
@@ -60,6 +60,12 @@ def test_quality_section_scores_summaries_by_rouge_l_and_code_by_first_divergenc
     assert same["reference"]["method"] == "ar" and same["code"] is None and "code" in same["reason"]
     none = quality_section(items[:1], {"ours": first["ours"][:1]}, generator, None, SimpleNamespace(do_sample=False))
     assert none["rouge_l"] is None and none["code"] is None and none["reference"] is None
+    assert none["rouge_l_written"] is None and q["rouge_l_written"]["prompts"][0]["id"] == "sum"
+    # a written answer needs no reference model: "the cat lay on the mat" vs "a dog sat on a mat" share "on", "mat"
+    written = quality_section(items[1:2], {"ours": first["ours"][1:2]}, generator, None,
+                              SimpleNamespace(do_sample=False))
+    assert written["reference"] is None and written["rouge_l_written"]["value"] == pytest.approx(2 / 6)
+    assert q["rouge_l_written"] == written["rouge_l_written"]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +75,7 @@ def evaluated(tmp_path_factory):
 
     target = tiny_llama()
     g = torch.Generator().manual_seed(3)
-    prompts = [Prompt("sum-0", "summarize", torch.randint(3, 128, (1, 12), generator=g)),
+    prompts = [Prompt("sum-0", "summarize", torch.randint(3, 128, (1, 12), generator=g), reference="written words"),
                Prompt("code-0", "code", torch.randint(3, 128, (1, 10), generator=g))]
     ppl_ids = torch.randint(3, 128, (64,), generator=g).tolist()
     settings = EvalSettings.fast(max_new_tokens=16, repeats=1, warmup=0, ppl_tokens=64, ppl_window=32, ppl_stride=16,
@@ -103,6 +109,9 @@ def test_report_carries_quality_beside_perplexity_and_the_schema_checks_it(evalu
     assert report.index("## Perplexity") < report.index("## Output quality vs the fp32 AR reference") < \
         report.index("## Speed")
     assert "| sum-0 | ROUGE-L F1 (precision / recall) | 1.000 (1.000 / 1.000) |" in report
+    # the prompt's written answer shares no word with token ids read as words
+    assert q["rouge_l_written"]["value"] == 0.0 == result.rouge_l_written
+    assert "### Against the suite's written answers" in report and "| sum-0 | 0.000 (0.000 / 0.000) |" in report
     stream = evaluated["stream"][1].to_dict()["quality"]
     assert 0.0 <= stream["rouge_l"]["value"] <= 1.0 and stream["code"]["prompts"][0]["first_divergence"] is not None
     untimed = evaluated["untimed"][1].to_dict()
@@ -240,3 +249,20 @@ def test_embedded_model_texts_are_decoded_and_scored(embedded, tmp_path):
     assert compressed["rouge_l"]["tokenization"].startswith("decoded text")
     assert compressed["code"]["prompts"][0]["first_divergence"] is not None
     assert 0.0 <= compressed["rouge_l"]["value"] < 1.0
+
+
+@pytest.mark.parametrize("suite", ["long-context", "long-context-heldout"])
+def test_long_context_suites_carry_written_references(suite):
+    """Every long-document prompt has a written answer (what bench/long_context.py scores ROUGE-L against), about
+    its own document: the shipped metric scores it higher against its own document than against the others'."""
+    from toolkit.measure.prompts import load_suite
+    from toolkit.metrics import load
+
+    prompts = load_suite(suite)
+    assert all(p.reference and len(p.reference.split()) >= 100 for p in prompts)
+    rouge = load("rouge_l")
+    documents = [p.prompt[0]["content"] for p in prompts]
+    for i, prompt in enumerate(prompts):
+        recall = rouge.compute(predictions=[prompt.reference] * len(documents), references=documents,
+                               use_aggregator=False)["rouge_l_precision"]
+        assert max(range(len(documents)), key=recall.__getitem__) == i, (prompt.id, recall)

@@ -56,11 +56,13 @@ Runner = Callable[[torch.Tensor, GenerationSpec], Call]
 
 @dataclass
 class Prompt:
-    """A prompt ready to time: an id, a kind (chat, code, ...) and its token ids ``(1, prompt_len)``."""
+    """A prompt ready to time: an id, a kind (chat, code, ...), its token ids ``(1, prompt_len)`` and the written
+    answer its suite gives (``reference``; ``None`` when none)."""
 
     id: str
     kind: str
     input_ids: torch.Tensor
+    reference: str | None = None
 
 
 def spread(prompts: list, count: int | None) -> list:
