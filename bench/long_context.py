@@ -113,18 +113,20 @@ def run_suite(suite: str, generators: dict, repeats: int, new_tokens: int, num_p
         measured = measure(runners, prompts, gen, repeats=repeats, warmup=1, desc=suite, rotate=True,
                            warm_gen=dataclasses.replace(gen, max_new_tokens=8),
                            before_repetition=lambda rep: [g.forget() for g in generators.values()])
+
     def answer(method: str, i: int) -> list[int]:  # timed with ignore_eos: what a user reads ends at the first EOS
         ids = list(measured.per_prompt(method, i)[-1].token_ids)
         return ids[:next((k for k, t in enumerate(ids) if t in eos), len(ids))]
 
-    def text(method: str, i: int) -> str:
-        return main.tokenizer.decode(answer(method, i), skip_special_tokens=True)
+    def text(ids: list[int]) -> str:
+        return main.tokenizer.decode(ids, skip_special_tokens=True)
 
     rows = []
     for i, prompt in enumerate(prompts):
-        uncompressed = text("none", i)
+        uncompressed = text(answer("none", i))
         for method in measured.methods:
-            calls, generated = measured.per_prompt(method, i), text(method, i)
+            calls, ids = measured.per_prompt(method, i), answer(method, i)
+            generated = text(ids)
             stats = [c.stats for c in calls]
             median = sorted(s.throughput for s in stats)[len(stats) // 2]
             rows.append({"prompt": prompt.id, "prompt_tokens": int(prompt.input_ids.shape[1]), "method": method,
@@ -132,7 +134,7 @@ def run_suite(suite: str, generators: dict, repeats: int, new_tokens: int, num_p
                          "tpot_ms": sorted(s.tpot_ms for s in stats)[len(stats) // 2],
                          "new_tokens": stats[-1].new_tokens, "tokens_per_round": stats[-1].tokens_per_round,
                          "kv_bytes": stats[-1].peak_kv_bytes_target or None,
-                         "answer_tokens": len(answer(method, i)), "text": generated,
+                         "answer_tokens": len(ids), "text": generated,
                          "rouge_l_vs_reference": rouge(generated, written[i].reference),
                          "rouge_l_vs_none": rouge(generated, uncompressed)})
     return {"suite": suite, "rows": rows, "summary": summarize(rows, list(measured.methods))}

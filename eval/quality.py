@@ -114,9 +114,9 @@ def rouge_l_section(ids: list[str], predictions: list[str], references: list[str
             "module": "toolkit.metrics rouge_l"}
 
 
-def written_section(items: list, summary: list[int], texts: list[str], tokenizer) -> dict | None:
-    """ROUGE-L of the summarization prompts' ``texts`` against their suites' written answers (``items[i].reference``),
-    over the prompts that have one; ``None`` when none has."""
+def written_section(items: list, summary: list[int], texts: dict[int, str], tokenizer) -> dict | None:
+    """ROUGE-L of the summarization prompts' ``texts`` (by item index) against their suites' written answers
+    (``items[i].reference``), over the prompts that have one; ``None`` when none has."""
     written = [i for i in summary if getattr(items[i], "reference", None)]
     if not written:
         return None
@@ -152,8 +152,9 @@ def quality_section(items: list, first: dict, generator, reference_model, gen, o
     code = [i for i, it in enumerate(items) if it.kind in CODE_KINDS]
     mine = [list(ids) for ids, _ in first[ours]]
     tok = generator.tokenizer
+    texts = {i: _text(tok, mine[i]) for i in summary}  # decoded once: scored against written answers and the reference
     out = {"reference": None, "greedy": not gen.do_sample, "rouge_l": None, "code": None,
-           "rouge_l_written": written_section(items, summary, [_text(tok, ids) for ids in mine], tok)}
+           "rouge_l_written": written_section(items, summary, texts, tok)}
     if not summary and not code:
         out["reason"] = "no summarization or code prompt among the evaluated prompts"
         return out
@@ -164,7 +165,7 @@ def quality_section(items: list, first: dict, generator, reference_model, gen, o
     sampled = "" if out["greedy"] else "; sampled with the recipe's sampling settings, like the recipe's own text"
     out["reference"] = {"method": method, "description": REFERENCE_DESCRIPTIONS[method] + sampled}
     if summary:
-        out["rouge_l"] = rouge_l_section([items[i].id for i in summary], [_text(tok, mine[i]) for i in summary],
+        out["rouge_l"] = rouge_l_section([items[i].id for i in summary], [texts[i] for i in summary],
                                          [_text(tok, refs[i]) for i in summary], tok)
     if code:
         out["code"] = code_section([items[i].id for i in code], [mine[i] for i in code], [refs[i] for i in code])
