@@ -25,6 +25,7 @@ from toolkit.quant.int4_linear import (
     int4pack_codes,
     int4pack_readable,
     pack_nibbles,
+    prompt_gemm,
     unpack_nibbles,
 )
 from toolkit.recipe import ModelSpec
@@ -104,9 +105,25 @@ def test_prompt_forwards_run_the_dequantized_weight(planes):
     weight = ((torch.from_numpy(codes).float() - 8) * sz[..., 0].T + sz[..., 1].T).view(out_features, planes, -1)
     assert torch.equal(layer.dense_weight(), weight.sum(1).to(torch.bfloat16))
     x = torch.randn(GEMM_ROWS, in_features).to(torch.bfloat16)
-    assert torch.equal(layer(x), x @ layer.dense_weight().T)
+    assert torch.equal(layer(x), prompt_gemm(x, layer.dense_weight()))
     kernel = layer(x[: GEMM_ROWS - 1])  # one row fewer: the int4 kernel
     torch.testing.assert_close(layer(x)[:-1].float(), kernel.float(), rtol=0, atol=2e-2 * kernel.abs().max().item())
+
+
+def test_prompt_gemm_in_fp32_agrees_with_bf16_up_to_summation_order():
+    """Where the CPU has no bf16 arithmetic the prompt GEMM runs in fp32: the products of bf16 numbers are exact there,
+    so both forms round the same sums (to within one bf16 ulp of the output: their summation orders differ), and
+    the fp32 form is the exact fp64 product rounded once."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 96, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(40, 96, generator=gen).to(torch.bfloat16)
+    exact = x.double() @ weight.double().T
+    fp32 = prompt_gemm(x, weight, native=False)
+    assert fp32.dtype == torch.bfloat16 and fp32.shape == (300, 40)
+    ulp = exact.abs().float() * 2.0 ** -7 + 1e-6
+    assert ((fp32.double() - exact).abs() <= ulp / 2 + 1e-5).all()
+    bf16 = prompt_gemm(x, weight, native=True)
+    assert ((bf16.double() - fp32.double()).abs() <= ulp).all()
 
 
 MIXED = {"attn_q": T.Q4_0, "attn_k": T.Q4_1, "attn_v": T.Q5_0, "attn_output": T.Q8_0, "ffn_gate": T.Q4_K,

@@ -16,8 +16,9 @@ codes stay exactly those of the file.
 there the int4 kernel, which dequantizes every weight again for each block of 4 rows, is 2-2.5x slower than a bf16
 GEMM (measured at 512 and 4,096 rows on a 2-core AVX-512 CPU, 1536 x 576 weight, dequantization included). Such a
 forward dequantizes the layer's weight once, ``W = sum_p (c_p - 8) * scale + zero`` over its planes, rounds it to
-bf16 (the rounding any bf16 model has: at most 2^-9 of each weight) and runs one GEMM; decode steps and verify
-forwards (a few rows: bytes-bound, where the 4-bit kernel reads 4x fewer bytes) keep the kernel. The codes come
+bf16 (the rounding any bf16 model has: at most 2^-9 of each weight) and runs one GEMM (:func:`prompt_gemm`: in bf16
+where the CPU multiplies bf16 in hardware, else the same products in fp32); decode steps and verify forwards (a few
+rows: bytes-bound, where the 4-bit kernel reads 4x fewer bytes) keep the kernel. The codes come
 back out of the kernel's packed layout (:func:`int4pack_codes`, ATen's layout for the CPU's vector width), checked
 once per process against ATen's own packing: where it does not match, every forward keeps the kernel.
 """
@@ -30,8 +31,9 @@ import numpy as np
 import torch
 
 GROUP = 32
-#: input rows from which a forward dequantizes the weight and runs a bf16 GEMM instead of the int4 kernel (break-even
-#: measured at ~128 rows on a 2-core AVX-512 CPU; 2.2x faster at 4,096 rows)
+#: input rows from which a forward dequantizes the weight and runs one GEMM instead of the int4 kernel (break-even
+#: measured at ~128 rows on a 2-core AVX-512 CPU, 2.2x faster at 4,096 rows; ~110 rows on a 2-core AVX2 one with the
+#: fp32 GEMM, 1.7x at 255 rows and 7x at 4,096)
 GEMM_ROWS = 256
 
 
@@ -88,6 +90,29 @@ def int4pack_readable() -> bool:
         return False
 
 
+@functools.cache
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), where oneDNN's bf16 GEMM runs at speed.
+    Without (AVX2, AVX-512 without BF16) PyTorch's bf16 GEMM is emulated: a 4,096 x 576 by 576 x 1,536 product took
+    428 ms in bf16 against 58 ms in fp32 on a 2-core AVX2 AMD EPYC (2026-11-28), and a 4,102-token prompt of the
+    embedded model's native Q4_1 weights 57 s, 87% of it in those GEMMs. Where this torch cannot tell
+    (``torch.cpu._is_avx512_bf16_supported`` missing), bf16 is assumed native."""
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if probes[0] is None:
+        return True
+    return any(bool(probe()) for probe in probes if probe is not None)
+
+
+def prompt_gemm(x: torch.Tensor, weight: torch.Tensor, native: bool | None = None) -> torch.Tensor:
+    """``x @ weight.T`` for a prompt forward: ``x`` ``(rows, in_features)`` bf16, ``weight`` ``(out_features,
+    in_features)`` bf16 -> ``(rows, out_features)`` bf16. One bf16 GEMM where the CPU multiplies bf16 in hardware
+    (``native``, default :func:`native_bf16`); else the same GEMM in fp32 and the result rounded to bf16: a product
+    of two bf16 numbers is exact in fp32 and both forms accumulate in fp32, so the two agree up to summation order."""
+    if native_bf16() if native is None else native:
+        return x @ weight.T
+    return (x.float() @ weight.float().T).to(torch.bfloat16)
+
+
 class PackedInt4Linear(torch.nn.Module):
     """``y = x W^T + b`` with ``W`` held as int4 planes (see the module docstring).
 
@@ -98,7 +123,7 @@ class PackedInt4Linear(torch.nn.Module):
         bias: ``(out_features,)`` or ``None``.
 
     Input ``(..., in_features)`` bf16 -> output ``(..., out_features)`` bf16; from :data:`GEMM_ROWS` rows on, through
-    :meth:`dense_weight` and a bf16 GEMM (see the module docstring).
+    :meth:`dense_weight` and one GEMM (:func:`prompt_gemm`; see the module docstring).
 
     Raises:
         ValueError: shapes that disagree with each other or a width that is not a multiple of 32.
@@ -129,7 +154,7 @@ class PackedInt4Linear(torch.nn.Module):
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] >= GEMM_ROWS and x.dtype == torch.bfloat16 and int4pack_readable():
-            y = flat @ self.dense_weight().T
+            y = prompt_gemm(flat, self.dense_weight())
         else:
             if self.planes > 1:
                 flat = flat.repeat(1, self.planes)
