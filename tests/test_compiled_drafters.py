@@ -108,7 +108,7 @@ def test_eagle_head_on_cuda_buckets_is_token_identical(eagle_pair):
     ids, stats = decode(target, drafter, prompt, engine, k=3)
     assert ids == eager_ids == hf_greedy(target, prompt, NEW)
     assert (stats.drafted, stats.accepted) == (eager_stats.drafted, eager_stats.accepted)
-    assert stats.tokens_per_round > 1.2 and stats.accepted < stats.drafted
+    assert stats.tokens_per_round > 1.2
     cache = drafter.cache
     assert cache.static_span and cache.capacity >= 8 + NEW + 64  # room for a step padded to the widest bucket
     assert {(False, 1, 8), (False, 1, 1)} <= drafter.step._seen  # the prompt's 8 pairs, later steps one token
@@ -125,6 +125,9 @@ def test_eagle_head_on_cuda_buckets_is_token_identical(eagle_pair):
     for (ids, stats), (ref, ref_stats) in zip(rows, eager):  # 3 rows run as the batch bucket of 4
         assert ids == ref and (stats.drafted, stats.accepted) == (ref_stats.drafted, ref_stats.accepted)
     assert any(key[1] == 4 for key in batched.step._seen)
+    # rollback was exercised: some row rejected drafts (which one depends on the CPU's rounding: on an AVX2 machine
+    # the single row above accepted all 17 of its drafts, on an AVX-512 one it rejected some)
+    assert sum(s.accepted for _, s in rows) < sum(s.drafted for _, s in rows)
     shape = TreeShape(budget=10, depth=5, topk=2)
     tree = EagleDrafter(target, head, compile=True, backend="eager", buckets=True)
     gen = GenerationSpec(max_new_tokens=NEW, ignore_eos=True)
