@@ -33,7 +33,7 @@ import torch
 GROUP = 32
 #: input rows from which a forward dequantizes the weight and runs one GEMM instead of the int4 kernel (break-even
 #: measured at ~128 rows on a 2-core AVX-512 CPU, 2.2x faster at 4,096 rows; ~110 rows on a 2-core AVX2 one with the
-#: fp32 GEMM, 1.7x at 255 rows and 7x at 4,096)
+#: fp32 GEMM, 1.5x at 256 rows and 5.9x at 4,096)
 GEMM_ROWS = 256
 
 
