@@ -84,23 +84,23 @@ def recipe_for(name: str, kv: dict, compile_mode: str, new_tokens: int) -> Recip
     return dataclasses.replace(recipe, name=f"long-context-{name}")
 
 
-def rouge(prediction: str, reference: str | None) -> float | None:
-    """ROUGE-L F1 of ``prediction`` against ``reference`` (the toolkit's shipped ``rouge_l`` metric; ``None`` without
-    a reference)."""
-    from toolkit.metrics import load
-
+def rouge(metric, prediction: str, reference: str | None) -> float | None:
+    """ROUGE-L F1 of ``prediction`` against ``reference`` through ``metric`` (the toolkit's shipped ``rouge_l``
+    module, loaded once per suite); ``None`` without a reference."""
     if reference is None:
         return None
-    return float(load("rouge_l").compute(predictions=[prediction], references=[reference])["rouge_l"])
+    return float(metric.compute(predictions=[prediction], references=[reference])["rouge_l"])
 
 
 def run_suite(suite: str, generators: dict, repeats: int, new_tokens: int, num_prompts: int | None = None,
               baselines: list[str] = BASELINES) -> dict:
     """Every method on the first ``num_prompts`` prompts of ``suite`` (all: ``None``), interleaved; per method and
     prompt the medians."""
+    from toolkit.metrics import load
+
     main = generators["none"]
-    written = load_suite(suite)[:num_prompts]
-    prompts = [Prompt(p.id, p.kind, main.encode(p.prompt, f"prompts.{p.id}")) for p in written]
+    prompts = [Prompt(p.id, p.kind, main.encode(p.prompt, f"prompts.{p.id}"), p.reference)
+               for p in load_suite(suite)[:num_prompts]]
     gen = main.recipe.generation
     eos = main.eos_token_ids(gen)
     longest = max(int(p.input_ids.shape[1]) for p in prompts) + new_tokens
@@ -121,7 +121,7 @@ def run_suite(suite: str, generators: dict, repeats: int, new_tokens: int, num_p
     def text(ids: list[int]) -> str:
         return main.tokenizer.decode(ids, skip_special_tokens=True)
 
-    rows = []
+    metric, rows = load("rouge_l"), []
     for i, prompt in enumerate(prompts):
         uncompressed = text(answer("none", i))
         for method in measured.methods:
@@ -135,8 +135,8 @@ def run_suite(suite: str, generators: dict, repeats: int, new_tokens: int, num_p
                          "new_tokens": stats[-1].new_tokens, "tokens_per_round": stats[-1].tokens_per_round,
                          "kv_bytes": stats[-1].peak_kv_bytes_target or None,
                          "answer_tokens": len(ids), "text": generated,
-                         "rouge_l_vs_reference": rouge(generated, written[i].reference),
-                         "rouge_l_vs_none": rouge(generated, uncompressed)})
+                         "rouge_l_vs_reference": rouge(metric, generated, prompt.reference),
+                         "rouge_l_vs_none": rouge(metric, generated, uncompressed)})
     return {"suite": suite, "rows": rows, "summary": summarize(rows, list(measured.methods))}
 
 
