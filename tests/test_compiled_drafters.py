@@ -47,6 +47,7 @@ def pair():
     torch._dynamo.reset()
 
 
+@pytest.mark.heavy  # ~15 s; test_batch_draft and test_host_syncs run the compiled draft model per row and alone
 def test_compiled_draft_model_is_token_identical_to_ar_one_row_and_a_batch(pair):
     target, draft = pair
     engine = TargetForward(target, compile=True, backend="eager")
@@ -93,6 +94,7 @@ def test_compiled_eagle_reads_the_compiled_targets_hidden_states(eagle_pair):
     assert sum(s.accepted for _, s in rows) < sum(s.drafted for _, s in rows)
 
 
+@pytest.mark.heavy  # ~14 s; the test above runs the head's graphs (dynamic widths), test_static_stream the buckets
 def test_eagle_head_on_cuda_buckets_is_token_identical(eagle_pair):
     """CUDA's form of the head's step, traced on the CPU (``buckets=True``): rows and widths padded to the target's
     buckets over a static span of the head cache (what CUDA graphs capture), the long prompt's catch-up eager. Greedy

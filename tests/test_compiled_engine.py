@@ -173,7 +173,8 @@ def test_what_the_static_cache_does_not_hold_runs_eager(setup):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tuned", [False, True], ids=["auto", "max"])
+@pytest.mark.parametrize("tuned", [False, pytest.param(True, marks=pytest.mark.heavy)],  # max: ~17 s more, cold
+                         ids=["auto", "max"])
 def test_inductor_compiled_engine_matches_hf_greedy(tuned):
     """The real compiler (inductor, C++ code generation) on a one-layer model: CPU's dynamic widths and spans; with
     ``compile: max``'s frozen weights and C++ wrapper too."""

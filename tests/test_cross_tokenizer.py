@@ -80,6 +80,7 @@ def test_a_right_draft_is_translated_into_accepted_target_tokens(pair):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # ~7 s of draws; the greedy tests prove the token mapping
 def test_sampling_stays_exact(pair):
     from scipy.stats import chisquare
 

@@ -181,6 +181,7 @@ def _assert_joint_law(observed: dict, joint: dict, n: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # ~14 s; test_batched_eagle_sampling_reproduces_target_joint_law runs the same law
 def test_sampling_reproduces_target_joint_law(target, trained_head):
     """Chi-square on the first two committed tokens (top_k 3 for a small support). The head agrees with the target
     often, and its q is zero on the target's favourite second token, which is left out of the draft vocabulary."""
@@ -411,6 +412,7 @@ def test_int8_head_quantizes_every_linear_and_stays_lossless(tmp_path, target, t
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # ~7 s on the embedded model; the tiny-model heads above prove the path
 def test_shipped_head_greedy_matches_ar_on_embedded_model(embedded):
     """The head shipped for the embedded target: token-identical greedy output, and it drafts usefully."""
     from toolkit.eagle.checkpoint import resolve_head
@@ -453,6 +455,7 @@ def test_eagle_head_for_other_architectures_trains_and_decodes_as_ar(arch):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # ~9 s; test_training_faults trains an EAGLE-3 head and test_eagle_layouts reads the layout
 def test_eagle3_head_trains_decodes_as_ar_and_serves_in_the_speculators_layout(tmp_path, target):
     """``variant: eagle3``: the head reads three target layers' raw outputs (``aux``), trains its own LM head on the
     token-level loss only, beats its untrained self on held-out acceptance, decodes token-identical to AR, and

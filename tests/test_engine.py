@@ -87,7 +87,9 @@ def test_the_streaming_ring_decodes_exactly_like_the_single_sequence_policy(draf
         assert stats.accepted > 0 and stats.accepted < stats.drafted  # rollback inside the ring was exercised
 
 
-@pytest.mark.parametrize("buckets", [False, True], ids=["cpu-dynamic", "cuda-buckets"])
+# buckets: ~12 s more; test_static_stream's rolling ring and test_static_quant's streaming case trace that form here
+@pytest.mark.parametrize("buckets", [False, pytest.param(True, marks=pytest.mark.heavy)],
+                         ids=["cpu-dynamic", "cuda-buckets"])
 def test_compiled_forwards_give_hf_greedy_for_one_row_and_a_batch(buckets):
     target = tiny_llama(seed=0, **INIT)
     graphs = []  # what dynamo hands the backend: one entry per compile

@@ -228,6 +228,7 @@ def test_search_bounded_by_rouge_l_never_chooses_a_trial_below_it(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # ~12 s on the embedded model; the tiny-model report tests prove the scoring
 def test_embedded_model_texts_are_decoded_and_scored(embedded, tmp_path):
     from eval.evaluate import EvalSettings, evaluate
     from toolkit.measure.prompts import load_suite

@@ -157,6 +157,7 @@ def embedded_generator(embedded):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # ~7 s on the embedded model; the tiny-model stop-string tests prove the logic
 def test_embedded_stop_strings_end_output_at_the_right_place(embedded_generator):
     prompt = [{"role": "user", "content": "List the first ten prime numbers, separated by commas."}]
     full = embedded_generator.generate(prompt, ignore_eos=True)

@@ -294,6 +294,7 @@ def test_single_row_sampling_is_exact_and_seeded():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # ~8 s; the single-row sampling test runs the same processors
 def test_batched_sampling_draws_from_hf_processed_distribution(llama):
     """2048 rows (``num_return_sequences``) through batched decoding, 32 rows per forward: the first two tokens fit
     the distribution of HF's warpers, including HF's sampling default top_k=50; the untempered one is rejected."""

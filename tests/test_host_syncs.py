@@ -90,9 +90,19 @@ POLICIES = {"none": None,
                                                   "residual_length": 8})}
 
 
-@pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+def _cases():
+    """Every policy x eager/compiled x greedy/sampling; sampling through a compiled compressing cache (3-8 s each:
+    the graphs are traced again) runs in make test-system, its greedy twin and sampling on the plain cache here."""
+    for do_sample in (False, True):
+        for compiled in (False, True):
+            for policy in POLICIES:
+                heavy = do_sample and compiled and policy != "none"
+                yield pytest.param(compiled, do_sample, policy, marks=pytest.mark.heavy if heavy else (),
+                                   id=f"{'sampling' if do_sample else 'greedy'}-{'compiled' if compiled else 'eager'}"
+                                      f"-{policy}")
+
+
+@pytest.mark.parametrize("compiled,do_sample,policy", list(_cases()))
 def test_the_default_path_reads_the_device_once_per_round(compiled, do_sample, policy):
     from toolkit.kv import make_policy
     from toolkit.recipe import KVSpec
@@ -155,9 +165,10 @@ def test_compiled_network_drafters_read_the_device_once_per_round(eagle_pair, dr
     assert counts["n"] == stats.rounds + 2, counts["where"]
 
 
-@pytest.mark.parametrize("do_sample,compiled,policy", [(False, False, "none"), (False, True, "quantized"),
-                                                        (True, False, "none")],
-                         ids=["greedy-eager", "greedy-compiled-quantized", "sampling-eager"])
+@pytest.mark.parametrize("do_sample,compiled,policy", [(False, False, "none"), (True, False, "none"),
+                                                        pytest.param(False, True, "quantized",
+                                                                     marks=pytest.mark.heavy)],  # ~10 s compiling
+                         ids=["greedy-eager", "sampling-eager", "greedy-compiled-quantized"])
 def test_tree_rounds_read_the_device_once_per_round(compiled, do_sample, policy):
     """Token trees of a model-free drafter on the static engine: greedy and sampled trees are verified on the device
     (``accept_tree``; the rejection-sampling walk of ``tree_verify``), and the decoder, the walk and the cache (the

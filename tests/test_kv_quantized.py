@@ -398,7 +398,8 @@ def test_8bit_is_close_to_full_precision():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bits", [4, pytest.param(2, marks=pytest.mark.heavy)])  # 2 bits: the same path as 4
+@pytest.mark.heavy  # ~8 s each on the embedded model; the tiny-model tests above prove the same path
+@pytest.mark.parametrize("bits", [4, 2])
 def test_speculative_equals_ar_on_embedded(embedded, bits):
     model, tokenizer = embedded
     text = open("/usr/share/common-licenses/Apache-2.0").read()[:1500]

@@ -68,6 +68,7 @@ def fp32_reference(embedded):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # 5-15 s each on the embedded model; test_quant and test_gguf_native prove the formats on tiny ones
 @pytest.mark.parametrize("label", list(CASES))
 def test_backend_quality_against_fp32(fp32_reference, label):
     fields, max_ratio, min_top1, max_bytes = CASES[label]

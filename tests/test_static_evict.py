@@ -127,8 +127,9 @@ def decode_one(target, policy, prompt, forward=None, single=False, drafter=True,
     return [t for chunk in decoder.decode(prompt, gen, stats) for t in chunk], stats, decoder
 
 
-@pytest.mark.parametrize("policy", ["l2norm", "head_aware"])
-@pytest.mark.parametrize("drafter", [False, True], ids=["ar", "draft_model"])
+@pytest.mark.parametrize("policy,drafter", [("l2norm", False), ("head_aware", False), ("head_aware", True),
+                                            pytest.param("l2norm", True, marks=pytest.mark.heavy)],  # ~10 s
+                         ids=["l2norm-ar", "head_aware-ar", "head_aware-draft_model", "l2norm-draft_model"])
 def test_one_row_equals_the_single_sequence_policy_eager_and_compiled(policy, drafter):
     """The static form's tokens equal the policy's own single-sequence cache (which kvpress-equality tests pin) with
     compactions along the way; compiled (dynamo traces; CPU's dynamic shapes and CUDA's buckets) equal to eager."""

@@ -85,8 +85,9 @@ def test_a_quantized_draft_cache_proposes_what_its_single_sequence_cache_propose
     assert runs[0] == runs[1] and runs[0][1] > 0 and runs[0][4] >= 5
 
 
-@pytest.mark.parametrize("name,params", [("quantized", QUANT | {"quant_bits": 2}), ("streaming", STREAMING)],
-                         ids=["standalone", "streaming"])
+@pytest.mark.parametrize("name,params", [pytest.param("quantized", QUANT | {"quant_bits": 2}, marks=pytest.mark.heavy),
+                                         ("streaming", STREAMING)],  # standalone ~10 s; test_static_stream's
+                         ids=["standalone", "streaming"])            # quantized case compiles KIVI alone too
 def test_compiled_forwards_equal_eager(target, name, params):
     """Dynamo traces the forwards (dequantization and the shadow inside the graph): CPU's dynamic widths, spans and
     packed groups (standalone) and CUDA's buckets (the ring) give the eager tokens."""

@@ -125,18 +125,21 @@ def det_tree():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # ~18 s; test_static_tree's sampling test runs tree rounds through the same acceptance
 def test_deterministic_tree_sampling_is_lossless(tables, det_tree):
     counts = run(tables, lambda q1, q2, g: det_tree)
     assert p_value(tables, counts) > 1e-3
 
 
 @pytest.mark.slow  # a new tree every draw
+@pytest.mark.heavy  # ~14 s; as above
 def test_stochastic_tree_sampling_is_lossless(tables):
     counts = run(tables, StochasticTrees(tables[3], tables[4], DRAWS))
     assert p_value(tables, counts) > 1e-3
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # ~6 s; the power check of the two above
 def test_a_sampler_without_the_residual_is_detected(tables, det_tree, monkeypatch):
     monkeypatch.setattr(tree_verify, "residual", lambda p, q: p)
     counts = run(tables, lambda q1, q2, g: det_tree, draws=6_000)  # the bug's bias is large: 6k draws suffice

@@ -264,6 +264,7 @@ class _PeekingController(CostAwareK):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # ~23 s of 1,000 draws; test_batch_verify_length's law test runs the same stopping rule
 def test_sampling_with_cost_aware_verify_length_is_lossless():
     from scipy.stats import chisquare
 
@@ -277,6 +278,7 @@ def test_sampling_with_cost_aware_verify_length_is_lossless():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # ~10 s; the power check of the test above
 def test_the_sampling_test_catches_a_verify_length_that_peeks_at_the_drafted_tokens():
     from scipy.stats import chisquare
 
