@@ -13,6 +13,7 @@ Results are a :class:`RunResult`; ``to_dict()`` is the on-disk JSON contract (``
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -275,8 +276,10 @@ def markdown_table(results: RunResult | dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(results: RunResult, out_dir: Path = Path("results/run")) -> Path:
-    """Write ``<name>-<hash>.json`` and ``.md`` atomically under ``out_dir``; returns the JSON path.
+def write_results(results: RunResult, out_dir: Path = Path("results/run"), prompts_source: str = "") -> Path:
+    """Write ``<name>-<hash>[-<prompts_source>].json`` and ``.md`` atomically under ``out_dir``; returns the JSON
+    path. ``prompts_source`` names prompts other than the recipe's suite (``toolkit run --prompts``), so a run over
+    them does not overwrite the suite's.
 
     Raises:
         ConfigError: the recipe's name is not a safe name (the files stay inside ``out_dir``).
@@ -284,7 +287,9 @@ def write_results(results: RunResult, out_dir: Path = Path("results/run")) -> Pa
     from toolkit.recipe import check_name
 
     data = results.to_dict()
-    path = Path(out_dir) / f"{check_name('name', data['recipe']['name'])}-{data['config_hash']}.json"
+    label = re.sub(r"[^A-Za-z0-9._-]", "_", prompts_source).strip("._")
+    stem = "-".join(part for part in (check_name("name", data["recipe"]["name"]), data["config_hash"], label) if part)
+    path = Path(out_dir) / f"{stem}.json"
     atomic_write_json(path, data)
     atomic_write_text(path.with_suffix(".md"), markdown_table(data))
     return path

@@ -60,6 +60,35 @@ def test_compare_run_matches_ar_and_writes_results(tokenizer, tmp_path, drafter,
     assert json.loads(path.read_text())["config_hash"] == generator.recipe.config_hash()
     table = path.with_suffix(".md").read_text()
     assert table == markdown_table(results) and table.count("| ours |") == len(prompts) + 1
+    other = write_results(typed, tmp_path, prompts_source="../my prompts")  # a run over other prompts: its own file
+    assert other.name == f"{path.stem}-my_prompts.json" and path.exists()
+
+
+def test_cli_prompts_alone_run_one_request_at_a_time_over_them(tmp_path, monkeypatch):
+    """``toolkit run RECIPE --prompts SUITE`` is the recipe's run (and --compare's baselines) over other prompts,
+    written beside the suite's results; only --batch-size (or a recipe's batch_size) batches."""
+    import importlib
+
+    import eval.run
+
+    cli = importlib.import_module("toolkit_cli.app")  # the module (the package's ``app`` is the Typer app)
+    seen = {}
+
+    def fake_run(recipe, **kwargs):
+        seen.update(kwargs)
+        return "result"
+
+    monkeypatch.setattr(eval.run, "run_recipe", fake_run)
+    monkeypatch.setattr(eval.run, "write_results", lambda r, out, source: seen.update(source=source) or out / "x.json")
+    monkeypatch.setattr(eval.run, "markdown_table", lambda r: "table")
+    monkeypatch.setattr(cli, "_run_batch", lambda *a, **k: pytest.fail("--prompts alone batched"))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\nspec: {drafter: ngram}\ndraft: null\n")
+    result = CliRunner().invoke(app, ["run", str(recipe), "--compare", "--prompts", "short-heldout", "--out",
+                                      str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert [p.id for p in seen["prompts"]] == [p.id for p in load_suite("short-heldout")]
+    assert seen["compare"] is True and seen["source"] == "short-heldout"
 
 
 def test_cli_reports_bad_recipe_field(tmp_path):

@@ -100,12 +100,14 @@ def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped reci
                                                  "and our single-row decoder)"),
         prompts: Optional[Path] = typer.Option(None, help="prompts instead of the recipe's suite: a JSONL file "
                                                "({\"prompt\": ...} or {\"messages\": [...]} per line), or a prompt "
-                                               "suite (shipped name or YAML)"),
+                                               "suite (shipped name, e.g. short-heldout, or YAML); one request at a time "
+                                               "unless --batch-size"),
         target: Optional[str] = typer.Option(None, help=TARGET_HELP),
         draft: Optional[str] = typer.Option(None, help=DRAFT_HELP),
         out: Path = typer.Option(Path("results/run"), help="directory for the results JSON and Markdown")):
     """Run RECIPE over its prompt suite; print a Markdown table and write results JSON."""
     from eval.run import markdown_table, run_recipe, write_results
+    from toolkit.measure.prompts import load_suite
 
     _check_out(out)
     loaded = _retarget(_load(recipe), target, draft)
@@ -113,12 +115,15 @@ def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped reci
         import dataclasses
 
         loaded = loaded.replace(generation=dataclasses.replace(loaded.generation, max_new_tokens=max_new_tokens))
-    if batch_size is not None or prompts is not None or loaded.batch_size is not None:
+    if batch_size is not None or loaded.batch_size is not None:
         _run_batch(loaded, batch_size or loaded.rows_per_forward, prompts, compare, repeats, num_prompts, out,
                    time_budget)
         return
-    results = run_recipe(loaded, compare=compare, repeats=repeats, num_prompts=num_prompts, time_budget_s=time_budget)
-    path = write_results(results, out)
+    # --prompts alone: the same one-request-at-a-time run (and --compare baselines) over other prompts
+    suite = None if prompts is None else load_suite(str(prompts))
+    results = run_recipe(loaded, compare=compare, repeats=repeats, prompts=suite, num_prompts=num_prompts,
+                         time_budget_s=time_budget)
+    path = write_results(results, out, prompts.stem if prompts is not None else "")
     typer.echo(markdown_table(results))
     typer.echo(f"results: {path}")
 
