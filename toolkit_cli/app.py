@@ -100,8 +100,8 @@ def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped reci
                                                  "and our single-row decoder)"),
         prompts: Optional[Path] = typer.Option(None, help="prompts instead of the recipe's suite: a JSONL file "
                                                "({\"prompt\": ...} or {\"messages\": [...]} per line), or a prompt "
-                                               "suite (shipped name, e.g. short-heldout, or YAML); one request at a time "
-                                               "unless --batch-size"),
+                                               "suite (shipped name, e.g. short-heldout, or YAML); one request at "
+                                               "a time unless --batch-size"),
         target: Optional[str] = typer.Option(None, help=TARGET_HELP),
         draft: Optional[str] = typer.Option(None, help=DRAFT_HELP),
         out: Path = typer.Option(Path("results/run"), help="directory for the results JSON and Markdown")):
