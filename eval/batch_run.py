@@ -16,7 +16,6 @@ Throughput = all new tokens / wall time of the method over all prompts; median [
 from __future__ import annotations
 
 import copy
-import re
 import time
 from pathlib import Path
 
@@ -177,8 +176,9 @@ def write_batch_results(result: dict, out_dir: Path) -> Path:
     """Write ``<out_dir>/<name>-<hash>[-<prompts_source>]-batch<N>.{json,md}`` (``result["prompts_source"]`` names the
     prompt file or suite, so runs of one recipe over different prompts do not overwrite each other); returns the
     JSON's path."""
-    label = re.sub(r"[^A-Za-z0-9._-]", "_", result.get("prompts_source") or "").strip("._")
-    stem = "-".join(part for part in (result["recipe"]["name"], result["config_hash"], label) if part)
+    from eval.run import result_stem
+
+    stem = result_stem(result["recipe"]["name"], result["config_hash"], result.get("prompts_source") or "")
     path = Path(out_dir) / f"{stem}-batch{result['batch_size']}.json"
     atomic_write_json(path, result)
     atomic_write_text(path.with_suffix(".md"), markdown(result))

@@ -276,6 +276,13 @@ def markdown_table(results: RunResult | dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def result_stem(name: str, config_hash: str, prompts_source: str = "") -> str:
+    """``<name>-<hash>[-<prompts_source>]``: a results file's stem; the prompts' source (a file or suite name, empty
+    for the recipe's own suite) reduced to file-name characters, so runs over other prompts get files of their own."""
+    label = re.sub(r"[^A-Za-z0-9._-]", "_", prompts_source).strip("._")
+    return "-".join(part for part in (name, config_hash, label) if part)
+
+
 def write_results(results: RunResult, out_dir: Path = Path("results/run"), prompts_source: str = "") -> Path:
     """Write ``<name>-<hash>[-<prompts_source>].json`` and ``.md`` atomically under ``out_dir``; returns the JSON
     path. ``prompts_source`` names prompts other than the recipe's suite (``toolkit run --prompts``), so a run over
@@ -287,8 +294,7 @@ def write_results(results: RunResult, out_dir: Path = Path("results/run"), promp
     from toolkit.recipe import check_name
 
     data = results.to_dict()
-    label = re.sub(r"[^A-Za-z0-9._-]", "_", prompts_source).strip("._")
-    stem = "-".join(part for part in (check_name("name", data["recipe"]["name"]), data["config_hash"], label) if part)
+    stem = result_stem(check_name("name", data["recipe"]["name"]), data["config_hash"], prompts_source)
     path = Path(out_dir) / f"{stem}.json"
     atomic_write_json(path, data)
     atomic_write_text(path.with_suffix(".md"), markdown_table(data))
