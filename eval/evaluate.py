@@ -138,12 +138,13 @@ def _generation(recipe: Recipe, settings: EvalSettings):
 
 
 def _baseline_key(method, recipe, target, draft_model, reference_model, items, gen, settings) -> tuple:
-    """Identity of a baseline measurement: models (by object), prompts, generation settings, protocol."""
+    """Identity of a baseline measurement (any of :data:`~eval.runners.BASELINES`): models (by object), prompts,
+    generation settings, protocol. Every baseline but ``ar_fp32`` (the fp32 reference) and ``assisted`` (target and
+    draft) runs the target alone."""
     k = {"assisted": recipe.spec.num_draft_tokens, "prompt_lookup": prompt_lookup_tokens(recipe),
          "prompt_lookup_10": 10}.get(method)
     ngram = PROMPT_LOOKUP_NGRAM if method in PROMPT_LOOKUPS else None
-    models = {"ar": (id(target),), "ar_fp32": (id(reference_model),), "assisted": (id(target), id(draft_model)),
-              "prompt_lookup": (id(target),), "prompt_lookup_10": (id(target),)}[method]
+    models = {"ar_fp32": (id(reference_model),), "assisted": (id(target), id(draft_model))}.get(method, (id(target),))
     prompts = tuple(tuple(it.input_ids[0].tolist()) for it in items)
     return (method, models, k, ngram, prompts, json.dumps(dataclasses.asdict(gen), sort_keys=True),
             settings.repeats, settings.warmup)

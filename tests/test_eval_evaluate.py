@@ -166,6 +166,31 @@ def test_search_mode_reuses_identical_baselines(models, inputs, tmp_path):
     assert second["methods"]["ar"]["throughput"] == first["methods"]["ar"]["throughput"]
 
 
+def test_every_baseline_a_search_may_name_has_a_reuse_key():
+    """The long and memory spaces (and short's) time ``ar_static`` with ``reuse_baselines``: its key was missing, so
+    every trial of those searches failed with ``KeyError: 'ar_static'``. Each baseline's key names its models by
+    object; a recipe's own drafter settings do not change the key of a baseline that does not read them."""
+    from eval.evaluate import _baseline_key
+    from eval.runners import BASELINES
+    from toolkit.measure.harness import Prompt
+    from toolkit.recipe import GenerationSpec
+
+    target, draft, reference = tiny_llama(seed=1), tiny_llama(seed=2), tiny_llama(seed=3)
+    items = [Prompt("p", "chat", torch.tensor([[5, 6, 7]]))]
+    gen = GenerationSpec(max_new_tokens=8)
+
+    def key(method, recipe=None, model=target):
+        return _baseline_key(method, recipe or _recipe(), model, draft, reference, items, gen, SETTINGS)
+
+    keys = {m: key(m) for m in BASELINES}
+    assert len(set(keys.values())) == len(BASELINES)
+    assert keys["ar_static"][1] == keys["ar"][1] == (id(target),) and keys["ar_fp32"][1] == (id(reference),)
+    assert keys["assisted"][1] == (id(target), id(draft))
+    for m in ("ar", "ar_static", "ar_fp32", "prompt_lookup_10"):
+        assert key(m, _recipe(num_draft_tokens=2)) == keys[m]
+    assert key("ar_static", model=reference) != keys["ar_static"]
+
+
 def test_batched_recipe_is_scored_as_it_runs(models, inputs, tmp_path):
     """batch_size > 1: a batch stage over the suite next to HF batched AR and our single-row decoder; throughput and
     memory are the batched run's; rows identical to each prompt alone; HF batched AR reused across evaluations."""
