@@ -49,7 +49,8 @@ def _ratios(method_metrics: dict) -> dict:
             return method_metrics[a]["throughput"]["median"] / den if den > 0 else None
         return None
 
-    pairs = {"ours_vs_ar": ("ours", "ar"), "ours_vs_assisted": ("ours", "assisted"),
+    pairs = {"ours_vs_ar": ("ours", "ar"), "ours_vs_ar_static": ("ours", "ar_static"),
+             "ours_vs_assisted": ("ours", "assisted"),
              "ours_vs_prompt_lookup": ("ours", "prompt_lookup"), "ours_vs_prompt_lookup_10": ("ours", "prompt_lookup_10"),
              "assisted_vs_ar": ("assisted", "ar"), "ours_vs_ar_fp32": ("ours", "ar_fp32")}
     ratios = {name: ratio(a, b) for name, (a, b) in pairs.items()}

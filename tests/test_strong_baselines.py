@@ -172,3 +172,8 @@ def test_an_evaluation_times_static_compiled_ar_where_its_settings_name_it():
     with pytest.raises(ConfigError, match=r"baselines.*'ar_statc'.*allowed: ar, ar_static"):
         EvalSettings.fast(baselines=["ar", "ar_statc"])
     EvalSettings.fast(baselines=["hf-batch-ar", "ours-single"])  # the batch stage's methods are names too
+    # ... and where it was timed, the report's ratios (and a found recipe's header) name it
+    from eval.document import _ratios
+
+    timed = {m: {"throughput": {"median": tok_s}} for m, tok_s in (("ours", 28.4), ("ar", 16.3), ("ar_static", 22.0))}
+    assert _ratios(timed) == pytest.approx({"ours_vs_ar": 28.4 / 16.3, "ours_vs_ar_static": 28.4 / 22.0})
