@@ -130,7 +130,8 @@ def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped reci
 
 def _run_batch(recipe, batch_size: int, prompt_file: Optional[Path], compare: bool, repeats: int,
                num_prompts: Optional[int], out: Path, time_budget: Optional[float] = None) -> None:
-    """``toolkit run --batch-size / --prompts``: see :mod:`eval.batch_run`."""
+    """``toolkit run --batch-size`` (or a recipe with ``batch_size``), over ``--prompts`` where given: see
+    :mod:`eval.batch_run`."""
     import toolkit
     from eval.batch_run import markdown, run_batch, write_batch_results
     from toolkit.measure.harness import spread
