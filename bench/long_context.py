@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from eval.metrics import perplexity_through_cache  # noqa: E402
-from eval.runners import engine_runners, ours_runner, runners_for  # noqa: E402
+from eval.runners import engine_runners, ours_runner, runners_for, static_cache_len  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_png, atomic_write_text  # noqa: E402
 from toolkit.kv import make_policy  # noqa: E402
 from toolkit.measure.harness import Prompt, environment, measure  # noqa: E402
@@ -107,7 +107,7 @@ def run_suite(suite: str, generators: dict, repeats: int, new_tokens: int, num_p
     runners = {name: ours_runner(g, eos) for name, g in generators.items()}
     for name, g in generators.items():
         g.warm_up(longest)
-    static_len = -(-longest // 256) * 256
+    static_len = static_cache_len([int(p.input_ids.shape[1]) for p in prompts], new_tokens)
     with engine_runners(main.recipe, baselines, eos) as engines:  # llama.cpp's worker, when asked for
         runners |= runners_for(main, baselines, eos, static_cache_len=static_len, engine_calls=engines)
         measured = measure(runners, prompts, gen, repeats=repeats, warmup=1, desc=suite, rotate=True,

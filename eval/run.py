@@ -27,6 +27,7 @@ from eval.runners import (
     baseline_methods,
     engine_runners,
     runners_for,
+    static_cache_len,
     strongest_baselines,
 )
 from toolkit.io import atomic_write_json, atomic_write_text
@@ -141,8 +142,7 @@ def run_recipe(recipe: Recipe, compare: bool = False, repeats: int = 3, prompts:
     # every repetition starts from the same drafter state: memory across requests holds only the earlier prompts of
     # the same repetition, never an earlier repetition of the same prompt
     engine = _compile_first(generator, items, gen.max_new_tokens, progress)
-    # HF's static cache sized for the longest request, in steps of 256 tokens: one compiled graph across suites
-    static_len = -(-(max(int(i.input_ids.shape[1]) for i in items) + gen.max_new_tokens) // 256) * 256
+    static_len = static_cache_len([int(i.input_ids.shape[1]) for i in items], gen.max_new_tokens)
     with engine_runners(recipe, methods, eos) as engine_calls:
         runners = runners_for(generator, methods, eos, reference, static_cache_len=static_len,
                               engine_calls=engine_calls)

@@ -140,6 +140,22 @@ def selected_baselines(recipe: Recipe, has_reference: bool, wanted: bool | list[
     return [m for m in methods if m in wanted]
 
 
+#: HF's static cache for ``ar_static`` is sized in steps of this many tokens
+STATIC_CACHE_STEP = 256
+
+
+def static_cache_len(prompt_lens: list[int], max_new_tokens: int) -> int:
+    """The size in tokens of HF's static cache for ``ar_static`` over a whole suite: the longest request (prompt +
+    ``max_new_tokens``) rounded up to :data:`STATIC_CACHE_STEP`, so the warm-up call and every timed call (any prompt
+    length, fewer new tokens too) run one compiled graph. Without it HF sizes the cache per call and compiles again
+    for every new request length, inside the timed calls (a search trial cut to one repetition by its time budget
+    reported HF static compiled AR at 0.89 tok/s, a compile timed as decoding). Raises ``ValueError`` for no
+    prompts."""
+    if not prompt_lens:
+        raise ValueError("static_cache_len: needs at least one prompt length")
+    return -(-(max(prompt_lens) + max_new_tokens) // STATIC_CACHE_STEP) * STATIC_CACHE_STEP
+
+
 def prompt_lookup_tokens(recipe: Recipe) -> int:
     """``prompt_lookup_num_tokens`` of the ``prompt_lookup`` baseline: the recipe's K where K is constant, else 4."""
     return recipe.spec.num_draft_tokens if recipe.spec.adaptive == "constant" else 4

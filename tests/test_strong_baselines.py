@@ -177,3 +177,36 @@ def test_an_evaluation_times_static_compiled_ar_where_its_settings_name_it():
 
     timed = {m: {"throughput": {"median": tok_s}} for m, tok_s in (("ours", 28.4), ("ar", 16.3), ("ar_static", 22.0))}
     assert _ratios(timed) == pytest.approx({"ours_vs_ar": 28.4 / 16.3, "ours_vs_ar_static": 28.4 / 22.0})
+
+
+def test_an_evaluation_sizes_hf_static_cache_for_the_suite_so_no_timed_call_compiles(monkeypatch, tmp_path):
+    """A search trial cut to one repetition reported HF static compiled AR at 0.89 tok/s: the evaluator passed no
+    cache size, so HF sized the static cache per call (warm-up: prompt 0 + 16 tokens; timed: each prompt + 48) and
+    compiled again inside the timed calls. Every ``ar_static`` call of an evaluation, warm-up included, now asks for
+    one size that holds the longest request."""
+    from eval import runners
+    from eval.evaluate import evaluate
+    from eval.runners import STATIC_CACHE_STEP, static_cache_len
+
+    assert static_cache_len([5, 300], 48) == 2 * STATIC_CACHE_STEP and static_cache_len([208], 48) == STATIC_CACHE_STEP
+    with pytest.raises(ValueError, match="at least one prompt"):
+        static_cache_len([], 48)
+    sizes = []
+
+    def fake_hf_generate(model, input_ids, gen, eos_ids, method="ar", max_cache_len=None, **kwargs):
+        if method == "ar_static":
+            sizes.append((input_ids.shape[1], gen.max_new_tokens, max_cache_len))
+        return hf_generate(model, input_ids, gen, eos_ids, method="ar")
+
+    monkeypatch.setattr(runners, "hf_generate", fake_hf_generate)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (12, 20)]
+    recipe = Recipe.from_dict({"name": "tiny-static", "target": {"device": "cpu"}, "draft": None,
+                               "spec": {"drafter": "lookup", "num_draft_tokens": 3},
+                               "generation": {"max_new_tokens": 64}})
+    settings = EvalSettings.fast(max_new_tokens=24, repeats=1, warmup=1, ppl_tokens=120, ppl_window=64,
+                                 ppl_stride=32, baselines=["ar_static"])
+    evaluate(recipe, settings=settings, out_dir=tmp_path, target=tiny_llama(), tokenizer=None, prompts=prompts,
+             ppl_ids=torch.randint(3, 128, (120,), generator=g).tolist(), progress=False, plots=False)
+    assert [(n, new) for n, new, _ in sizes] == [(12, 16), (12, 24), (20, 24)]  # the warm-up, then each prompt
+    assert {size for _, _, size in sizes} == {static_cache_len([12, 20], 24)}
