@@ -90,13 +90,19 @@ POLICIES = {"none": None,
                                                   "residual_length": 8})}
 
 
+#: compiled policies whose static form another case here already traces (L2-norm: head-aware's tiered buffers; the
+#: rolling ring: the quantized rolling ring's): their compiled greedy cases run in make test-system with the rest
+TRACED_ALIKE = ("l2norm", "streaming_rolling")
+
+
 def _cases():
     """Every policy x eager/compiled x greedy/sampling; sampling through a compiled compressing cache (3-8 s each:
-    the graphs are traced again) runs in make test-system, its greedy twin and sampling on the plain cache here."""
+    the graphs are traced again) runs in make test-system, its greedy twin and sampling on the plain cache here;
+    so do the compiled greedy cases of :data:`TRACED_ALIKE`."""
     for do_sample in (False, True):
         for compiled in (False, True):
             for policy in POLICIES:
-                heavy = do_sample and compiled and policy != "none"
+                heavy = compiled and policy != "none" and (do_sample or policy in TRACED_ALIKE)
                 yield pytest.param(compiled, do_sample, policy, marks=pytest.mark.heavy if heavy else (),
                                    id=f"{'sampling' if do_sample else 'greedy'}-{'compiled' if compiled else 'eager'}"
                                       f"-{policy}")
