@@ -315,8 +315,9 @@ def _timed(run: _Run) -> tuple:
     device = next(run.target.parameters()).device
     deadline = timing_deadline(run.deadline, run.budget, run.settings, lambda: generator.verify_cost)
     static_len = static_cache_len([int(item.input_ids.shape[1]) for item in run.items], gen.max_new_tokens)
-    measured = measure(runners_for(generator, timed, generator.eos_token_ids(gen), run.reference_model,
-                                   trajectory=True, static_cache_len=static_len), run.items, gen, repeats=settings.repeats, warmup=settings.warmup,
+    runners = runners_for(generator, timed, generator.eos_token_ids(gen), run.reference_model, trajectory=True,
+                          static_cache_len=static_len)
+    measured = measure(runners, run.items, gen, repeats=settings.repeats, warmup=settings.warmup,
                        warm_gen=dataclasses.replace(gen, max_new_tokens=min(16, gen.max_new_tokens)),
                        meter=lambda: M.PeakMemory(str(device)), progress=run.progress, desc=f"eval {recipe.name}",
                        before_repetition=lambda rep: generator.forget(),  # no repetition sees another's prompts
