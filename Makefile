@@ -7,7 +7,7 @@ RECIPE ?= recipes/short.yaml
 SCENARIO ?= short
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-native-gguf bench-long-context bench-prequantized bench-gpu bench-cpu-engines bench-llamacpp llamacpp bench-llamacpp-backend bench-model-drafters test test-system test-all test-fast upgrade-check distill clean
+.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-native-gguf bench-long-context bench-prequantized bench-gpu bench-cpu-engines bench-llamacpp llamacpp bench-llamacpp-backend bench-model-drafters bench-int4-rows test test-system test-all test-fast upgrade-check distill clean
 
 setup: $(STAMP)
 
@@ -111,6 +111,11 @@ bench-llamacpp-backend: llamacpp
 ## unseen prompts -> bench/reports/model-drafters/.
 bench-model-drafters: $(STAMP)
 	$(BIN)/python bench/model_drafters.py
+
+## What a verify forward's width costs in the 4-bit kernel: each linear of the native embedded model at 1..8 rows,
+## one forward's layers summed, next to dense bf16 / fp32 GEMMs -> bench/reports/int4-rows/.
+bench-int4-rows: $(STAMP)
+	PYTHONPATH=. $(BIN)/python bench/int4_rows.py
 
 ## precision native (a GGUF's own blocks) vs torchao int4 (re-quantized) vs llama.cpp on the same file: PPL, top-1,
 ## speed of the main recipe, peak RSS of a first load, an 8B-shaped Q4_K_M file -> bench/reports/native-gguf/.
