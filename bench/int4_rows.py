@@ -12,8 +12,9 @@ on the machine it runs on (state ``lscpu``'s flags with it: AVX2-only and AVX-51
 products as dense bf16 and fp32 GEMMs over the dequantized weight (what a kernel without re-dequantization would
 read: 4x and 8x the bytes).
 
-Each timing is the median of ``--repeats`` batches of calls, one thread setting for all (torch's default), nothing
-else running. Writes ``<out>/int4_rows.json`` and ``<out>/README.md``.
+A layer alone: the median of ``--repeats`` batches of calls (its weights warm in the caches where they fit). One
+forward's layers: the median of ``--repeats`` forwards, every kernel and row count in turn per repetition. torch's
+default threads, nothing else running. Writes ``<out>/int4_rows.json`` and ``<out>/README.md``.
 """
 
 from __future__ import annotations
