@@ -149,7 +149,8 @@ def markdown(report: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=8, help="widest forward timed (input rows), 1..64")
-    parser.add_argument("--repeats", type=int, default=7, help="batches of calls per timing (median)")
+    parser.add_argument("--repeats", type=int, default=7, help="repetitions per timing (median): batches of calls for a layer alone, "
+                        "forwards for one forward's layers")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "reports" / "int4-rows")
     args = parser.parse_args()
     if not 1 <= args.rows <= 64:
@@ -159,7 +160,7 @@ def main() -> None:
     model, _ = load_model(ModelSpec(source="embedded", precision="native"))
     kinds = layer_kinds(model)
     if not kinds:
-        raise SystemExit("the native model has no 4-bit layers (this CPU's int4 layout is unreadable?)")
+        raise SystemExit("the embedded model at precision native has no 4-bit layers: nothing to time")
     layers = measure(kinds, args.rows, args.repeats)
     totals = per_forward(model, args.rows, args.repeats)
     alone = [sum(layer["int4_us"][m] * layer["count"] for layer in layers) for m in range(args.rows)]
