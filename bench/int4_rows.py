@@ -35,26 +35,21 @@ sys.path.insert(0, str(ROOT / "bench"))
 from long_context import cpu_flags  # noqa: E402
 
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
+from toolkit.measure.timing import time_ms  # noqa: E402
 from toolkit.models import load_model  # noqa: E402
 from toolkit.quant.int4_linear import PackedInt4Linear  # noqa: E402
 from toolkit.recipe import ModelSpec  # noqa: E402
 
 
 def time_us(fn, repeats: int, budget_s: float = 0.05) -> float:
-    """Median microseconds of one ``fn()`` call over ``repeats`` batches (batch size chosen so a batch takes about
-    ``budget_s``; a few calls first to warm caches and the allocator)."""
-    for _ in range(3):
-        fn()
+    """Median microseconds of one ``fn()`` call: :func:`toolkit.measure.timing.time_ms` over ``repeats`` batches of
+    calls (batch size chosen so a batch takes about ``budget_s``: a single call of a small layer is a few tens of us,
+    near the clock's own cost), after warm-up batches for the caches and the allocator."""
     began = time.perf_counter()
     fn()
     calls = max(1, int(budget_s / max(time.perf_counter() - began, 1e-6)))
-    batches = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        batches.append((time.perf_counter() - began) / calls * 1e6)
-    return statistics.median(batches)
+    summary, _ = time_ms(lambda: [fn() for _ in range(calls)], repeats=repeats, warmup=2)
+    return summary.median * 1000 / calls
 
 
 def layer_kinds(model) -> dict[tuple, dict]:
@@ -149,8 +144,9 @@ def markdown(report: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=8, help="widest forward timed (input rows), 1..64")
-    parser.add_argument("--repeats", type=int, default=7, help="repetitions per timing (median): batches of calls for a layer alone, "
-                        "forwards for one forward's layers")
+    parser.add_argument("--repeats", type=int, default=7,
+                        help="repetitions per timing (median): batches of calls for a layer alone, forwards for one "
+                             "forward's layers")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "reports" / "int4-rows")
     args = parser.parse_args()
     if not 1 <= args.rows <= 64:
