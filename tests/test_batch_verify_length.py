@@ -152,3 +152,44 @@ def test_a_plan_prices_each_draft_length_as_the_forward_cost_rule_does():
             for n in range(widest + 2):
                 width = cost.cheapest(rows, n + 1, max(widest, n + 1))
                 assert price(n) == (cost.ms(rows, width) + 0.5, width), (case, rows, n)
+
+
+def test_the_plan_stops_pricing_where_no_tail_can_pay_with_the_same_answer():
+    """``most_per_ms`` stops once every remaining draft token accepted could not beat the best rate (``floor``):
+    over random curves (staircases and dips), acceptance chains, proposals, rows, overheads and drafting costs, the
+    plan equals the one that prices every length, and it does stop early on a low-confidence long proposal."""
+    from toolkit.engine.planner import CostAwareK, ForwardCost, most_per_ms
+    from toolkit.speculative.verify_length import Calibrator
+
+    rng = np.random.default_rng(1)
+    stopped = 0
+    for case in range(300):
+        steps = np.cumsum(rng.uniform(-3.0, 8.0, 24)) + 40.0
+        cost = ForwardCost(VerifyCost([float(x) for x in steps], learn=False))
+        widest = int(rng.integers(2, 18))
+        controller = CostAwareK(cost, Calibrator(), widest - 1, widest, overhead_ms=float(rng.uniform(0, 2)))
+        rows = int(rng.integers(1, 4))
+        weights = [float(x) for x in rng.uniform(0.2, 1.0, rows)]
+        tokens = [int(x) for x in rng.integers(0, widest + 3, rows)]
+        longest = min(max(tokens), widest - 1)
+        probs = rng.uniform(0.0, 1.0, (rows, 30)) ** float(rng.choice([0.2, 1.0, 4.0]))
+        step_ms = float(rng.choice([0.0, rng.uniform(0.5, 10.0)]))
+        calls = []
+
+        def prob(i, j):
+            calls.append(j)
+            return float(probs[i, j - 1])
+
+        args = (weights, tokens, longest, prob, controller._forward_ms(rows), lambda n: n * step_ms)
+        every = most_per_ms(*args, floor=None)
+        calls.clear()
+        assert most_per_ms(*args) == every, case
+        stopped += bool(calls) and max(calls) < longest
+    assert stopped > 50  # the bound does cut plans short
+    # one row, 16 tokens of 0.3 each on a curve where 2 tokens cost 1.85 steps: after the third, even 13 more tokens
+    # all accepted (1.42 + 0.027 * 13 expected) cannot beat a plain step
+    cost = ForwardCost(VerifyCost([10.0, 18.5] + [18.5 + 6.0 * k for k in range(1, 15)], learn=False))
+    controller = CostAwareK(cost, Calibrator(), 16, 17)
+    priced = []
+    plan = most_per_ms([1.0], [16], 16, lambda i, j: priced.append(j) or 0.3, controller._forward_ms(1))
+    assert plan == (0, 1) and max(priced) == 3

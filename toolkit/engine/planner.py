@@ -95,7 +95,7 @@ class ForwardCost:
 
 def most_per_ms(weights: list[float], tokens: list[int], longest: int, prob: Callable[[int, int], float],
                 forward_ms: Callable[[int], tuple[float, int]], extra_ms: Callable[[int], float] = lambda n: 0.0,
-                stopping: bool = False) -> tuple[int, int]:
+                stopping: bool = False, floor: float | None = PAD_MARGIN) -> tuple[int, int]:
     """``(n, m)``: the ``n`` in ``0 .. longest`` with the most expected committed tokens per ms, and the forward width
     ``m`` it runs at (see the module docstring).
 
@@ -103,10 +103,16 @@ def most_per_ms(weights: list[float], tokens: list[int], longest: int, prob: Cal
         weights: per row, how much its tokens count.
         tokens: per row, how many draft tokens it has (its chain stops there).
         longest: the most draft tokens a row may verify.
-        prob: ``prob(row, j)`` — P(draft token ``j`` (1-based) of ``row`` accepted | the ones before it were).
+        prob: ``prob(row, j)`` — P(draft token ``j`` (1-based) of ``row`` accepted | the ones before it were), in
+            ``[0, 1]``.
         forward_ms: ``forward_ms(n) -> (ms, m)`` — the cheapest forward holding ``n + 1`` tokens per row.
-        extra_ms: milliseconds of drafting ``n`` tokens.
+        extra_ms: milliseconds of drafting ``n`` tokens, non-decreasing in ``n``.
         stopping: stop at the first ``n`` after which ``n + 1`` stops paying (sampled drafts).
+        floor: a promise that ``forward_ms`` of any longer ``n`` is at least ``floor`` times this one's (true of the
+            cheapest-width rule: a narrower start can only add wider choices, and a wider width is taken only when
+            :data:`PAD_MARGIN` cheaper). The search then stops where even every remaining draft token accepted could
+            not beat the best rate — the same answer, without pricing a long proposal's hopeless tail (a lookup
+            match's 16 tokens of low confidence, half the rounds of an open question). ``None``: price every ``n``.
     """
     ms, width = forward_ms(0)
     best, best_width, best_rate = 0, width, sum(weights) / (extra_ms(0) + ms)
@@ -117,11 +123,16 @@ def most_per_ms(weights: list[float], tokens: list[int], longest: int, prob: Cal
                 chains[i] *= prob(i, n)
                 expected += w * chains[i]
         ms, width = forward_ms(n)
-        rate = expected / (extra_ms(n) + ms)
+        extra = extra_ms(n)
+        rate = expected / (extra + ms)
         if rate > best_rate:
             best, best_width, best_rate = n, width, rate
         elif stopping:
             break
+        if floor is not None and n < longest:
+            most = expected + sum(w * c * max(0, min(t, longest) - n) for w, c, t in zip(weights, chains, tokens))
+            if most / (extra + floor * ms) < best_rate:
+                break
     return best, best_width
 
 
@@ -231,6 +242,8 @@ class CostAwareK:
 
         tokens = [len(r.proposal) for r in rows]
         longest = min(max(tokens, default=0), self.widest - 1)
+        if longest == 0:  # nothing to verify: a plain one-token step, never padded (a wider forward verifies nothing)
+            return 0, 1
         return most_per_ms(weights, tokens, longest, prob, self._forward_ms(len(rows)),
                            stopping=any(r.q is not None for r in rows))
 
