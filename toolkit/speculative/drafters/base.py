@@ -8,6 +8,9 @@ The decode loop calls, per generation::
                                                tokens (1, k) with 0 <= k <= K; logits (k, vocab) raw draft logits
                                                (processed by the verifier like the target's) or None (deterministic
                                                drafter: a one-hot q under sampling)
+    propose_row(ids, K) -> (tokens, logits)    what the decode loop calls instead: the same on host lists (ids: the
+                                               row's committed tokens, read-only; tokens: a list). Default: propose on
+                                               a tensor of ids; a :class:`HostDrafter` implements it natively
     confidence() -> [p_1..p_k] | None          after propose: the drafter's estimate of P(token i accepted | tokens
                                                1..i-1 accepted); the loop calibrates it and picks the verify length
     commit(num_accepted)                       after verification of the first k' <= k tokens: roll back the rest
@@ -69,6 +72,15 @@ class Drafter:
 
     def propose(self, input_ids: torch.Tensor, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
+
+    def propose_row(self, ids: list[int], num_draft_tokens: int) -> tuple[list[int], torch.Tensor | None]:
+        """:meth:`propose` for the decode loop, on a row's committed token ids as a host list (read-only: the loop
+        keeps appending to it): ``(tokens, logits)`` with ``tokens`` a list of at most ``num_draft_tokens`` ids.
+        Here through :meth:`propose` on a ``(1, n)`` tensor of ``ids``."""
+        from toolkit.speculative.drafters.rows import ids_tensor
+
+        tokens, logits = self.propose(ids_tensor(ids), num_draft_tokens)
+        return tokens[0].tolist(), logits
 
     def confidence(self) -> list[float] | None:
         """Per-token acceptance estimates of the last proposal (``None``: no estimate)."""
@@ -140,3 +152,19 @@ class Drafter:
 
     def close_row(self, row) -> None:
         self._rows.close_row(row)
+
+
+class HostDrafter(Drafter):
+    """A model-free drafter that reads and proposes host token lists (lookup, suffix): :meth:`propose_row` is its
+    implementation and :meth:`propose` (the tensor contract) wraps it, so a decode round drafts without building a
+    tensor of the sequence or of the proposal. Subclasses implement ``propose_row(ids, K) -> (tokens, None)``.
+
+    Why: on a CPU every tensor made and read back between two target forwards is host time on the critical path;
+    inside the llama.cpp backend's decode loop (a 12-13 ms one-token step on the 2-core AVX2 EPYC) the two of them
+    took ~90 us of a round's ~0.9 ms of host work, the forward having just streamed the weights through the caches.
+    """
+
+    def propose(self, input_ids: torch.Tensor, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`propose_row` on ``input_ids`` ``(1, n)``: ``(tokens (1, k), None)``."""
+        tokens, _ = self.propose_row(input_ids[0].tolist(), num_draft_tokens)
+        return torch.tensor([tokens], dtype=torch.long).view(1, -1), None

@@ -25,10 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from toolkit.checks import check_float, check_int
-from toolkit.speculative.drafters.base import Drafter
+from toolkit.speculative.drafters.base import HostDrafter
 from toolkit.speculative.drafters.registry import DrafterConfig, register_drafter
 from toolkit.speculative.drafters.suffix_trie import RemembersRequests, RequestMemory
 
@@ -94,7 +92,7 @@ class LookupConfig(DrafterConfig):
 
 
 @register_drafter(LookupConfig)
-class LookupDrafter(RemembersRequests, Drafter):
+class LookupDrafter(RemembersRequests, HostDrafter):
     """See the module docstring. One instance serves every ``generate`` call of a SpeculativeLM: ``reset()`` moves the
     previous request into the memory trie.
 
@@ -135,11 +133,11 @@ class LookupDrafter(RemembersRequests, Drafter):
         self._tokens, self._where, self._prompt_len = [], {}, None
         self._memory_cursor = self.memory.trie.matcher()
 
-    def _sync(self, input_ids: torch.Tensor) -> None:
+    def _sync(self, ids: list[int]) -> None:
         """Index the committed tokens not seen yet (the whole prompt on the first call)."""
         if self._prompt_len is None:
-            self._prompt_len = max(0, input_ids.shape[1] - 1)  # the decoder's first call: prompt + first token
-        for token in input_ids[0, len(self._tokens):].tolist():
+            self._prompt_len = max(0, len(ids) - 1)  # the decoder's first call: prompt + first token
+        for token in ids[len(self._tokens):]:
             self._where.setdefault(token, []).append(len(self._tokens))
             self._tokens.append(token)
             self._memory_cursor.append(token)
@@ -204,9 +202,10 @@ class LookupDrafter(RemembersRequests, Drafter):
             total += chain
         return total
 
-    def propose(self, input_ids: torch.Tensor, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """At most ``num_draft_tokens`` tokens of the better candidate; ``(1, 0)`` when nothing matches."""
-        self._sync(input_ids)
+    def propose_row(self, ids: list[int], num_draft_tokens: int) -> tuple[list[int], None]:
+        """At most ``num_draft_tokens`` tokens of the better candidate after ``ids`` (every committed token); none
+        when nothing matches."""
+        self._sync(ids)
         tokens, features = self._request_candidate(num_draft_tokens)
         confidence = [self._estimate(m, share) for m, share in features]
         if self.max_cached_requests:
@@ -215,7 +214,7 @@ class LookupDrafter(RemembersRequests, Drafter):
             if self._expected(other_confidence) > self._expected(confidence):
                 tokens, features, confidence = other, other_features, other_confidence
         self._features, self._confidence = features, confidence
-        return torch.tensor([tokens], dtype=torch.long).view(1, -1), None
+        return tokens, None
 
     def confidence(self) -> list[float] | None:
         return self._confidence

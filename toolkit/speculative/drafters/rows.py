@@ -156,8 +156,7 @@ class RowDrafters:
         for row, n in zip(rows, num_draft_tokens):
             row.proposal, row.confidence, row.q = [], None, None
             if row.drafter is not None and n > 0:
-                tokens, logits = row.drafter.propose(ids_tensor(row.ids), n)
-                row.proposal = tokens[0].tolist()
+                row.proposal, logits = row.drafter.propose_row(row.ids, n)
                 row.confidence = row.drafter.confidence() if row.proposal else None
                 if gen is not None and gen.do_sample and logits is not None and row.proposal:
                     row.q = process_logits(logits[: len(row.proposal)], gen.temperature, gen.top_k, gen.top_p)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.checks import check_float, check_int
-from toolkit.speculative.drafters.base import Drafter
+from toolkit.speculative.drafters.base import HostDrafter
 from toolkit.speculative.drafters.registry import DrafterConfig, register_drafter
 from toolkit.speculative.drafters.suffix_trie import RemembersRequests, RequestMemory, SuffixTrie, TrieNode
 from toolkit.speculative.tree import TokenTree
@@ -73,7 +73,7 @@ class SuffixConfig(DrafterConfig):
 
 
 @register_drafter(SuffixConfig)
-class SuffixDrafter(RemembersRequests, Drafter):
+class SuffixDrafter(RemembersRequests, HostDrafter):
     """Suffix-trie drafter with a bounded memory of earlier requests (see the module docstring).
 
     Args:
@@ -121,17 +121,17 @@ class SuffixDrafter(RemembersRequests, Drafter):
         self._request_cursor = self._request.cursor()
         self._global_cursor = self.global_trie.matcher()
 
-    def _sync(self, input_ids: torch.Tensor) -> None:
+    def _sync(self, ids: list[int]) -> None:
         """Feed the committed tokens not seen yet to both cursors (the prompt on the first call)."""
         if self._request is None:
             self.reset()
-        ids = input_ids[0, len(self._tokens):].tolist()
         if self._prompt_len is None:
-            self._prompt_len = max(0, input_ids.shape[1] - 1)  # the decoder's first call: prompt + first token
-        for token in ids:
+            self._prompt_len = max(0, len(ids) - 1)  # the decoder's first call: prompt + first token
+        new = ids[len(self._tokens):]
+        for token in new:
             self._request_cursor.append(token)
             self._global_cursor.append(token)
-        self._tokens.extend(ids)
+        self._tokens.extend(new)
 
     # ------------------------------------------------------------------------------------------------ drafting
     def _grow(self, node: TrieNode, match: int, max_nodes: int, max_depth: int, chain: bool) -> tuple[list, float]:
@@ -178,7 +178,7 @@ class SuffixDrafter(RemembersRequests, Drafter):
 
     def propose_tree(self, input_ids: torch.Tensor, budget: int, depth: int, topk: int = 0) -> TokenTree:
         """A frequency-scored speculation tree of at most ``budget`` nodes and ``depth`` levels (``topk`` unused)."""
-        self._sync(input_ids)
+        self._sync(input_ids[0].tolist())
         nodes = self._best(budget, depth)
         return TokenTree(torch.tensor([t for t, _, _ in nodes], dtype=torch.long),
                          torch.tensor([p for _, p, _ in nodes], dtype=torch.long))
@@ -186,11 +186,11 @@ class SuffixDrafter(RemembersRequests, Drafter):
     def commit_tree(self, accepted_nodes: list[int]) -> None:
         """Nothing to roll back: the tries index committed tokens only."""
 
-    def propose(self, input_ids: torch.Tensor, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The most probable chain of the speculation tree, at most ``num_draft_tokens`` tokens."""
-        self._sync(input_ids)
-        nodes = self._best(num_draft_tokens, num_draft_tokens, chain=True)
-        return torch.tensor([[t for t, _, _ in nodes]], dtype=torch.long).view(1, -1), None
+    def propose_row(self, ids: list[int], num_draft_tokens: int) -> tuple[list[int], None]:
+        """The most probable chain of the speculation tree after ``ids`` (every committed token), at most
+        ``num_draft_tokens`` tokens."""
+        self._sync(ids)
+        return [t for t, _, _ in self._best(num_draft_tokens, num_draft_tokens, chain=True)], None
 
     def memory_nodes(self) -> int:
         """Trie nodes held (global + request): the drafter's memory in nodes."""
