@@ -6,6 +6,7 @@
   target's argmax with the drafts and counts the agreeing prefix (one ``cumprod`` over the batch); sampling runs
   lossless speculative sampling per row (Leviathan et al., 2023, Alg. 1; :func:`toolkit.speculative.verify.
   speculative_sample`) with the row's own generator. Nothing is read back to the host here.
+* :func:`kept` — each row's kept token count from :func:`accept`'s result (what the cache keeps at the commit).
 * :func:`accept_tree` — greedy acceptance of a token tree (one row): the deepest node whose every ancestor's token,
   and its own, is the target's argmax at its parent, found with a few tensor ops on the device.
 """
@@ -86,15 +87,30 @@ def _greedy_on_host(logits: torch.Tensor, inputs: torch.Tensor, drafted: torch.T
     """:func:`accept`'s greedy branch for CPU logits, the same steps in NumPy: a round's tensors are a few dozen
     numbers after the argmax, where each ATen call costs more than its work (on the 2-core machine, one position: 24
     against 43 us hot; 180-190 against 256-280 us a round inside the llama.cpp backend's decode loop, where a decode
-    has just streamed the weights through the caches)."""
-    best = greedy(logits).numpy()  # (B, W)
+    has just streamed the weights through the caches). The argmax reads the logits' own NumPy view (fp32; bf16 /
+    fp16 widened first, as :func:`greedy`), and the result is one NumPy array handed to torch once."""
+    logits = logits.detach() if logits.requires_grad else logits
+    scores = logits.numpy() if logits.dtype == torch.float32 else logits.float().numpy()
+    best = scores.argmax(-1)  # (B, W)
     rows, width = best.shape
+    result = np.zeros((rows, 2), np.int64)
     if width == 1:  # a plain step: nothing to compare
-        return torch.from_numpy(np.stack([np.zeros(rows, np.int64), best[:, 0]], 1))
+        result[:, 1] = best[:, 0]
+        return torch.from_numpy(result)
     valid = np.arange(width - 1)[None, :] < drafted.numpy()[:, None]
     agree = (best[:, : width - 1] == inputs.numpy()[:, 1:]) & valid
-    accepted = np.cumprod(agree, 1).sum(1)
-    return torch.from_numpy(np.stack([accepted, best[np.arange(rows), accepted]], 1).astype(np.int64))
+    result[:, 0] = np.cumprod(agree, 1).sum(1)
+    result[:, 1] = best[np.arange(rows), result[:, 0]]
+    return torch.from_numpy(result)
+
+
+def kept(result: torch.Tensor) -> torch.Tensor:
+    """Each row's kept tokens (accepted drafts + the committed one) from :func:`accept`'s ``result`` ``(B, 2)``:
+    ``(B,)`` long on its device, with no host read; on a CPU through the NumPy view (two ATen calls there cost
+    more than the work, host time between two target forwards)."""
+    if on_host(result):
+        return torch.from_numpy(result.numpy()[:, 0] + 1)
+    return result[:, 0] + 1
 
 
 def accept_tree(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,

@@ -36,9 +36,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 
-from toolkit.engine.accept import accept, choose
+from toolkit.engine.accept import accept, choose, kept
 from toolkit.engine.forward import TargetForward
 from toolkit.engine.planner import ConstantK, CostAwareK, batch_weights
 from toolkit.engine.rows import Row, finish
@@ -268,7 +269,7 @@ class SpeculativeDecoder:
         accepted, next_ids = self._read(result, rows, on_device)
         verified_at = time.perf_counter()
         compile_ms = self.forward.compile_ms - compiled  # a first call compiled: not the forward's cost
-        self.cache.accept(result[:, 0] + 1, [a + 1 for a in accepted])
+        self.cache.accept(kept(result), [a + 1 for a in accepted])
         self.cache.commit()
         drafting.commit_rows(rows, list(accepted), features)
         self.controller.update(rows, n, list(accepted))
@@ -319,6 +320,9 @@ class SpeculativeDecoder:
         pinned staging buffer and an asynchronous copy: a pageable copy would wait for the GPU's queue, a hidden sync
         (the buffer is free again by the round's device-to-host read)."""
         rows, width = len(inputs), len(inputs[0])
+        if self.device.type == "cpu":  # NumPy builds and slices it without ATen calls (a round's host time on a CPU)
+            flat = np.array([t for row in inputs for t in row] + counts, dtype=np.int64)
+            return torch.from_numpy(flat[: rows * width].reshape(rows, width)), torch.from_numpy(flat[rows * width:])
         flat = torch.tensor([t for row in inputs for t in row] + counts, dtype=torch.long)
         if self.device.type == "cuda":
             if self._pinned is None or self._pinned.numel() < flat.numel():

@@ -118,17 +118,18 @@ class LlamaCppForward:
             raise RuntimeError(f"llama_decode returned {code} at position {start} ({why}; context of "
                                f"{self.model.n_ctx} tokens)")
 
-    def _logits(self, rows: int) -> torch.Tensor:
-        """The last decode's ``rows`` output rows of logits, copied: ``(rows, vocab)`` fp32 (the buffer is llama.cpp's
-        and the next decode overwrites it). The view goes through a ctypes array type made once per row count
-        (``np.ctypeslib.as_array`` makes a new type every call: median 87 against 67 us inside the decode loop on the
-        2-core AVX2 EPYC, where this is the first host work after a decode has flushed the caches; the copy ~32 us)."""
+    def _logits(self, rows: int) -> np.ndarray:
+        """The last decode's ``rows`` output rows of logits, copied (the buffer is llama.cpp's and the next decode
+        overwrites it): ``(rows, vocab)`` fp32 in NumPy, which the callers hand to torch in the shape they return. The
+        view goes through a ctypes array type made once per row count (``np.ctypeslib.as_array`` makes a new type
+        every call: median 87 against 67 us inside the decode loop on the 2-core AVX2 EPYC, where this is the first
+        host work after a decode has flushed the caches; the copy ~32 us)."""
         array = self._row_types.get(rows)
         if array is None:
             array = self._row_types[rows] = ctypes.c_float * (rows * self.n_vocab)
         pointer = self.llama_cpp.llama_get_logits(self.llama.ctx)
         view = np.frombuffer(array.from_address(ctypes.addressof(pointer.contents)), dtype=np.float32)
-        return torch.from_numpy(view.reshape(rows, self.n_vocab).copy())
+        return view.reshape(rows, self.n_vocab).copy()
 
     def prefill(self, input_ids: torch.Tensor, kwargs: dict, hidden: tuple[int, ...] = ()) -> torch.Tensor:
         """The prompt ``(1, n)`` into the cache of ``kwargs`` (a cache's ``begin_row``), in chunks of
@@ -142,7 +143,7 @@ class LlamaCppForward:
             self._decode(chunk, cache.held, all_logits=False)
             cache.written(len(chunk))
         cache.written(0)  # the prompt is kept whole (add_row sets the length)
-        return self._logits(1)[0]
+        return torch.from_numpy(self._logits(1)[0])
 
     def __call__(self, cache: LlamaCppCache, input_ids: torch.Tensor, hidden: tuple[int, ...] = ()) -> torch.Tensor:
         """Verify forward: ``input_ids`` ``(1, W)`` appended to the cache's sequence; logits ``(1, W, vocab)``.
@@ -154,7 +155,7 @@ class LlamaCppForward:
                              f"{tuple(input_ids.shape)}")
         self._decode(input_ids[0].tolist(), cache.held, all_logits=True)
         cache.written(width)
-        return self._logits(width).view(1, width, self.n_vocab)
+        return torch.from_numpy(self._logits(width).reshape(1, width, self.n_vocab))
 
     def warm_up(self, cache_factory, widths: tuple[int, ...] = (1, 2), rows: tuple[int, ...] = (1,)) -> float:
         """One prefill and a forward of each width on a scratch cache (llama.cpp compiles nothing; this touches the
