@@ -30,11 +30,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from long_context import cpu_flags  # noqa: E402
 
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
+from toolkit.measure.harness import cpu_line  # noqa: E402
 from toolkit.measure.timing import time_ms  # noqa: E402
 from toolkit.models import load_model  # noqa: E402
 from toolkit.quant.int4_linear import PackedInt4Linear  # noqa: E402
@@ -164,7 +162,7 @@ def main() -> None:
     head = next(layer for layer in layers if layer["shape"][0] == vocab)
     share = [head["int4_us"][m] * head["count"] / alone[m] for m in range(args.rows)]
     report = {"model": "embedded SmolLM2-135M-Instruct, precision native (Q4_1 layers, Q8_0 tied head)",
-              "cpu": cpu_flags(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "cpu": cpu_line(), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "rows": args.rows, "repeats": args.repeats, "command": " ".join(["bench/int4_rows.py", *sys.argv[1:]]),
               "layers": layers, "per_forward_ms": totals, "head_share": share}
     args.out.mkdir(parents=True, exist_ok=True)

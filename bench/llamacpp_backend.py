@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from eval.runners import llamacpp_variant, ours_runner  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
-from toolkit.measure.harness import Call, Prompt, environment, measure, spread  # noqa: E402
+from toolkit.measure.harness import Call, Prompt, cpu_isa, cpu_line, environment, measure, spread  # noqa: E402
 from toolkit.measure.prompts import load_suite  # noqa: E402
 from toolkit.recipe import Recipe  # noqa: E402
 from toolkit.recipe.sections import KVSpec  # noqa: E402
@@ -65,22 +64,6 @@ from toolkit.speculative_lm import build  # noqa: E402
 SUITES = {"short-heldout": "short-heldout", "unseen": str(ROOT / "bench/prompts/unseen.yaml"), "short": "short",
           "repeat": "repeat"}
 COLUMNS = {"ours": "ours on llama.cpp", "llamacpp_ar": "llama.cpp AR", "llamacpp_lookup": "llama.cpp prompt lookup"}
-CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-             "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
-
-
-def cpu() -> dict:
-    """``lscpu``'s model name and which of :data:`CPU_FLAGS` this CPU has (every CPU figure states them)."""
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=False, timeout=30).stdout
-    except OSError:
-        text = ""
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    flags = set(fields.get("Flags", "").split())
-    return {"model": fields.get("Model name", "?").strip(), "flags": [f for f in CPU_FLAGS if f in flags],
-            "cores": fields.get("CPU(s)", "?").strip()}
-
-
 FTYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
 
 
@@ -166,7 +149,7 @@ def suite_result(measured, methods: list[str]) -> dict:
 def markdown(report: dict) -> str:
     c = report["cpu"]
     lines = ["# Ours on llama.cpp vs llama.cpp AR vs llama.cpp prompt lookup", "",
-             f"CPU: {c['model']} ({c['cores']} CPUs); flags: {', '.join(c['flags']) or 'none of ' + str(CPU_FLAGS)}.",
+             f"CPU: {cpu_line(c)}.",
              f"llama-cpp-python {report['llama_cpp']}, {report['threads']} thread(s), GGUF {report['gguf']}, "
              f"{report.get('kv', 'f16')} KV cache; recipe {report['recipe']} on llama.cpp; "
              f"{report['max_new_tokens']} new tokens, median of {report['repeats']} "
@@ -226,7 +209,7 @@ def main() -> None:
                "llamacpp_lookup": llamacpp_runner(path, args.threads, eos, args.lookup_tokens, args.max_ngram, args.kv)}
     import llama_cpp
 
-    report = {"cpu": cpu(), "environment": environment(), "llama_cpp": llama_cpp.__version__,
+    report = {"cpu": cpu_isa(), "environment": environment(), "llama_cpp": llama_cpp.__version__,
               "system_info": llama_cpp.llama_print_system_info().decode(errors="replace"), "threads": args.threads,
               "gguf": Path(path).name, "kv": args.kv, "recipe": base.name, "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "verify_ms": [round(x, 1) for x in ours.verify_cost.step_ms[:16]],

@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from llamacpp_backend import FTYPES, SUITES, cpu, requantized  # noqa: E402
+from llamacpp_backend import FTYPES, SUITES, requantized  # noqa: E402
 
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
-from toolkit.measure.harness import spread  # noqa: E402
+from toolkit.measure.harness import cpu_isa, cpu_line, spread  # noqa: E402
 from toolkit.measure.prompts import load_suite  # noqa: E402
 
 SETTINGS = {"f16 KV": ("f16", "f16"), "q8_0 KV (flash attention)": ("q8_0", "q8_0")}
@@ -107,7 +107,7 @@ def measure_file(source: str, prompts, args) -> dict:
 def markdown(report: dict) -> str:
     c = report["cpu"]
     lines = ["# Does the verify width change llama.cpp's logits?", "",
-             f"CPU: {c['model']} ({c['cores']} CPUs); flags: {', '.join(c['flags'])}. llama-cpp-python "
+             f"CPU: {cpu_line(c)}. llama-cpp-python "
              f"{report['llama_cpp']}, {report['threads']} threads; {report['prompts']} prompts of "
              f"`{report['suite']}`, {report['tokens']} greedy tokens each, scored one per forward (llama.cpp's AR) "
              "and in forwards of W tokens (the verify).", "",
@@ -140,7 +140,7 @@ def main() -> None:
     files = {embedded_gguf_path().name: "embedded"}
     files.update({p.name: str(p) for p in (*(requantized("embedded", t) for t in args.requantize), *args.gguf)})
     prompts = spread(load_suite(SUITES[args.suite]), args.num_prompts)
-    report = {"cpu": cpu(), "llama_cpp": llama_cpp.__version__, "threads": args.threads, "suite": args.suite,
+    report = {"cpu": cpu_isa(), "llama_cpp": llama_cpp.__version__, "threads": args.threads, "suite": args.suite,
               "prompts": len(prompts), "tokens": args.tokens, "files": {}}
     for name, source in files.items():
         report["files"][name] = measure_file(source, prompts, args)

@@ -46,7 +46,7 @@ from eval.metrics import perplexity_through_cache  # noqa: E402
 from eval.runners import engine_runners, ours_runner, runners_for, static_cache_len  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_png, atomic_write_text  # noqa: E402
 from toolkit.kv import make_policy  # noqa: E402
-from toolkit.measure.harness import Prompt, environment, measure  # noqa: E402
+from toolkit.measure.harness import Prompt, cpu_line, environment, measure  # noqa: E402
 from toolkit.measure.prompts import load_suite  # noqa: E402
 from toolkit.recipe import KVSpec, Recipe  # noqa: E402
 from toolkit.session import SHARED_POOL  # noqa: E402
@@ -192,20 +192,6 @@ def perplexities(generators: dict, tokens: int) -> dict:
     return {name: {"ppl": value, "vs_none": value / out["none"]} for name, value in out.items()}
 
 
-def cpu_flags() -> str:
-    """``lscpu``'s model name and its AVX-512 / AVX2 flags (CPU figures depend on them)."""
-    import subprocess
-
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return "lscpu unavailable"
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("Flags")), [])
-    wanted = [f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")]
-    return f"{model}, {' '.join(wanted) or 'no AVX2'}"
-
-
 def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [f"# KV compression at ~4k-token context ({env.get('hardware')}; {env.get('cpu_flags', '')})", "",
@@ -279,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     variants = {"none": policies(args.budget)["none"]} | variants
     generators = {name: build(recipe_for(name, kv, mode, args.max_new_tokens), pool=SHARED_POOL)
                   for name, (kv, mode) in variants.items()}
-    report = {"environment": environment() | {"cpu_flags": cpu_flags()}, "budget": args.budget, "max_new_tokens": args.max_new_tokens,
+    report = {"environment": environment() | {"cpu_flags": cpu_line()}, "budget": args.budget, "max_new_tokens": args.max_new_tokens,
               "paths": {name: g.engine_note for name, g in generators.items()}, "suites": []}
     for suite in args.suites:
         report["suites"].append(run_suite(suite, generators, args.repeats, args.max_new_tokens, args.num_prompts,

@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import json
 import math
-import platform
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from eval.data import heldout_ids  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from toolkit.measure import engines  # noqa: E402
+from toolkit.measure.harness import cpu_isa, cpu_line  # noqa: E402
 from toolkit.models import load_model  # noqa: E402
 from toolkit.models.embedded import embedded_gguf_path, resolve_source  # noqa: E402
 from toolkit.recipe import ModelSpec  # noqa: E402
@@ -54,12 +54,9 @@ LLAMA_8B = {"layers": 32, "hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads":
 
 
 def cpu() -> dict:
-    """``lscpu``'s model name and the AVX flags: CPU figures differ by ISA."""
-    text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("Flags")), [])
-    return {"model": model, "avx": sorted(f for f in flags if f.startswith("avx")), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "machine": platform.machine()}
+    """The CPU as every CPU figure states it (:func:`toolkit.measure.harness.cpu_isa`), with torch's threads and
+    version."""
+    return cpu_isa() | {"threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def _nll_argmax(model, ids: list[int]) -> tuple[list[float], list[int]]:
@@ -277,7 +274,7 @@ def stage_big(args, report: dict) -> None:
 
 def markdown(report: dict) -> str:
     machine = report["cpu"]
-    lines = ["# Native GGUF weights (`precision: native`)", "", f"CPU: {machine['model']}, {' '.join(machine['avx'])}; "
+    lines = ["# Native GGUF weights (`precision: native`)", "", f"CPU: {cpu_line(machine)}; "
              f"{machine['threads']} threads; torch {machine['torch']}.", ""]
     for file, texts in report.get("quality", {}).items():
         lines += [f"## Quality: {file}", "", "| text | method | PPL | top-1 vs fp32 | top-1 vs llama.cpp |",

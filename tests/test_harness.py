@@ -3,10 +3,12 @@ computes from the calls (exact values from fake runners with fixed timings; no w
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from toolkit.measure.harness import Call, Prompt, measure
+from toolkit.measure.harness import Call, Prompt, environment, measure
 from toolkit.recipe import GenerationSpec
 from toolkit.speculative.stats import GenerationStats
 
@@ -72,7 +74,6 @@ def test_a_cpu_decode_warns_once_under_a_passive_openmp_wait(monkeypatch, caplog
     import logging
 
     from toolkit import threads
-    from toolkit.measure.harness import environment
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     threads.warn_passive_wait.cache_clear()
@@ -87,3 +88,31 @@ def test_a_cpu_decode_warns_once_under_a_passive_openmp_wait(monkeypatch, caplog
     assert len(warned) == 1 and warned[0].startswith("OMP_WAIT_POLICY=PASSIVE")
     assert environment()["omp_wait_policy"] == "passive"
     threads.warn_passive_wait.cache_clear()
+
+
+def test_cpu_figures_state_the_machines_isa_from_lscpu_or_proc_cpuinfo(monkeypatch):
+    """Every CPU result records the CPU's model and instruction-set flags (``environment()["cpu"]``); without
+    ``lscpu`` the same flags come from ``/proc/cpuinfo``."""
+    import subprocess
+
+    from toolkit.measure import harness
+
+    harness._cpu_fields.cache_clear()
+    cpu = harness.cpu_isa()
+    assert cpu["model"] and set(cpu["flags"]) <= set(harness.CPU_ISA_FLAGS)
+    assert list(cpu["flags"]) == [f for f in harness.CPU_ISA_FLAGS if f in cpu["flags"]]  # in the table's order
+    assert environment()["cpu"] == cpu and harness.cpu_line(cpu).startswith(cpu["model"])
+
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("lscpu")
+
+    monkeypatch.setattr(subprocess, "run", missing)
+    harness._cpu_fields.cache_clear()
+    try:
+        fallback = harness.cpu_isa()
+    finally:
+        harness._cpu_fields.cache_clear()
+    if Path("/proc/cpuinfo").exists():
+        assert fallback["flags"] == cpu["flags"] and fallback["model"] != "?"
+    else:
+        assert fallback["flags"] == [] and fallback["model"] == "?"
