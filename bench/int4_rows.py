@@ -31,8 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from toolkit.cpu import cpu_line  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
-from toolkit.measure.harness import cpu_line  # noqa: E402
 from toolkit.measure.timing import time_ms  # noqa: E402
 from toolkit.models import load_model  # noqa: E402
 from toolkit.quant.int4_linear import PackedInt4Linear  # noqa: E402

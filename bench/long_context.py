@@ -44,9 +44,10 @@ sys.path.insert(0, str(ROOT))
 
 from eval.metrics import perplexity_through_cache  # noqa: E402
 from eval.runners import engine_runners, ours_runner, runners_for, static_cache_len  # noqa: E402
+from toolkit.cpu import cpu_line  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_png, atomic_write_text  # noqa: E402
 from toolkit.kv import make_policy  # noqa: E402
-from toolkit.measure.harness import Prompt, cpu_line, environment, measure  # noqa: E402
+from toolkit.measure.harness import Prompt, environment, measure  # noqa: E402
 from toolkit.measure.prompts import load_suite  # noqa: E402
 from toolkit.recipe import KVSpec, Recipe  # noqa: E402
 from toolkit.session import SHARED_POOL  # noqa: E402

@@ -42,9 +42,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from eval.data import heldout_ids  # noqa: E402
+from toolkit.cpu import cpu_isa, cpu_line  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from toolkit.measure import engines  # noqa: E402
-from toolkit.measure.harness import cpu_isa, cpu_line  # noqa: E402
 from toolkit.models import load_model  # noqa: E402
 from toolkit.models.embedded import embedded_gguf_path, resolve_source  # noqa: E402
 from toolkit.recipe import ModelSpec  # noqa: E402
@@ -54,7 +54,7 @@ LLAMA_8B = {"layers": 32, "hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads":
 
 
 def cpu() -> dict:
-    """The CPU as every CPU figure states it (:func:`toolkit.measure.harness.cpu_isa`), with torch's threads and
+    """The CPU as every CPU figure states it (:func:`toolkit.cpu.cpu_isa`), with torch's threads and
     version."""
     return cpu_isa() | {"threads": torch.get_num_threads(), "torch": torch.__version__}
 

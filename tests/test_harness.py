@@ -95,23 +95,23 @@ def test_cpu_figures_state_the_machines_isa_from_lscpu_or_proc_cpuinfo(monkeypat
     ``lscpu`` the same flags come from ``/proc/cpuinfo``."""
     import subprocess
 
-    from toolkit.measure import harness
+    from toolkit import cpu as machine
 
-    harness._cpu_fields.cache_clear()
-    cpu = harness.cpu_isa()
-    assert cpu["model"] and set(cpu["flags"]) <= set(harness.CPU_ISA_FLAGS)
-    assert list(cpu["flags"]) == [f for f in harness.CPU_ISA_FLAGS if f in cpu["flags"]]  # in the table's order
-    assert environment()["cpu"] == cpu and harness.cpu_line(cpu).startswith(cpu["model"])
+    machine._cpu_fields.cache_clear()
+    cpu = machine.cpu_isa()
+    assert cpu["model"] and set(cpu["flags"]) <= set(machine.CPU_ISA_FLAGS)
+    assert list(cpu["flags"]) == [f for f in machine.CPU_ISA_FLAGS if f in cpu["flags"]]  # in the table's order
+    assert environment()["cpu"] == cpu and machine.cpu_line(cpu).startswith(cpu["model"])
 
     def missing(*args, **kwargs):
         raise FileNotFoundError("lscpu")
 
     monkeypatch.setattr(subprocess, "run", missing)
-    harness._cpu_fields.cache_clear()
+    machine._cpu_fields.cache_clear()
     try:
-        fallback = harness.cpu_isa()
+        fallback = machine.cpu_isa()
     finally:
-        harness._cpu_fields.cache_clear()
+        machine._cpu_fields.cache_clear()
     if Path("/proc/cpuinfo").exists():
         assert fallback["flags"] == cpu["flags"] and fallback["model"] != "?"
     else:

@@ -17,6 +17,7 @@ from typing import Self
 
 import torch
 
+from toolkit.cpu import cpu_isa
 from toolkit.engine.forward import TargetForward
 from toolkit.kv.static import capacity_for
 from toolkit.speculative.cost_model import VerifyCost, extend
@@ -113,27 +114,19 @@ def measure_verify_cost(model, max_tokens: int = 16, context: int = 256, repeats
 
 
 def cost_key(model) -> str:
-    """What the curve depends on: architecture and sizes, weight formats, device, torch threads and version."""
+    """What the curve depends on: architecture and sizes, weight formats, device (a CPU's model and instruction-set
+    flags), torch threads and version."""
     params = list(model.parameters())
     formats = sorted({f"{type(p.data).__name__}:{p.dtype}" for p in params})
     device = params[0].device
     if device.type == "cuda":
         hardware = torch.cuda.get_device_name(device)
     else:
-        hardware = f"{platform.machine()} {_cpu_name()} x{torch.get_num_threads()}"
+        cpu = cpu_isa()  # the ISA flags too: machines named alike ("AMD EPYC") differ in kernels by them
+        hardware = f"{platform.machine()} {cpu['model']} {' '.join(cpu['flags'])} x{torch.get_num_threads()}"
     parts = [model.config.to_json_string(use_diff=False), ",".join(formats), getattr(model, "toolkit_backend", ""),
              hardware, torch.__version__, str(sum(p.numel() for p in params))]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
 
 
 def load_or_measure(model, max_tokens: int = 16, cache_dir: Path | None = None, forward=None) -> VerifyCost:

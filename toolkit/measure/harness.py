@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import os
 import platform
 import statistics
@@ -28,6 +27,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+from toolkit.cpu import cpu_isa
 
 from toolkit.measure.timing import Summary
 from toolkit.recipe import GenerationSpec
@@ -229,50 +230,9 @@ def measure(runners: dict[str, Runner], prompts: list[Prompt], gen: GenerationSp
     return result
 
 
-#: the instruction-set flags (``lscpu``'s names) a CPU figure depends on: AVX2-only and AVX-512 (VNNI / BF16) or AMX
-#: machines differ by kernel, so every CPU result states which of these its machine has
-CPU_ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-                 "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
-
-
-def cpu_isa() -> dict:
-    """This CPU as a CPU figure states it: ``{"model": lscpu's model name, "flags": which of`` :data:`CPU_ISA_FLAGS`
-    ``it has, "cores": logical CPUs}``, read from ``lscpu`` (``/proc/cpuinfo`` where it is missing; ``"?"`` and no
-    flags where neither is) once per process."""
-    model, flags, cores = _cpu_fields()
-    have = set(flags.split())
-    return {"model": model, "flags": [f for f in CPU_ISA_FLAGS if f in have], "cores": cores}
-
-
-@functools.cache
-def _cpu_fields() -> tuple[str, str, str]:
-    """``(model name, flags, logical CPUs)`` as ``lscpu`` (or ``/proc/cpuinfo``) gives them."""
-    import subprocess
-
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=False, timeout=30).stdout
-        fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in text.splitlines() if ":" in line)}
-        model, flags, cores = fields.get("Model name", "?"), fields.get("Flags", ""), fields.get("CPU(s)", "?")
-    except (OSError, subprocess.SubprocessError):
-        model, flags, cores = "?", "", str(os.cpu_count() or "?")
-    if not flags and os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            info = [line.split(":", 1) for line in f if ":" in line]
-        first = {k.strip(): v.strip() for k, v in reversed(info)}  # the first processor's fields win
-        model, flags = first.get("model name", model), first.get("flags", "")
-    return model, flags, cores
-
-
-def cpu_line(cpu: dict | None = None) -> str:
-    """``cpu`` (default: :func:`cpu_isa` of this machine) in one line for reports: ``AMD EPYC (2 CPUs); avx avx2 fma
-    f16c``."""
-    cpu = cpu or cpu_isa()
-    return f"{cpu['model']} ({cpu['cores']} CPUs); {' '.join(cpu['flags']) or 'no AVX'}"
-
-
 def environment() -> dict:
     """Hardware and library versions, recorded with every result (runs, evaluations, found recipes); on a CPU its
-    model and instruction-set flags (:func:`cpu_isa`)."""
+    model and instruction-set flags (:func:`toolkit.cpu.cpu_isa`)."""
     import transformers
 
     try:
