@@ -44,7 +44,6 @@ sys.path.insert(0, str(ROOT))
 
 from eval.metrics import perplexity_through_cache  # noqa: E402
 from eval.runners import engine_runners, ours_runner, runners_for, static_cache_len  # noqa: E402
-from toolkit.cpu import cpu_line  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_png, atomic_write_text  # noqa: E402
 from toolkit.kv import make_policy  # noqa: E402
 from toolkit.measure.harness import Prompt, environment, measure  # noqa: E402
@@ -195,7 +194,7 @@ def perplexities(generators: dict, tokens: int) -> dict:
 
 def markdown(report: dict) -> str:
     env = report["environment"]
-    lines = [f"# KV compression at ~4k-token context ({env.get('hardware')}; {env.get('cpu_flags', '')})", "",
+    lines = [f"# KV compression at ~4k-token context ({env.get('hardware')})", "",
              "Paths: " + "; ".join(f"{k}: {v}" for k, v in report["paths"].items()), ""]
     for suite in report["suites"]:
         cpp = LLAMACPP in suite["summary"]
@@ -266,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     variants = {"none": policies(args.budget)["none"]} | variants
     generators = {name: build(recipe_for(name, kv, mode, args.max_new_tokens), pool=SHARED_POOL)
                   for name, (kv, mode) in variants.items()}
-    report = {"environment": environment() | {"cpu_flags": cpu_line()}, "budget": args.budget, "max_new_tokens": args.max_new_tokens,
+    report = {"environment": environment(), "budget": args.budget, "max_new_tokens": args.max_new_tokens,
               "paths": {name: g.engine_note for name, g in generators.items()}, "suites": []}
     for suite in args.suites:
         report["suites"].append(run_suite(suite, generators, args.repeats, args.max_new_tokens, args.num_prompts,

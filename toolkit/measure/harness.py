@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from toolkit.cpu import cpu_isa
+from toolkit.cpu import cpu_isa, cpu_line
 
 from toolkit.measure.timing import Summary
 from toolkit.recipe import GenerationSpec
@@ -253,5 +253,6 @@ def environment() -> dict:
         info["gpu"] = torch.cuda.get_device_name(0)
     else:
         info["cpu"] = cpu_isa()
-    info["hardware"] = info.get("gpu") or f"{platform.processor() or platform.machine()} CPU x{cpu_count}"
+    # what every report's "device" / "Hardware" line prints: the GPU, or the CPU's model, logical CPUs and ISA flags
+    info["hardware"] = info.get("gpu") or f"{platform.machine()} CPU: {cpu_line(info['cpu'])}"
     return info
