@@ -131,13 +131,18 @@ def llamacpp_runner(path: str, threads: int, eos: set[int], lookup_tokens: int =
 
 
 def suite_result(measured, methods: list[str]) -> dict:
-    """Per prompt and overall: median tok/s per method, ours' ratios, τ, greedy identity with llama.cpp AR."""
+    """Per prompt and overall: median tok/s per method, ours' ratios, τ, greedy identity with llama.cpp AR; per prompt
+    also each method's new tokens and TPOT (ms a token after the first): where the texts part at a near-tie and stop
+    at different lengths, tok/s (prompt included) spreads the prefill over different counts, and TPOT tells the decode
+    speeds apart."""
     rows = []
     for i, prompt in enumerate(measured.prompts):
-        row = {"prompt": prompt.id, "kind": prompt.kind}
+        row = {"prompt": prompt.id, "kind": prompt.kind, "new_tokens": {}, "tpot_ms": {}}
         for m in methods:
             calls = measured.per_prompt(m, i)
             row[m] = statistics.median(c.stats.throughput for c in calls)
+            row["new_tokens"][m] = calls[-1].stats.new_tokens
+            row["tpot_ms"][m] = statistics.median(c.stats.tpot_ms for c in calls)
         ours = measured.per_prompt("ours", i)[-1]
         row["tau"] = ours.stats.tokens_per_round
         row["identical_to_llamacpp_ar"] = ours.token_ids == measured.per_prompt("llamacpp_ar", i)[-1].token_ids
@@ -154,20 +159,25 @@ def markdown(report: dict) -> str:
              f"llama-cpp-python {report['llama_cpp']}, {report['threads']} thread(s), GGUF {report['gguf']}, "
              f"{report.get('kv', 'f16')} KV cache; recipe {report['recipe']} on llama.cpp; "
              f"{report['max_new_tokens']} new tokens, median of {report['repeats']} "
-             "interleaved repetitions, tok/s including the prompt.", "",
+             "interleaved repetitions, tok/s including the prompt (where the texts part and stop at different lengths, "
+             "the new tokens and TPOT columns tell the decode speeds apart).", "",
              f"Verify cost curve through llama.cpp (ms for 1..16 tokens): {report['verify_ms']}", ""]
     for suite, result in report["suites"].items():
         methods = list(result["overall"])
         lines += [f"## {suite}", "", "| prompt | " + " | ".join(COLUMNS[m] for m in methods) +
-                  " | ours / AR | ours / PL | τ | = llama.cpp AR |", "|---" * (len(methods) + 5) + "|"]
+                  " | ours / AR | ours / PL | τ | = llama.cpp AR | new tokens ours / AR | TPOT ms ours / AR |",
+                  "|---" * (len(methods) + 7) + "|"]
         for row in result["rows"]:
+            tokens, tpot = row.get("new_tokens", {}), row.get("tpot_ms", {})  # absent in reports before 2026-11-28
             lines.append(f"| {row['prompt']} | " + " | ".join(f"{row[m]:.1f}" for m in methods) +
                          f" | {row['ours'] / row['llamacpp_ar']:.2f}x | {row['ours'] / row['llamacpp_lookup']:.2f}x"
-                         f" | {row['tau']:.2f} | {'yes' if row['identical_to_llamacpp_ar'] else 'NO'} |")
+                         f" | {row['tau']:.2f} | {'yes' if row['identical_to_llamacpp_ar'] else 'NO'} | "
+                         + (f"{tokens['ours']} / {tokens['llamacpp_ar']} | {tpot['ours']:.1f} / "
+                            f"{tpot['llamacpp_ar']:.1f} |" if tokens else "- | - |"))
         r = result["ratios"]
         lines += ["| all | " + " | ".join(f"{result['overall'][m]:.1f}" for m in methods) +
                   f" | {r['ours_vs_llamacpp_ar']:.2f}x | {r['ours_vs_llamacpp_lookup']:.2f}x | {result['tau']:.2f} "
-                  "| |", ""]
+                  "| | | |", ""]
     return "\n".join(lines) + "\n"
 
 
