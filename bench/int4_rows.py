@@ -23,7 +23,6 @@ import argparse
 import statistics
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -53,16 +52,13 @@ def time_us(fn, repeats: int, budget_s: float = 0.05) -> float:
 def layer_kinds(model) -> dict[tuple, dict]:
     """``{(out_features, in_features, planes): {"count", "names", "module"}}`` over the model's 4-bit layers."""
     kinds: dict[tuple, dict] = {}
-    counts: Counter = Counter()
     for name, module in model.named_modules():
         if isinstance(module, PackedInt4Linear):
             key = (module.out_features, module.in_features, module.planes)
-            counts[key] += 1
-            entry = kinds.setdefault(key, {"names": [], "module": module})
+            entry = kinds.setdefault(key, {"count": 0, "names": [], "module": module})
+            entry["count"] += 1
             if len(entry["names"]) < 2:
                 entry["names"].append(name)
-    for key, entry in kinds.items():
-        entry["count"] = counts[key]
     return kinds
 
 

@@ -52,8 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from eval.runners import llamacpp_variant, ours_runner  # noqa: E402
-from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from toolkit.cpu import cpu_isa, cpu_line  # noqa: E402
+from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from toolkit.measure.harness import Call, Prompt, environment, measure, spread  # noqa: E402
 from toolkit.measure.prompts import load_suite  # noqa: E402
 from toolkit.recipe import Recipe  # noqa: E402

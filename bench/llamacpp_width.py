@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from llamacpp_backend import FTYPES, SUITES, requantized  # noqa: E402
 
-from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from toolkit.cpu import cpu_isa, cpu_line  # noqa: E402
+from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from toolkit.measure.harness import spread  # noqa: E402
 from toolkit.measure.prompts import load_suite  # noqa: E402
 

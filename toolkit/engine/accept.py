@@ -34,9 +34,17 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     widening). A decode round reads it once per verify, right after the target's forward."""
     if not on_host(logits) or logits.requires_grad:
         return logits.argmax(-1)
+    return torch.from_numpy(np.asarray(_argmax_on_host(logits)))
+
+
+def _argmax_on_host(logits: torch.Tensor) -> np.ndarray:
+    """:func:`greedy`'s NumPy argmax of CPU ``logits`` ``(..., vocab)`` -> ``(...)`` int64 (bf16 / fp16 widened to fp32
+    first, which is exact; a tensor that requires grad read detached)."""
+    if logits.requires_grad:
+        logits = logits.detach()
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
-    return torch.from_numpy(np.asarray(np.argmax(logits.numpy(), -1)))
+    return np.argmax(logits.numpy(), -1)
 
 
 def choose(logits: torch.Tensor, gen, generator: torch.Generator | None) -> torch.Tensor:
@@ -87,11 +95,9 @@ def _greedy_on_host(logits: torch.Tensor, inputs: torch.Tensor, drafted: torch.T
     """:func:`accept`'s greedy branch for CPU logits, the same steps in NumPy: a round's tensors are a few dozen
     numbers after the argmax, where each ATen call costs more than its work (on the 2-core machine, one position: 24
     against 43 us hot; 180-190 against 256-280 us a round inside the llama.cpp backend's decode loop, where a decode
-    has just streamed the weights through the caches). The argmax reads the logits' own NumPy view (fp32; bf16 /
-    fp16 widened first, as :func:`greedy`), and the result is one NumPy array handed to torch once."""
-    logits = logits.detach() if logits.requires_grad else logits
-    scores = logits.numpy() if logits.dtype == torch.float32 else logits.float().numpy()
-    best = scores.argmax(-1)  # (B, W)
+    has just streamed the weights through the caches). The argmax reads the logits' own NumPy view
+    (:func:`_argmax_on_host`, as :func:`greedy`), and the result is one NumPy array handed to torch once."""
+    best = _argmax_on_host(logits)  # (B, W)
     rows, width = best.shape
     result = np.zeros((rows, 2), np.int64)
     if width == 1:  # a plain step: nothing to compare

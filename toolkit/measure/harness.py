@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 import torch
 
 from toolkit.cpu import cpu_isa, cpu_line
-
 from toolkit.measure.timing import Summary
 from toolkit.recipe import GenerationSpec
 from toolkit.speculative.stats import GenerationStats
