@@ -4,7 +4,7 @@ AR and llama.cpp's own prompt-lookup decoding, on the same GGUF file, in one pro
     make bench-llamacpp-backend       # builds / installs the [llamacpp] extra first (make llamacpp)
     PYTHONPATH=. .venv/bin/python bench/llamacpp_backend.py [--recipe short] [--suites short-heldout unseen ...]
         [--num-prompts N] [--max-new-tokens 96] [--repeats 3] [--threads 2] [--gguf FILE | --requantize Q4_K_M]
-        [--kv q8_0]
+        [--kv q8_0] [--eagle [--eagle-k 3]]
         [--out bench/reports/llamacpp-backend]
 
 Methods, each on the same prompt token ids (the recipe's chat template), greedy, the same EOS ids and
@@ -15,7 +15,9 @@ Methods, each on the same prompt token ids (the recipe's chat template), greedy,
   verify cost curve measured through llama.cpp (cached per machine);
 * ``llamacpp_ar`` — ``Llama.generate`` with temperature 0 (argmax), a context of its own, reset before each request;
 * ``llamacpp_lookup`` — the same with llama.cpp's Python prompt-lookup drafter (``LlamaPromptLookupDecoding``,
-  ``--lookup-tokens`` per draft, n-gram ``--max-ngram``).
+  ``--lookup-tokens`` per draft, n-gram ``--max-ngram``);
+* ``ours_eagle`` (with ``--eagle``) — the same target on llama.cpp with the shipped EAGLE-1 head drafting from
+  llama.cpp's embeddings output (bf16 head on torch, up to ``--eagle-k`` tokens, the recipe's verify-length rule).
 
 Protocol (:func:`toolkit.measure.harness.measure`): one warm-up call per method, then ``--repeats`` repetitions,
 methods interleaved per prompt with the order rotated between repetitions, the drafter's memory cleared before each
@@ -64,7 +66,8 @@ from toolkit.speculative_lm import build  # noqa: E402
 
 SUITES = {"short-heldout": "short-heldout", "unseen": str(ROOT / "bench/prompts/unseen.yaml"), "short": "short",
           "repeat": "repeat"}
-COLUMNS = {"ours": "ours on llama.cpp", "llamacpp_ar": "llama.cpp AR", "llamacpp_lookup": "llama.cpp prompt lookup"}
+COLUMNS = {"ours": "ours on llama.cpp", "llamacpp_ar": "llama.cpp AR", "llamacpp_lookup": "llama.cpp prompt lookup",
+           "ours_eagle": "ours on llama.cpp, EAGLE head"}
 FTYPES = {"Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
 
 
@@ -149,7 +152,8 @@ def suite_result(measured, methods: list[str]) -> dict:
         rows.append(row)
     overall = {m: measured.speed(m)["throughput"]["median"] for m in methods}
     ratios = {f"ours_vs_{m}": measured.paired_ratio("ours", m) for m in methods if m != "ours"}
-    return {"rows": rows, "overall": overall, "ratios": ratios, "tau": measured.tau("ours")}
+    taus = {m: measured.tau(m) for m in methods if m.startswith("ours")}
+    return {"rows": rows, "overall": overall, "ratios": ratios, "tau": taus["ours"], "taus": taus}
 
 
 def markdown(report: dict) -> str:
@@ -178,6 +182,10 @@ def markdown(report: dict) -> str:
         lines += ["| all | " + " | ".join(f"{result['overall'][m]:.1f}" for m in methods) +
                   f" | {r['ours_vs_llamacpp_ar']:.2f}x | {r['ours_vs_llamacpp_lookup']:.2f}x | {result['tau']:.2f} "
                   "| | | |", ""]
+        if "ours_eagle" in methods:
+            eagle = result["overall"]["ours_eagle"] / result["overall"]["llamacpp_ar"]
+            lines += [f"EAGLE head on llama.cpp: {eagle:.2f}x llama.cpp AR (medians), τ {result['taus']['ours_eagle']:.2f}; "
+                      f"ours (lookup) / ours EAGLE {r['ours_vs_ours_eagle']:.2f}x.", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -196,6 +204,8 @@ def main() -> None:
                         help="run the recipe's GGUF re-quantized to this type by llama.cpp (cached)")
     parser.add_argument("--kv", choices=["f16", "q8_0"], default="f16",
                         help="every method's KV cache type (q8_0: keys and values, flash attention)")
+    parser.add_argument("--eagle", action="store_true", help="add the shipped EAGLE-1 head on llama.cpp as a method")
+    parser.add_argument("--eagle-k", type=int, default=3, help="the EAGLE method's most draft tokens a round")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/reports/llamacpp-backend")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -218,6 +228,13 @@ def main() -> None:
     runners = {"ours": ours_runner(ours, sorted(eos)),
                "llamacpp_ar": llamacpp_runner(path, args.threads, eos, kv=args.kv),
                "llamacpp_lookup": llamacpp_runner(path, args.threads, eos, args.lookup_tokens, args.max_ngram, args.kv)}
+    eagle = None
+    if args.eagle:
+        spec = {"drafter": "eagle", "num_draft_tokens": args.eagle_k, "adaptive": recipe.spec.adaptive}
+        data = {**recipe.to_dict(), "name": f"{recipe.name}-eagle", "spec": spec,
+                "draft": {"source": "embedded", "precision": "bf16"}}
+        eagle = build(Recipe.from_dict(data), target=ours.target, tokenizer=ours.tokenizer)
+        runners["ours_eagle"] = ours_runner(eagle, sorted(eos))
     import llama_cpp
 
     report = {"cpu": cpu_isa(), "environment": environment(), "llama_cpp": llama_cpp.__version__,
@@ -230,7 +247,7 @@ def main() -> None:
         items = [Prompt(p.id, p.kind, ours.encode(p.prompt, f"prompts.{p.id}")) for p in prompts]
         measured = measure(runners, items, gen, repeats=args.repeats, warmup=1, rotate=True, desc=suite,
                            warm_gen=dataclasses.replace(gen, max_new_tokens=min(16, gen.max_new_tokens)),
-                           before_repetition=lambda rep: ours.forget())
+                           before_repetition=lambda rep: [lm.forget() for lm in (ours, eagle) if lm is not None])
         report["suites"][suite] = suite_result(measured, list(runners))
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out / "llamacpp_backend.json", report)

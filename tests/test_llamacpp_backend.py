@@ -59,15 +59,14 @@ def test_what_llama_cpp_cannot_run_is_one_error_naming_the_field(target, kv, fie
     assert info.value.field == field
 
 
-def test_llama_cpp_refuses_trees_batches_eagle_and_draft_sections():
+def test_llama_cpp_refuses_trees_batches_and_draft_sections_on_it():
     with pytest.raises(ConfigError, match="spec.tree"):
         recipe = _recipe()
         recipe.spec.tree = True
         plan(recipe)
     with pytest.raises(ConfigError, match="batch_size"):
         plan(_recipe(batch_size=2))
-    with pytest.raises(ConfigError, match="spec.drafter"):
-        plan(_recipe(drafter="eagle", draft=ModelSpec(source="embedded", precision="fp32")))
+    assert plan(_recipe(drafter="eagle", draft=ModelSpec(source="embedded", precision="fp32"))).recipe
     with pytest.raises(ConfigError, match="draft.backend"):
         plan(_recipe(drafter="draft_model", draft=ModelSpec(source="embedded", precision="native",
                                                             backend="llama.cpp")))
@@ -75,6 +74,22 @@ def test_llama_cpp_refuses_trees_batches_eagle_and_draft_sections():
     with pytest.raises(ConfigError, match="kv.type_k"):
         plan(_recipe(kv={"policy": "ggml_types", "type_k": "q2_k"}))
     assert plan(_recipe(kv={"policy": "ggml_types", "type_k": "q8_0", "type_v": "q4_0"})).target_policy is not None
+
+
+def test_an_eagle_head_beside_llama_cpp_must_read_the_final_norm_output():
+    """llama.cpp hands out its embeddings (the final norm's output): an EAGLE-1 head reads that, an EAGLE-3 head's
+    intermediate layers are refused when it is loaded, naming draft.source."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from toolkit.engine.llamacpp_forward import check_head
+
+    target = SimpleNamespace(config=LlamaConfig(num_hidden_layers=30))
+    check_head(target, SimpleNamespace(config=SimpleNamespace(variant="eagle1", feature_layers=[-1])))
+    with pytest.raises(ConfigError) as info:
+        check_head(target, SimpleNamespace(config=SimpleNamespace(variant="eagle3", feature_layers=[1, 14, 26])))
+    assert info.value.field == "draft.source" and "EAGLE-1" in str(info.value)
 
 
 # ------------------------------------------------------------------------------------------------ on llama.cpp
@@ -158,6 +173,34 @@ def test_on_a_q8_0_cache_verify_width_changes_no_logit_so_greedy_equals_llama_cp
     out = q8.generate(prompt, max_new_tokens=64)  # the lookup drafter remembers the first request
     assert out.stats.tokens_per_round > 1.5 and ids.shape[1] + 64 > 200
     assert out.token_ids == _llama_ar(generator.target, out.prompt_ids, 64, kv="q8_0")
+
+
+@NEEDS_LLAMACPP
+@pytest.mark.slow
+def test_eagle_head_drafts_from_llama_cpps_embeddings_and_greedy_equals_its_ar(generator):
+    """The shipped EAGLE-1 head beside the GGUF on llama.cpp: its features are llama.cpp's embeddings output, which is
+    the final norm's hidden state (the file's LM head over it gives llama.cpp's own logits), and greedy output equals
+    llama.cpp's greedy AR (q8_0 cache with flash attention: verify width changes no logit) with drafts accepted."""
+    from toolkit.eagle.checkpoint import dense_weight
+    from toolkit.engine.llamacpp_forward import FINAL_NORM
+
+    kv = {"policy": "ggml_types", "type_k": "q8_0", "type_v": "q8_0"}
+    recipe = _recipe(kv=kv, drafter="eagle", draft=ModelSpec(source="embedded", precision="bf16"))
+    recipe.spec.num_draft_tokens = 2
+    lm = toolkit.build(recipe, target=generator.target, tokenizer=generator.tokenizer)
+    ids = lm.encode(PROMPT)
+    forward = lm.engine
+    cache = forward.cache_for(None, 1, 256, 8)
+    _, kwargs = cache.begin_row(ids.shape[1])
+    logits, features = forward.prefill(ids, kwargs, FINAL_NORM)
+    cache.keep_rows([])
+    assert features.shape == (1, ids.shape[1], generator.target.config.hidden_size)
+    own = features[0, -1] @ dense_weight(generator.target.get_output_embeddings()).float().T
+    assert torch.cosine_similarity(own, logits, dim=0) > 0.999 and int(own.argmax()) == int(logits.argmax())
+    out = lm.generate(PROMPT, max_new_tokens=40)
+    assert "embeddings for the EAGLE head" in lm.engine_note
+    assert out.stats.accepted > 0 and out.stats.tokens_per_round > 1.0
+    assert out.token_ids == _llama_ar(generator.target, out.prompt_ids, 40, kv="q8_0")
 
 
 @NEEDS_LLAMACPP

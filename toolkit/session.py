@@ -174,6 +174,12 @@ def load_models(p: Plan, pool: ModelPool | None = None, target=None, tokenizer=N
             from toolkit.eagle.precision import load_recipe_head
 
             draft_model = load_recipe_head(recipe.draft, target)
+            from toolkit.models.llamacpp import is_llamacpp
+
+            if is_llamacpp(target):  # it must read what llama.cpp hands out
+                from toolkit.engine.llamacpp_forward import check_head
+
+                check_head(target, draft_model)
         return target, tokenizer, draft_model, None
     if p.draft_spec is None:
         return target, tokenizer, None, None

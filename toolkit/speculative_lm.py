@@ -189,7 +189,8 @@ class SpeculativeLM:
         if self._engine is None and is_llamacpp(self.target):  # the GGUF on llama.cpp (target.backend)
             from toolkit.engine.llamacpp_forward import forward_for as llamacpp_forward_for
 
-            self._engine, self.engine_note = llamacpp_forward_for(self.recipe, self.target, self.plan)
+            self._engine, self.engine_note = llamacpp_forward_for(self.recipe, self.target, self.plan,
+                                                                  self._features())
             log.info("decoding path: %s", self.engine_note)
         if self._engine is None:
             self._engine, self.engine_note = forward_for(self.recipe, self.target, self.plan, self.capabilities)

@@ -310,9 +310,11 @@ def load_head(source: str | Path, target, field: str = "draft.source", dtype: to
             vocabulary that does not fit the target.
     """
     from toolkit.eagle.features import decoder_layers
+    from toolkit.models.llamacpp import is_llamacpp
 
     try:
-        decoder_layers(target)
+        if not is_llamacpp(target):  # a llama.cpp target hands out its final-norm features without torch layers
+            decoder_layers(target)
     except AttributeError as exc:
         raise ConfigError(field, f"an EAGLE head needs a decoder-only target with a list of decoder layers "
                           f"({exc})") from exc

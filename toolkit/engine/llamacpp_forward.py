@@ -9,6 +9,12 @@ LlamaCppCache`.
 * **rollback** — ``llama_memory_seq_rm`` past the kept tokens (the cache's ``accept``).
 * **prefill** — the prompt in ``llama_decode`` calls of up to :data:`~toolkit.models.llamacpp.N_BATCH` tokens,
   logits of the last position only.
+* **features for an EAGLE-1 head** — the head reads the target's last layer after the final norm, which is what
+  llama.cpp's embeddings output is (pooling none: one ``n_embd`` row per output position, ``llama_get_embeddings``).
+  With such a head the context is made with embeddings on, and each verify forward returns ``(logits, features
+  (1, W, H))`` from the same decode; the prefill then flags every prompt position as an output (the head needs
+  every position's feature), so llama.cpp also runs the LM head over the prompt. An EAGLE-3 head reads three
+  intermediate layers, which llama.cpp's API does not return: :func:`check_head` refuses it.
 
 Greedy and sampling stay lossless: the target distribution is llama.cpp's logits, which the decoder's accept step
 (:mod:`toolkit.engine.accept`) treats like any target's. Batched verify (``W`` positions in one ``llama_decode``) runs
@@ -36,6 +42,10 @@ from toolkit.kv.static import CAPACITY_STEP
 from toolkit.models.llamacpp import LLAMACPP, N_BATCH
 from toolkit.threads import warn_passive_wait
 
+#: the hidden states llama.cpp hands out (``hidden_states[-1]`` in HF's indexing: the final norm's output, what an
+#: EAGLE-1 head reads; :func:`toolkit.eagle.features.hidden_indices`)
+FINAL_NORM = (-1,)
+
 
 class LlamaCppForward:
     """The decoder's target forward on llama.cpp (see the module docstring).
@@ -44,6 +54,11 @@ class LlamaCppForward:
         target: the :class:`~toolkit.models.llamacpp.LlamaCppTarget`.
         policy: the target's KV policy (its :func:`~toolkit.kv.llamacpp_cache.llamacpp_form` picks the context's
             cache types and StreamingLLM's shift).
+        features: the hidden states the recipe's drafter reads: ``()`` or :data:`FINAL_NORM` (an EAGLE-1 head: the
+            context then hands out llama.cpp's embeddings, each output position's final-norm hidden state).
+
+    Raises:
+        ValueError: ``features`` llama.cpp cannot give (:func:`check_head` refuses such a head first).
 
     Attributes:
         llama: the ``llama_cpp.Llama`` (model + context) the forwards run on.
@@ -56,19 +71,22 @@ class LlamaCppForward:
     tuned = False
     backend = None  # no torch.compile backend: nothing here compiles (a torch draft beside it runs eager)
 
-    def __init__(self, target, policy=None):
+    def __init__(self, target, policy=None, features: tuple[int, ...] = ()):
         import llama_cpp
 
-        self.model, self.llama_cpp = target, llama_cpp
+        if features not in ((), FINAL_NORM):
+            raise ValueError(f"features: llama.cpp hands out {FINAL_NORM} (the final norm's output) or nothing, not "
+                             f"{features} (check_head refuses such a head when it is loaded)")
+        self.model, self.llama_cpp, self.features = target, llama_cpp, features
         warn_passive_wait()  # ggml's per-operation barriers are OpenMP barriers
         self.form: LlamaCppForm = llamacpp_form(policy)
-        self.llama = target.context(self.form.type_k, self.form.type_v)
+        self.llama = target.context(self.form.type_k, self.form.type_v, embeddings=bool(features))
         self.device = torch.device("cpu")
-        self.n_vocab = int(self.llama.n_vocab())
+        self.n_vocab, self.n_embd = int(self.llama.n_vocab()), int(self.llama.n_embd())
         self.compile_ms = 0.0
         self.widths = (N_BATCH,)
         self._token_bytes = bytes_per_token(target.config, self.form)
-        self._row_types: dict[int, type] = {}  # rows -> ctypes array type of (rows, vocab) floats (see _logits)
+        self._row_types: dict[int, type] = {}  # floats -> ctypes array type of as many (see _host)
         self._batch = llama_cpp.llama_batch_init(N_BATCH, 0, 1)
         # freed with the forward, or at exit while llama_cpp is still whole (a __del__ there would find it torn down)
         weakref.finalize(self, llama_cpp.llama_batch_free, self._batch)
@@ -119,43 +137,64 @@ class LlamaCppForward:
                                f"{self.model.n_ctx} tokens)")
 
     def _logits(self, rows: int) -> np.ndarray:
-        """The last decode's ``rows`` output rows of logits, copied (the buffer is llama.cpp's and the next decode
-        overwrites it): ``(rows, vocab)`` fp32 in NumPy, which the callers hand to torch in the shape they return. The
-        view goes through a ctypes array type made once per row count (``np.ctypeslib.as_array`` makes a new type
-        every call: median 87 against 67 us inside the decode loop on the 2-core AVX2 EPYC, where this is the first
-        host work after a decode has flushed the caches; the copy ~32 us)."""
-        array = self._row_types.get(rows)
-        if array is None:
-            array = self._row_types[rows] = ctypes.c_float * (rows * self.n_vocab)
-        pointer = self.llama_cpp.llama_get_logits(self.llama.ctx)
-        view = np.frombuffer(array.from_address(ctypes.addressof(pointer.contents)), dtype=np.float32)
-        return view.reshape(rows, self.n_vocab).copy()
+        """The last decode's ``rows`` output rows of logits: ``(rows, vocab)`` fp32 in NumPy (:meth:`_host`)."""
+        return self._host(self.llama_cpp.llama_get_logits(self.llama.ctx), rows, self.n_vocab)
 
-    def prefill(self, input_ids: torch.Tensor, kwargs: dict, hidden: tuple[int, ...] = ()) -> torch.Tensor:
+    def _host(self, pointer, rows: int, width: int) -> np.ndarray:
+        """``(rows, width)`` floats of llama.cpp's output buffer at ``pointer``, copied (the next decode overwrites
+        it), which the callers hand to torch in the shape they return. The view goes through a ctypes array type made
+        once per size (``np.ctypeslib.as_array`` makes a new type every call: median 87 against 67 us inside the
+        decode loop on the 2-core AVX2 EPYC, where this is the first host work after a decode has flushed the caches;
+        the copy ~32 us)."""
+        array = self._row_types.get(rows * width)
+        if array is None:
+            array = self._row_types[rows * width] = ctypes.c_float * (rows * width)
+        view = np.frombuffer(array.from_address(ctypes.addressof(pointer.contents)), dtype=np.float32)
+        return view.reshape(rows, width).copy()
+
+    def _features(self, rows: int) -> torch.Tensor:
+        """The last decode's ``rows`` output positions' final-norm hidden states ``(1, rows, H)`` (llama.cpp's
+        embeddings output, pooling none)."""
+        pointer = self.llama_cpp.llama_get_embeddings(self.llama.ctx)
+        return torch.from_numpy(self._host(pointer, rows, self.n_embd)).unsqueeze(0)
+
+    def prefill(self, input_ids: torch.Tensor, kwargs: dict, hidden: tuple[int, ...] = ()):
         """The prompt ``(1, n)`` into the cache of ``kwargs`` (a cache's ``begin_row``), in chunks of
-        :data:`N_BATCH`; logits ``(vocab,)`` of its last position. ``hidden`` (features a drafter reads) must be
-        empty: llama.cpp hands out no hidden states (:func:`check_plan` refuses EAGLE heads)."""
-        _no_features(hidden)
+        :data:`N_BATCH`; logits ``(vocab,)`` of its last position, or with ``hidden`` (:data:`FINAL_NORM`, what this
+        forward was made with) ``(logits, features (1, n, H))``: every position is then an output, so llama.cpp also
+        runs the LM head over the whole prompt. Raises ``ValueError`` for other ``hidden``."""
+        self._check_features(hidden)
         cache: LlamaCppCache = kwargs["llama_cache"]
-        ids = input_ids[0].tolist()
+        ids, features = input_ids[0].tolist(), []
         for start in range(0, len(ids), N_BATCH):
             chunk = ids[start:start + N_BATCH]
-            self._decode(chunk, cache.held, all_logits=False)
+            self._decode(chunk, cache.held, all_logits=bool(hidden))
+            if hidden:
+                features.append(self._features(len(chunk)))
             cache.written(len(chunk))
         cache.written(0)  # the prompt is kept whole (add_row sets the length)
-        return torch.from_numpy(self._logits(1)[0])
+        last = self.llama_cpp.llama_get_logits_ith(self.llama.ctx, -1)
+        logits = torch.from_numpy(self._host(last, 1, self.n_vocab)[0])
+        return (logits, torch.cat(features, dim=1)) if hidden else logits
 
-    def __call__(self, cache: LlamaCppCache, input_ids: torch.Tensor, hidden: tuple[int, ...] = ()) -> torch.Tensor:
-        """Verify forward: ``input_ids`` ``(1, W)`` appended to the cache's sequence; logits ``(1, W, vocab)``.
-        Raises ``ValueError`` for ``B > 1``, ``W >`` :data:`N_BATCH` or features asked for (``hidden``)."""
-        _no_features(hidden)
+    def __call__(self, cache: LlamaCppCache, input_ids: torch.Tensor, hidden: tuple[int, ...] = ()):
+        """Verify forward: ``input_ids`` ``(1, W)`` appended to the cache's sequence; logits ``(1, W, vocab)``, or
+        with ``hidden`` ``(logits, features (1, W, H))`` from the same decode. Raises ``ValueError`` for ``B > 1``,
+        ``W >`` :data:`N_BATCH` or ``hidden`` other than this forward's features."""
+        self._check_features(hidden)
         rows, width = input_ids.shape
         if rows != 1 or width > N_BATCH:
             raise ValueError(f"input_ids: a llama.cpp forward takes (1, <= {N_BATCH}) tokens, got "
                              f"{tuple(input_ids.shape)}")
         self._decode(input_ids[0].tolist(), cache.held, all_logits=True)
         cache.written(width)
-        return torch.from_numpy(self._logits(width).reshape(1, width, self.n_vocab))
+        logits = torch.from_numpy(self._logits(width).reshape(1, width, self.n_vocab))
+        return (logits, self._features(width)) if hidden else logits
+
+    def _check_features(self, hidden: tuple[int, ...]) -> None:
+        if hidden and hidden != self.features:
+            raise ValueError(f"hidden: this llama.cpp forward hands out {self.features or 'no hidden states'} "
+                             f"(its context was made for them), not {hidden}")
 
     def warm_up(self, cache_factory, widths: tuple[int, ...] = (1, 2), rows: tuple[int, ...] = (1,)) -> float:
         """One prefill and a forward of each width on a scratch cache (llama.cpp compiles nothing; this touches the
@@ -172,26 +211,14 @@ class LlamaCppForward:
         return time.perf_counter() - began
 
 
-def _no_features(hidden: tuple[int, ...]) -> None:
-    if hidden:
-        raise ValueError("hidden: a llama.cpp target forward returns logits only (no hidden states for a drafter)")
-
-
 def check_plan(recipe, policies: dict) -> None:
     """What a recipe may combine with ``target.backend: llama.cpp`` (called by :func:`toolkit.session.plan`).
 
     Raises:
-        ConfigError: the KV policy has no llama.cpp form (``kv.policy`` or the field), an EAGLE head (it reads the
-            target's hidden states, which llama.cpp does not hand out: ``spec.drafter``), token trees
-            (``spec.tree``), or ``batch_size > 1``.
+        ConfigError: the KV policy has no llama.cpp form (``kv.policy`` or the field), token trees (``spec.tree``),
+            or ``batch_size > 1``. (An EAGLE head is checked when it is loaded: :func:`check_head`.)
     """
-    from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD
-
     llamacpp_form(policies["kv"], "kv")
-    if recipe.spec.config.draft == DRAFT_EAGLE_HEAD:
-        raise ConfigError("spec.drafter", "an EAGLE head drafts from the target's hidden states, which a llama.cpp "
-                          "target does not expose; use a draft model (it runs on torch beside it), lookup, suffix or "
-                          "ngram", ["lookup", "suffix", "ngram", "draft_model", "self"])
     if recipe.spec.tree:
         raise ConfigError("spec.tree", "token trees need a tree attention mask, which the llama.cpp target forward "
                           "does not take; verify chains", [False])
@@ -199,9 +226,28 @@ def check_plan(recipe, policies: dict) -> None:
         raise ConfigError("batch_size", "target.backend llama.cpp decodes one sequence at a time", [1])
 
 
-def forward_for(recipe, target, plan) -> tuple[LlamaCppForward, str]:
-    """``(LlamaCppForward, why)`` for a llama.cpp target (the ``compile`` field does not apply: nothing compiles)."""
-    engine = LlamaCppForward(target, plan.target_policy)
+def check_head(target, head) -> None:
+    """Whether an EAGLE ``head`` can draft beside llama.cpp ``target``: it must read what llama.cpp hands out, the
+    final norm's output (:data:`FINAL_NORM`: an EAGLE-1 head).
+
+    Raises:
+        ConfigError: naming ``draft.source``: a head reading other layers (EAGLE-3's three intermediate layers,
+            which ggml computes but llama.cpp's API does not return).
+    """
+    from toolkit.eagle.features import hidden_indices
+
+    if hidden_indices(target, head.config.feature_layers) != FINAL_NORM:
+        raise ConfigError("draft.source", f"this {head.config.variant} head reads the target's layers "
+                          f"{list(head.config.feature_layers)}; a llama.cpp target hands out only the final norm's "
+                          "output (its embeddings), which an EAGLE-1 head reads",
+                          ["an EAGLE-1 head (feature_layers [-1])"])
+
+
+def forward_for(recipe, target, plan, features: tuple[int, ...] = ()) -> tuple[LlamaCppForward, str]:
+    """``(LlamaCppForward, why)`` for a llama.cpp target (the ``compile`` field does not apply: nothing compiles);
+    ``features``: the hidden states the recipe's drafter reads (``()`` or :data:`FINAL_NORM`)."""
+    engine = LlamaCppForward(target, plan.target_policy, features)
     form = engine.form
     kv = f"KV {form.type_k}/{form.type_v}" + (f", context shift keeping {form.n_keep}" if form.shifts else "")
-    return engine, f"llama.cpp target forward ({target.describe()}; {kv}; compile does not apply)"
+    embeddings = "; with its embeddings for the EAGLE head" if features else ""
+    return engine, f"llama.cpp target forward ({target.describe()}; {kv}{embeddings}; compile does not apply)"

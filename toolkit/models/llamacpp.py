@@ -15,7 +15,9 @@ What is loaded, and why so little on the torch side:
 :class:`LlamaCppTarget` stands where the decoder, the request checks and the reports expect the target model: it is
 a :class:`torch.nn.Module` with the HF ``config`` and ``generation_config``, one empty CPU parameter (the device the
 decoder's tensors live on) and ``toolkit_weight_bytes`` (the GGUF file's size). It has no torch forward: calling it
-raises, so nothing can silently run a torch path on it (the HF baselines, EAGLE heads reading hidden states).
+raises, so nothing can silently run a torch path on it (the HF baselines). An EAGLE-1 head runs beside it on torch:
+its features are llama.cpp's embeddings output (the final norm's hidden state per position) and its token embedding
+and LM head rows are the torch path's modules of the same file (:meth:`LlamaCppTarget.shared_modules`).
 
 llama.cpp contexts (KV cache types and flash attention are fixed when a context is created) are made on demand per
 setting (:meth:`LlamaCppTarget.context`): the weights are memory-mapped once and shared by every context.
@@ -147,17 +149,21 @@ class LlamaCppTarget(torch.nn.Module):
         self.toolkit_spec, self.toolkit_backend = spec, LLAMACPP
         self.toolkit_weight_bytes = self.gguf_path.stat().st_size
         self._contexts: dict[tuple, object] = {}
+        self._shared: tuple[torch.nn.Module, torch.nn.Module] | None = None  # see shared_modules
 
-    def context(self, type_k: str = "f16", type_v: str = "f16"):
+    def context(self, type_k: str = "f16", type_v: str = "f16", embeddings: bool = False):
         """The ``llama_cpp.Llama`` (model + context) whose KV cache stores keys as ``type_k`` and values as
-        ``type_v`` (``f16``, ``q8_0``, ``q4_0``; :func:`cache_kwargs`): made on first use, then kept."""
-        key = (type_k, type_v)
+        ``type_v`` (``f16``, ``q8_0``, ``q4_0``; :func:`cache_kwargs`), with ``embeddings`` also handing out each
+        output position's final-norm hidden state (``llama_get_embeddings``: pooling none): made on first use, then
+        kept."""
+        key = (type_k, type_v, embeddings)
         if key not in self._contexts:
             from llama_cpp import Llama
 
             self._contexts[key] = Llama(
                 model_path=str(self.gguf_path), n_ctx=self.n_ctx, n_batch=N_BATCH, n_ubatch=N_BATCH,
-                n_threads=self.threads, n_threads_batch=self.threads, verbose=False, **cache_kwargs(type_k, type_v))
+                n_threads=self.threads, n_threads_batch=self.threads, verbose=False, **cache_kwargs(type_k, type_v),
+                **({"embedding": True, "pooling_type": self.llama_cpp.LLAMA_POOLING_TYPE_NONE} if embeddings else {}))
             # closed with the target, or at exit while llama_cpp is whole (its own __del__ at interpreter teardown
             # prints "Exception ignored ... 'NoneType' object is not callable")
             weakref.finalize(self, self._contexts[key].close)
@@ -166,6 +172,29 @@ class LlamaCppTarget(torch.nn.Module):
     @property
     def vocab_size(self) -> int:
         return int(self.context().n_vocab())
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        """The file's token embedding as the torch path reads it, for a drafter that shares it (an EAGLE head):
+        :meth:`shared_modules`' first."""
+        return self.shared_modules()[0]
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        """The file's LM head as the torch path runs it (:meth:`shared_modules`' second)."""
+        return self.shared_modules()[1]
+
+    def shared_modules(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """``(input embedding, LM head)`` of the file's ``precision: native`` copy (:mod:`toolkit.models.gguf_native`:
+        the file's own blocks, converted once and cached; the embedding a ``BlockEmbedding`` that dequantizes only the
+        rows looked up): the same modules an EAGLE head shares with the torch target of the same file. Loaded on first
+        use; the copy's other layers are dropped. Raises ``ModelLoadError`` as :func:`~toolkit.models.gguf_native.
+        resolve_native`."""
+        if self._shared is None:
+            from toolkit.models.gguf_native import load_native, resolve_native
+
+            source = self.toolkit_spec.source if self.toolkit_spec is not None else str(self.gguf_path)
+            native = load_native(resolve_native(source, "target.source"))
+            self._shared = (native.get_input_embeddings(), native.get_output_embeddings())
+        return self._shared
 
     def forward(self, *args, **kwargs):
         raise TypeError("a llama.cpp target has no torch forward: it runs through toolkit.engine.llamacpp_forward "
