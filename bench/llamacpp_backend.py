@@ -183,9 +183,9 @@ def markdown(report: dict) -> str:
                   f" | {r['ours_vs_llamacpp_ar']:.2f}x | {r['ours_vs_llamacpp_lookup']:.2f}x | {result['tau']:.2f} "
                   "| | | |", ""]
         if "ours_eagle" in methods:
-            eagle = result["overall"]["ours_eagle"] / result["overall"]["llamacpp_ar"]
-            lines += [f"EAGLE head on llama.cpp: {eagle:.2f}x llama.cpp AR (medians), τ {result['taus']['ours_eagle']:.2f}; "
-                      f"ours (lookup) / ours EAGLE {r['ours_vs_ours_eagle']:.2f}x.", ""]
+            eagle, tau = result["overall"]["ours_eagle"] / result["overall"]["llamacpp_ar"], result["taus"]["ours_eagle"]
+            lines += [f"EAGLE head on llama.cpp: {eagle:.2f}x llama.cpp AR (medians), τ {tau:.2f}; ours (lookup) / "
+                      f"ours EAGLE {r['ours_vs_ours_eagle']:.2f}x.", ""]
     return "\n".join(lines) + "\n"
 
 

@@ -8,6 +8,7 @@ The configuration errors run everywhere (they only plan); the rest needs llama-c
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,7 +181,8 @@ def test_on_a_q8_0_cache_verify_width_changes_no_logit_so_greedy_equals_llama_cp
 def test_eagle_head_drafts_from_llama_cpps_embeddings_and_greedy_equals_its_ar(generator):
     """The shipped EAGLE-1 head beside the GGUF on llama.cpp: its features are llama.cpp's embeddings output, which is
     the final norm's hidden state (the file's LM head over it gives llama.cpp's own logits), and greedy output equals
-    llama.cpp's greedy AR (q8_0 cache with flash attention: verify width changes no logit) with drafts accepted."""
+    llama.cpp's greedy AR (q8_0 cache with flash attention: verify width changes no logit) with drafts accepted. An
+    EAGLE-3 head (intermediate layers) is refused when it is loaded."""
     from toolkit.eagle.checkpoint import dense_weight
     from toolkit.engine.llamacpp_forward import FINAL_NORM
 
@@ -197,6 +199,12 @@ def test_eagle_head_drafts_from_llama_cpps_embeddings_and_greedy_equals_its_ar(g
     assert features.shape == (1, ids.shape[1], generator.target.config.hidden_size)
     own = features[0, -1] @ dense_weight(generator.target.get_output_embeddings()).float().T
     assert torch.cosine_similarity(own, logits, dim=0) > 0.999 and int(own.argmax()) == int(logits.argmax())
+    # an EAGLE-3 head trained for this target on a GPU (reads layers 1, 14 and 26)
+    eagle3 = str(Path(__file__).resolve().parents[1] / "bench/reports/gpu/h100-2026-11-27-2/eagle3_head")
+    with pytest.raises(ConfigError) as info:
+        toolkit.build(_recipe(drafter="eagle", draft=ModelSpec(source=eagle3, precision="bf16")),
+                      target=generator.target, tokenizer=generator.tokenizer)
+    assert info.value.field == "draft.source"
     out = lm.generate(PROMPT, max_new_tokens=40)
     assert "embeddings for the EAGLE head" in lm.engine_note
     assert out.stats.accepted > 0 and out.stats.tokens_per_round > 1.0
