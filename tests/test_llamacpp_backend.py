@@ -212,6 +212,51 @@ def test_eagle_head_drafts_from_llama_cpps_embeddings_and_greedy_equals_its_ar(g
 
 
 @NEEDS_LLAMACPP
+@pytest.mark.heavy
+def test_sampling_with_the_eagle_head_on_llama_cpp_follows_llama_cpps_law(generator):
+    """The second sampled token (the first comes from the prefill, the second from a round that verified the head's
+    drafts) follows the law llama.cpp's own logits give it, top-k and temperature applied: chi-square over 400 draws,
+    drafts accepted (a 14-token plain-text prompt: each draw prefills it with every position's feature)."""
+    from collections import Counter
+
+    from scipy.stats import chisquare
+
+    top_k, temperature, draws, text = 4, 1.5, 300, "The quick brown fox jumps over the lazy dog. The quick brown fox"
+    recipe = _recipe(drafter="eagle", draft=ModelSpec(source="embedded", precision="bf16"))
+    recipe.spec.num_draft_tokens = 2
+    lm = toolkit.build(recipe, target=generator.target, tokenizer=generator.tokenizer)
+    forward, ids = lm.engine, lm.encode(text)
+
+    def law(logits: torch.Tensor) -> dict[int, float]:
+        values, tokens = logits.topk(top_k)
+        return dict(zip(tokens.tolist(), (values.double() / temperature).softmax(-1).tolist()))
+
+    cache = forward.cache_for(None, 1, 256, 8)
+    _, kwargs = cache.begin_row(ids.shape[1])
+    first = law(forward.prefill(ids, kwargs))
+    cache.add_row(None, ids.shape[1])
+    second: Counter = Counter()
+    for token, p in first.items():
+        for after, q in law(forward(cache, torch.tensor([[token]]))[0, 0]).items():
+            second[after] += p * q
+        cache.accept(None, [0])
+        assert cache.held == ids.shape[1]
+    cache.keep_rows([])
+    counts, accepted = Counter(), 0
+    for seed in range(draws):
+        # 3 tokens: the first round can then verify a draft for the second
+        out = lm.generate(text, max_new_tokens=3, do_sample=True, temperature=temperature, top_k=top_k, seed=seed)
+        counts[out.token_ids[1]] += 1
+        accepted += out.stats.accepted
+    assert set(counts) <= set(second) and accepted > 0
+    common = [t for t in second if second[t] * draws >= 5]  # the rest pooled into one bin
+    observed = [counts[t] for t in common] + [draws - sum(counts[t] for t in common)]
+    expected = [second[t] * draws for t in common] + [draws * (1 - sum(second[t] for t in common))]
+    keep = [i for i, e in enumerate(expected) if e > 1e-9]
+    assert len(keep) > 1 and chisquare([observed[i] for i in keep], [expected[i] for i in keep]).pvalue > 0.01
+
+
+@NEEDS_LLAMACPP
 @pytest.mark.slow
 def test_verify_cost_curve_is_measured_through_llama_cpp_and_cached(generator, tmp_path):
     from toolkit.engine.cost import load_or_measure
