@@ -172,13 +172,8 @@ def load_models(p: Plan, pool: ModelPool | None = None, target=None, tokenizer=N
     if recipe.spec.config.draft == DRAFT_EAGLE_HEAD:  # the EAGLE head plays the draft model's part (target embedding)
         if draft_model is None:
             from toolkit.eagle.precision import load_recipe_head
-            from toolkit.models.llamacpp import is_llamacpp
 
             draft_model = load_recipe_head(recipe.draft, target)
-            if is_llamacpp(target):  # the head must read what llama.cpp hands out (the final norm's output)
-                from toolkit.engine.llamacpp_forward import check_head
-
-                check_head(target, draft_model)
         return target, tokenizer, draft_model, None
     if p.draft_spec is None:
         return target, tokenizer, None, None

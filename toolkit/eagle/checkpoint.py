@@ -307,19 +307,25 @@ def load_head(source: str | Path, target, field: str = "draft.source", dtype: to
 
     Raises:
         ConfigError (``field``): missing directory or weights, unknown layout, a hidden size, head shape or
-            vocabulary that does not fit the target.
+            vocabulary that does not fit the target; on a llama.cpp target, a head reading other layers than the
+            final norm's output (:func:`toolkit.engine.llamacpp_forward.check_head`).
     """
     from toolkit.eagle.features import decoder_layers
     from toolkit.models.llamacpp import is_llamacpp
 
+    llamacpp = is_llamacpp(target)  # it hands out its final-norm features without torch layers
     try:
-        if not is_llamacpp(target):  # a llama.cpp target hands out its final-norm features without torch layers
+        if not llamacpp:
             decoder_layers(target)
     except AttributeError as exc:
         raise ConfigError(field, f"an EAGLE head needs a decoder-only target with a list of decoder layers "
                           f"({exc})") from exc
     directory, raw, state, variant = read_checkpoint(source, field)
     head = build_checked(_head_config(raw, state, variant, target.config, field), field)
+    if llamacpp:  # before the file's embedding and LM head are loaded for the head
+        from toolkit.engine.llamacpp_forward import check_head
+
+        check_head(target, head, field)
     mapped, draft_to_target = _mapped_state(state, head.config, target, field)
     shared = "embed_tokens.weight" not in mapped
     expected = head.state_dict()

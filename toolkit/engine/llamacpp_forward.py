@@ -76,7 +76,7 @@ class LlamaCppForward:
 
         if features not in ((), FINAL_NORM):
             raise ValueError(f"features: llama.cpp hands out {FINAL_NORM} (the final norm's output) or nothing, not "
-                             f"{features} (check_head refuses such a head when it is loaded)")
+                             f"{features} (load_head refuses such a head: check_head)")
         self.model, self.llama_cpp, self.features = target, llama_cpp, features
         warn_passive_wait()  # ggml's per-operation barriers are OpenMP barriers
         self.form: LlamaCppForm = llamacpp_form(policy)
@@ -226,18 +226,18 @@ def check_plan(recipe, policies: dict) -> None:
         raise ConfigError("batch_size", "target.backend llama.cpp decodes one sequence at a time", [1])
 
 
-def check_head(target, head) -> None:
+def check_head(target, head, field: str = "draft.source") -> None:
     """Whether an EAGLE ``head`` can draft beside llama.cpp ``target``: it must read what llama.cpp hands out, the
-    final norm's output (:data:`FINAL_NORM`: an EAGLE-1 head).
+    final norm's output (:data:`FINAL_NORM`: an EAGLE-1 head). :func:`toolkit.eagle.checkpoint.load_head` calls it.
 
     Raises:
-        ConfigError: naming ``draft.source``: a head reading other layers (EAGLE-3's three intermediate layers,
-            which ggml computes but llama.cpp's API does not return).
+        ConfigError: naming ``field``: a head reading other layers (EAGLE-3's three intermediate layers, which ggml
+            computes but llama.cpp's API does not return).
     """
     from toolkit.eagle.features import hidden_indices
 
     if hidden_indices(target, head.config.feature_layers) != FINAL_NORM:
-        raise ConfigError("draft.source", f"this {head.config.variant} head reads the target's layers "
+        raise ConfigError(field, f"this {head.config.variant} head reads the target's layers "
                           f"{list(head.config.feature_layers)}; a llama.cpp target hands out only the final norm's "
                           "output (its embeddings), which an EAGLE-1 head reads",
                           ["an EAGLE-1 head (feature_layers [-1])"])
