@@ -18,9 +18,11 @@ import torch
 from conftest import perturbed_copy, tiny_llama, tiny_neox
 
 from toolkit.engine.decoder import SpeculativeDecoder
+from toolkit.engine.rows import Row, end_drafts_at_eos
 from toolkit.engine.planner import ConstantK, EmaK
 from toolkit.recipe import GenerationSpec
 from toolkit.speculative.drafters import DraftModel, NGramDrafter
+from toolkit.speculative.drafters.base import HostDrafter
 from toolkit.speculative.stats import GenerationStats
 
 NEW_TOKENS = 40
@@ -281,6 +283,54 @@ def test_eos_stops_generation_right_after_it(models, arch, k):
     ids, stats, _ = speculate(target, DraftModel(draft), prompt, ConstantK(k), eos=[eos])
     assert ids == reference[: index + 1]  # EOS kept, nothing after it, even when the round accepted past it
     assert ids[-1] == eos and stats.finish_reason == "eos"
+
+
+class Oracle(HostDrafter):
+    """Drafts the AR reference's continuation (every draft is right), EOS and what follows it included."""
+
+    def __init__(self, reference: list[int], prompt_len: int):
+        super().__init__()
+        self.reference, self.prompt_len = reference, prompt_len
+
+    def propose_row(self, ids: list[int], num_draft_tokens: int):
+        at = len(ids) - self.prompt_len
+        return self.reference[at: at + num_draft_tokens], None
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_draft_ends_before_eos_so_no_round_verifies_it(models, monkeypatch, ignore_eos):
+    """The bonus token ends the request as soon as a verified EOS would: no verify forward carries an EOS draft (nor
+    what follows it), and the output and round count are AR's. With ``ignore_eos`` EOS is an ordinary token and is
+    drafted like any other."""
+    target, _, prompt, reference = models["llama"]
+    index, eos = first_new_token_at(reference, 4)
+    verified: list[list[int]] = []
+    spy = SpeculativeDecoder._verify_inputs
+
+    def record(self, rows, drafted, width, on_device):
+        verified.append(rows[0].proposal[: drafted[0]])
+        return spy(self, rows, drafted, width, on_device)
+
+    monkeypatch.setattr(SpeculativeDecoder, "_verify_inputs", record)
+    ids, stats, _ = speculate(target, Oracle(reference, prompt.shape[1]), prompt, ConstantK(3), eos=[eos],
+                              ignore_eos=ignore_eos)
+    assert ids == (reference if ignore_eos else reference[: index + 1])
+    assert stats.accepted == stats.drafted > 0  # the oracle is always right: every round drafts and keeps all
+    assert any(eos in draft for draft in verified) == ignore_eos
+    if not ignore_eos:  # the round reaching EOS verified only the tokens before it; EOS came as its next token
+        assert stats.rounds == len(verified) and sum(map(len, verified)) + stats.rounds == index
+
+
+def test_end_drafts_at_eos_cuts_tokens_confidences_and_draft_probabilities():
+    q = torch.rand(4, 8)
+    row = Row(0, 3, [1, 2, 3], GenerationStats(), None, 0.0, proposal=[5, 7, 2, 6], confidence=[0.9, 0.8, 0.7, 0.6],
+              q=q)
+    untouched = Row(1, 3, [1, 2, 3], GenerationStats(), None, 0.0, proposal=[5, 6], confidence=None)
+    end_drafts_at_eos([row, untouched], {2, 0})
+    assert row.proposal == [5, 7] and row.confidence == [0.9, 0.8] and torch.equal(row.q, q[:2])
+    assert untouched.proposal == [5, 6] and untouched.confidence is None and untouched.q is None
+    end_drafts_at_eos([row], {5})
+    assert row.proposal == [] and row.confidence == [] and row.q.shape == (0, 8)
 
 
 def test_should_stop_cuts_the_output(models):

@@ -1,4 +1,5 @@
-"""A request in flight (:class:`Row`) and when it is finished (:func:`finish`)."""
+"""A request in flight (:class:`Row`), when it is finished (:func:`finish`), and where its draft ends
+(:func:`end_drafts_at_eos`)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,19 @@ def finish(new_ids: list[int], before: int, limit: int, eos: set[int],
         stats.finish_reason = stats.finish_reason or "length"
         return True
     return bool(stats.finish_reason)
+
+
+def end_drafts_at_eos(rows: list[Row], eos: set[int]) -> None:
+    """Cut each row's proposal before its first token in ``eos`` (its confidences and draft probabilities with it).
+
+    Verifying an end-of-sequence draft never saves a round: where the target accepts every draft token before it, the
+    round's next token is the target's own at that position, EOS included, so the request ends in the same round;
+    where it rejects one of them, the EOS and what follows were verified for nothing. Prompt lookup drafts them each
+    time an answer echoes the end of the user's message, where the chat template's end-of-turn follows. Lossless:
+    any prefix of a draft is a draft (Leviathan et al., 2023), and the cut depends only on the draft's own tokens."""
+    for row in rows:
+        cut = next((i for i, token in enumerate(row.proposal) if token in eos), None)
+        if cut is not None:
+            row.proposal = row.proposal[:cut]
+            row.confidence = None if row.confidence is None else row.confidence[:cut]
+            row.q = None if row.q is None else row.q[:cut]
