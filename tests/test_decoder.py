@@ -13,14 +13,16 @@ import contextlib
 import copy
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
-from conftest import perturbed_copy, tiny_llama, tiny_neox
+from conftest import batch_decoder, perturbed_copy, tiny_llama, tiny_neox
 
 from toolkit.engine.decoder import SpeculativeDecoder
-from toolkit.engine.rows import Row, end_drafts_at_eos
 from toolkit.engine.planner import ConstantK, EmaK
+from toolkit.engine.rows import Row, end_drafts_at_eos
 from toolkit.recipe import GenerationSpec
+from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.drafters import DraftModel, NGramDrafter
 from toolkit.speculative.drafters.base import HostDrafter
 from toolkit.speculative.stats import GenerationStats
@@ -321,16 +323,58 @@ def test_a_draft_ends_before_eos_so_no_round_verifies_it(models, monkeypatch, ig
         assert stats.rounds == len(verified) and sum(map(len, verified)) + stats.rounds == index
 
 
-def test_end_drafts_at_eos_cuts_tokens_confidences_and_draft_probabilities():
-    q = torch.rand(4, 8)
-    row = Row(0, 3, [1, 2, 3], GenerationStats(), None, 0.0, proposal=[5, 7, 2, 6], confidence=[0.9, 0.8, 0.7, 0.6],
-              q=q)
-    untouched = Row(1, 3, [1, 2, 3], GenerationStats(), None, 0.0, proposal=[5, 6], confidence=None)
-    end_drafts_at_eos([row, untouched], {2, 0})
-    assert row.proposal == [5, 7] and row.confidence == [0.9, 0.8] and torch.equal(row.q, q[:2])
-    assert untouched.proposal == [5, 6] and untouched.confidence is None and untouched.q is None
+class Fixed(HostDrafter):
+    """Always drafts the same tokens (a deterministic drafter)."""
+
+    def __init__(self, tokens: list[int]):
+        super().__init__()
+        self.tokens = tokens
+
+    def propose_row(self, ids: list[int], num_draft_tokens: int):
+        return self.tokens[:num_draft_tokens], None
+
+
+def test_sampling_with_drafts_cut_at_eos_follows_the_target():
+    """The second token's law over 400 seeded runs whose first token (from the prefill) is not EOS, the first round's
+    draft ``[a, EOS]`` cut to ``[a]`` and verified by rejection sampling: chi-square against the target's own law."""
+    from scipy.stats import chisquare
+
+    target = tiny_llama(seed=4, vocab=12, initializer_range=0.3)
+    prompt = make_prompt(2, vocab=12, length=6)
+    with torch.no_grad():
+        p1 = target(prompt).logits[0, -1].softmax(-1).double()
+        seq = torch.cat([prompt.expand(12, -1), torch.arange(12).view(-1, 1)], dim=1)
+        given = target(seq).logits[:, -1].softmax(-1).double()  # (first token, second token)
+    a, eos = (int(t) for t in np.argsort((p1[:, None] * given).sum(0).numpy())[-2:])  # likely 2nd tokens
+    p1[eos] = 0  # runs whose first token is EOS end there
+    p2 = (p1[:, None] * given).sum(0).numpy()
+    counts, first_rounds = np.zeros(12), []
+    decoder = batch_decoder(target, lambda: Fixed([a, eos]), VerifyCost([1.0] * 64, learn=False), batch_size=8)
+    decoder.controller = ConstantK(2)
+    for chunk in range(60):  # 8 rows a forward, every row its own seed
+        gen = GenerationSpec(max_new_tokens=4, do_sample=True, seed=chunk * 8)
+        for ids, stats in decoder.decode_batch([prompt] * 8, gen, [eos]):
+            if len(ids) > 1 and len(first_rounds) < 400:
+                counts[ids[1]] += 1
+                first_rounds.append(stats.draft_lengths[0])
+    runs = len(first_rounds)
+    assert runs == 400 and set(first_rounds) == {1}  # every first round verified [a] alone: the cut happened
+    assert chisquare(counts, p2 / p2.sum() * counts.sum()).pvalue > 0.01, (counts, p2 * counts.sum())
+
+
+def test_end_drafts_at_eos_cuts_deterministic_drafts_only():
+    """A deterministic draft is cut before its first EOS with its confidences; a sampled one (``q`` set) stays whole:
+    cutting it on a token's value would bias which tokens are verified against the test for ``q``."""
+    row = Row(0, 3, [1, 2, 3], GenerationStats(), None, 0.0, proposal=[5, 7, 2, 6], confidence=[0.9, 0.8, 0.7, 0.6])
+    plain = Row(1, 3, [1, 2, 3], GenerationStats(), None, 0.0, proposal=[5, 6], confidence=None)
+    q = torch.rand(3, 8)
+    sampled = Row(2, 3, [1, 2, 3], GenerationStats(), None, 0.0, proposal=[5, 2, 6], q=q)
+    end_drafts_at_eos([row, plain, sampled], {2, 0})
+    assert row.proposal == [5, 7] and row.confidence == [0.9, 0.8]
+    assert plain.proposal == [5, 6] and plain.confidence is None
+    assert sampled.proposal == [5, 2, 6] and sampled.q is q
     end_drafts_at_eos([row], {5})
-    assert row.proposal == [] and row.confidence == [] and row.q.shape == (0, 8)
+    assert row.proposal == [] and row.confidence == []
 
 
 def test_should_stop_cuts_the_output(models):
