@@ -13,18 +13,14 @@ import contextlib
 import copy
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
-from conftest import batch_decoder, perturbed_copy, tiny_llama, tiny_neox
+from conftest import perturbed_copy, tiny_llama, tiny_neox
 
 from toolkit.engine.decoder import SpeculativeDecoder
 from toolkit.engine.planner import ConstantK, EmaK
-from toolkit.engine.rows import Row, end_drafts_at_eos
 from toolkit.recipe import GenerationSpec
-from toolkit.speculative.cost_model import VerifyCost
 from toolkit.speculative.drafters import DraftModel, NGramDrafter
-from toolkit.speculative.drafters.base import HostDrafter
 from toolkit.speculative.stats import GenerationStats
 
 NEW_TOKENS = 40
@@ -285,96 +281,6 @@ def test_eos_stops_generation_right_after_it(models, arch, k):
     ids, stats, _ = speculate(target, DraftModel(draft), prompt, ConstantK(k), eos=[eos])
     assert ids == reference[: index + 1]  # EOS kept, nothing after it, even when the round accepted past it
     assert ids[-1] == eos and stats.finish_reason == "eos"
-
-
-class Oracle(HostDrafter):
-    """Drafts the AR reference's continuation (every draft is right), EOS and what follows it included."""
-
-    def __init__(self, reference: list[int], prompt_len: int):
-        super().__init__()
-        self.reference, self.prompt_len = reference, prompt_len
-
-    def propose_row(self, ids: list[int], num_draft_tokens: int):
-        at = len(ids) - self.prompt_len
-        return self.reference[at: at + num_draft_tokens], None
-
-
-@pytest.mark.parametrize("ignore_eos", [False, True])
-def test_a_draft_ends_before_eos_so_no_round_verifies_it(models, monkeypatch, ignore_eos):
-    """The bonus token ends the request as soon as a verified EOS would: no verify forward carries an EOS draft (nor
-    what follows it), and the output and round count are AR's. With ``ignore_eos`` EOS is an ordinary token and is
-    drafted like any other."""
-    target, _, prompt, reference = models["llama"]
-    index, eos = first_new_token_at(reference, 4)
-    verified: list[list[int]] = []
-    spy = SpeculativeDecoder._verify_inputs
-
-    def record(self, rows, drafted, width, on_device):
-        verified.append(rows[0].proposal[: drafted[0]])
-        return spy(self, rows, drafted, width, on_device)
-
-    monkeypatch.setattr(SpeculativeDecoder, "_verify_inputs", record)
-    ids, stats, _ = speculate(target, Oracle(reference, prompt.shape[1]), prompt, ConstantK(3), eos=[eos],
-                              ignore_eos=ignore_eos)
-    assert ids == (reference if ignore_eos else reference[: index + 1])
-    assert stats.accepted == stats.drafted > 0  # the oracle is always right: every round drafts and keeps all
-    assert any(eos in draft for draft in verified) == ignore_eos
-    if not ignore_eos:  # the round reaching EOS verified only the tokens before it; EOS came as its next token
-        assert stats.rounds == len(verified) and sum(map(len, verified)) + stats.rounds == index
-
-
-class Fixed(HostDrafter):
-    """Always drafts the same tokens (a deterministic drafter)."""
-
-    def __init__(self, tokens: list[int]):
-        super().__init__()
-        self.tokens = tokens
-
-    def propose_row(self, ids: list[int], num_draft_tokens: int):
-        return self.tokens[:num_draft_tokens], None
-
-
-def test_sampling_with_drafts_cut_at_eos_follows_the_target():
-    """The second token's law over 400 seeded runs whose first token (from the prefill) is not EOS, the first round's
-    draft ``[a, EOS]`` cut to ``[a]`` and verified by rejection sampling: chi-square against the target's own law."""
-    from scipy.stats import chisquare
-
-    target = tiny_llama(seed=4, vocab=12, initializer_range=0.3)
-    prompt = make_prompt(2, vocab=12, length=6)
-    with torch.no_grad():
-        p1 = target(prompt).logits[0, -1].softmax(-1).double()
-        seq = torch.cat([prompt.expand(12, -1), torch.arange(12).view(-1, 1)], dim=1)
-        given = target(seq).logits[:, -1].softmax(-1).double()  # (first token, second token)
-    a, eos = (int(t) for t in np.argsort((p1[:, None] * given).sum(0).numpy())[-2:])  # likely 2nd tokens
-    p1[eos] = 0  # runs whose first token is EOS end there
-    p2 = (p1[:, None] * given).sum(0).numpy()
-    counts, first_rounds = np.zeros(12), []
-    decoder = batch_decoder(target, lambda: Fixed([a, eos]), VerifyCost([1.0] * 64, learn=False), batch_size=8)
-    decoder.controller = ConstantK(2)
-    for chunk in range(60):  # 8 rows a forward, every row its own seed
-        gen = GenerationSpec(max_new_tokens=4, do_sample=True, seed=chunk * 8)
-        for ids, stats in decoder.decode_batch([prompt] * 8, gen, [eos]):
-            if len(ids) > 1 and len(first_rounds) < 400:
-                counts[ids[1]] += 1
-                first_rounds.append(stats.draft_lengths[0])
-    runs = len(first_rounds)
-    assert runs == 400 and set(first_rounds) == {1}  # every first round verified [a] alone: the cut happened
-    assert chisquare(counts, p2 / p2.sum() * counts.sum()).pvalue > 0.01, (counts, p2 * counts.sum())
-
-
-def test_end_drafts_at_eos_cuts_deterministic_drafts_only():
-    """A deterministic draft is cut before its first EOS with its confidences; a sampled one (``q`` set) stays whole:
-    cutting it on a token's value would bias which tokens are verified against the test for ``q``."""
-    row = Row(0, 3, [1, 2, 3], GenerationStats(), None, 0.0, proposal=[5, 7, 2, 6], confidence=[0.9, 0.8, 0.7, 0.6])
-    plain = Row(1, 3, [1, 2, 3], GenerationStats(), None, 0.0, proposal=[5, 6], confidence=None)
-    q = torch.rand(3, 8)
-    sampled = Row(2, 3, [1, 2, 3], GenerationStats(), None, 0.0, proposal=[5, 2, 6], q=q)
-    end_drafts_at_eos([row, plain, sampled], {2, 0})
-    assert row.proposal == [5, 7] and row.confidence == [0.9, 0.8]
-    assert plain.proposal == [5, 6] and plain.confidence is None
-    assert sampled.proposal == [5, 2, 6] and sampled.q is q
-    end_drafts_at_eos([row], {5})
-    assert row.proposal == [] and row.confidence == []
 
 
 def test_should_stop_cuts_the_output(models):

@@ -42,7 +42,7 @@ import torch
 from toolkit.engine.accept import accept, choose, kept
 from toolkit.engine.forward import TargetForward
 from toolkit.engine.planner import ConstantK, CostAwareK, batch_weights
-from toolkit.engine.rows import Row, end_drafts_at_eos, finish
+from toolkit.engine.rows import Row, finish
 from toolkit.kv.contract import policy_attached
 from toolkit.kv.static import StaticKV, capacity_for
 from toolkit.speculative.drafters.rows import RowDrafter, RowDrafters
@@ -88,7 +88,6 @@ class SpeculativeDecoder:
         if tree is not None and drafter is not None and not drafter.trees:
             raise TypeError(f"tree: {type(drafter).__name__} proposes no token trees (no propose_tree/commit_tree)")
         self.tree = tree if drafter is not None else None
-        self._draft_eos: set[int] = set()  # the call's EOS ids, where drafts end (empty with ignore_eos)
         if self.tree is not None:
             check_tree_support(target_policy, target, "target")
         if batch_size > 1 and self.tree is not None:
@@ -181,7 +180,6 @@ class SpeculativeDecoder:
 
     def _loop(self, prompts, gen, eos_token_ids, should_stop, stats, drafting, rows: list[Row]):
         eos = set() if gen.ignore_eos else set(eos_token_ids)
-        self._draft_eos = eos
         limit = gen.max_new_tokens
         waiting = list(range(len(prompts)))
         peak_kv = 0
@@ -258,8 +256,6 @@ class SpeculativeDecoder:
         compiled = drafting.compile_ms
         drafting.propose_rows(rows, self._draft_steps(rows, draft_limits, drafting, num_draft_tokens, draining),
                               read=self.controller.uses_confidence)  # else a draft network's tokens stay on device
-        if self._draft_eos and drafting.device_proposals is None:
-            end_drafts_at_eos(rows, self._draft_eos)
         drafted_at = time.perf_counter()
         draft_compile_ms = drafting.compile_ms - compiled  # the drafter's own graphs compiling: not drafting
         n, width = self.controller.plan(rows, batch_weights(draft_limits, draining)) if self.drafter is not None else (0, 1)

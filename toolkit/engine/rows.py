@@ -1,5 +1,4 @@
-"""A request in flight (:class:`Row`), when it is finished (:func:`finish`), and where its draft ends
-(:func:`end_drafts_at_eos`)."""
+"""A request in flight (:class:`Row`) and when it is finished (:func:`finish`)."""
 
 from __future__ import annotations
 
@@ -67,22 +66,3 @@ def finish(new_ids: list[int], before: int, limit: int, eos: set[int],
         stats.finish_reason = stats.finish_reason or "length"
         return True
     return bool(stats.finish_reason)
-
-
-def end_drafts_at_eos(rows: list[Row], eos: set[int]) -> None:
-    """Cut each deterministic draft (``row.q`` is ``None``) before its first token in ``eos``, its confidences with it.
-
-    Verifying an end-of-sequence draft never saves a round: where the target accepts every draft token before it, the
-    round's next token is the target's own at that position, EOS included, so the request ends in the same round;
-    where it rejects one of them, the EOS and what follows were verified for nothing. Prompt lookup drafts them each
-    time an answer echoes the end of the user's message, where the chat template's end-of-turn follows. Lossless for
-    deterministic drafts: any prefix of a draft is a draft (Leviathan et al., 2023), and the cut depends on nothing
-    but the context. A sampled draft (``row.q`` set) is left whole: a cut that looks at a sampled token would verify
-    the draft distribution without EOS against the test for ``q``, and the output would no longer follow the target."""
-    for row in rows:
-        if row.q is not None:
-            continue
-        cut = next((i for i, token in enumerate(row.proposal) if token in eos), None)
-        if cut is not None:
-            row.proposal = row.proposal[:cut]
-            row.confidence = None if row.confidence is None else row.confidence[:cut]
