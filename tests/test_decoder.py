@@ -148,7 +148,7 @@ def uncapped_lengths(stats: GenerationStats, chunks: list[list[int]], limit: int
 def test_ema_controller_grows_shrinks_and_clamps():
     def update(drafted: int, accepted: int) -> None:  # one row that drafted and verified `drafted` tokens
         row = SimpleNamespace(proposal=[0] * drafted, confidence=None, q=None)
-        controller.update([row], drafted, [accepted])
+        controller.update([row], drafted, [accepted], [0])
 
     controller = EmaK(3, k_min=2, k_max=5, decay=0.5)
     for _ in range(4):

@@ -89,6 +89,30 @@ def test_curve_extrapolates_and_picks_cheaper_padding():
         cost.ms(0)
 
 
+def test_the_curve_learns_the_step_and_one_scale_for_the_tokens_past_it():
+    cost = VerifyCost([10.0, 20.0, 30.0, 40.0])
+    for _ in range(300):  # steps got slower (a longer context): every width pays it
+        cost.observe(1, 12.0)
+    assert cost.ms(1) == pytest.approx(12.0) and cost.ms(4) == pytest.approx(42.0)
+    for _ in range(300):  # 3-token forwards cost 1.5x the measured extra: widths never observed follow
+        cost.observe(3, 12.0 + 1.5 * 20.0)
+    assert cost.extra_scale == pytest.approx(1.5)
+    assert cost.ms(2) == pytest.approx(27.0) and cost.ms(4) == pytest.approx(57.0) and cost.ms(6) == pytest.approx(87.0)
+    assert cost.relative(4) == pytest.approx(57.0 / 12.0)
+    assert cost.step_ms == [10.0, 20.0, 30.0, 40.0]  # the measurement (what the cache holds) stays as measured
+    assert cost.to_dict()["learned"] == {"step_ms": 12.0, "extra_scale": 1.5, "observed": {1: 300, 3: 300}}
+
+    flat = VerifyCost([10.0, 10.5, 11.0, 30.0])  # a GPU's flat part: its extra is noise, no scale is read from it
+    flat.observe(2, 50.0)
+    assert flat.extra_scale == 1.0 and flat.ms(4) == pytest.approx(30.0)
+    stalled = VerifyCost([10.0, 20.0])
+    stalled.observe(2, 10_000.0)  # a stall timed as a forward moves the scale by a bounded step
+    assert stalled.extra_scale == pytest.approx(1.0 + 0.1 * (4.0 - 1.0))
+    fixed = VerifyCost([10.0, 20.0], learn=False)
+    fixed.observe(1, 50.0), fixed.observe(2, 50.0)
+    assert fixed.ms(1) == 10.0 and fixed.ms(2) == 20.0 and not fixed.observed
+
+
 # ------------------------------------------------------------------------------------------------------ the choice
 def test_confident_drafts_on_a_flat_curve_are_verified_whole():
     assert plan(controller(FLAT), [0.9] * 8, 8) == (8, 9)
@@ -132,9 +156,51 @@ def test_calibration_learns_the_real_acceptance_and_each_request_its_own_level()
     assert cal.prob(0.9, 1) == pytest.approx(4 / 6, abs=0.02)
     for _ in range(30):  # this request accepts nothing
         cal.observe([0.9], verified=1, accepted=0)
-    assert cal.request_factor() < 0.3 and cal.prob(0.9, 1) < 0.2
+    assert cal.request_shift < -1.5 and cal.prob(0.9, 1) < 0.2
     cal.begin_request()
-    assert cal.request_factor() == 1.0
+    assert cal.request_shift == 0.0 and 0.55 < cal.prob(0.9, 1) < 4 / 6  # the bin's level, lowered by those 30
+
+
+def test_the_targets_next_token_tests_the_first_unverified_deterministic_draft():
+    def observed(verified: int, accepted: int, next_id: int, sampled: bool = False) -> list[tuple[int, int]]:
+        ctl = controller(FLAT)
+        row = SimpleNamespace(proposal=[5, 6, 7], confidence=[0.9, 0.9, 0.9],
+                              q=torch.zeros(3, 8) if sampled else None)
+        ctl.update([row], verified, [accepted], [next_id])
+        b = Calibrator._bin(0.9)
+        return [(int(ctl.calibrator.success[b]), int(ctl.calibrator.trials[b]))]
+
+    assert observed(0, 0, 5) == [(1, 1)]  # a plain step whose token is the draft's first: an acceptance, free
+    assert observed(0, 0, 9) == [(0, 1)]  # ... or not the draft's first: a rejection
+    assert observed(1, 1, 6) == [(2, 2)]  # the verified token and the next one
+    assert observed(1, 0, 9) == [(0, 1)]  # a rejection ends the chain: nothing past it is known
+    assert observed(3, 3, 1) == [(3, 3)]  # nothing left unverified
+    assert observed(0, 0, 5, sampled=True) == [(0, 0)]  # sampled drafts: acceptance is min(1, p/q), not p
+
+
+def test_a_bin_that_fell_below_what_pays_is_verified_again_once_the_target_follows_it():
+    """The calibration has seen 40 rejections at confidence 0.9, so under a curve where 2 tokens cost 1.5 steps no
+    draft is verified; the drafter (an oracle, reporting 0.9) is right every time. Plain steps whose token is the
+    draft's first raise the bin and the request's offset, and verifying starts again within the request."""
+    target = tiny_llama(seed=0, **INIT)
+    prompt = make_prompt(0)
+    reference = prompt[0].tolist() + hf_greedy(target, prompt, 60)
+
+    class Oracle(NGramDrafter):
+        def propose(self, input_ids, num_draft_tokens):
+            n = input_ids.shape[1]
+            return torch.tensor([reference[n:n + num_draft_tokens]]), None
+
+        def confidence(self):
+            return [0.9] * 4
+
+    ctl = controller([10.0, 15.0, 19.0, 22.0, 25.0] + [40.0] * 4, k=4, widest=5)
+    for _ in range(40):
+        ctl.calibrator.observe([0.9], verified=1, accepted=0)
+    assert plan(ctl, [0.9] * 4, 4) == (0, 1)  # as it starts: nothing pays
+    ids, stats, _ = speculate(target, Oracle(), prompt, ctl, max_new_tokens=60)
+    assert ids == reference[prompt.shape[1]:]
+    assert stats.accepted > 20 and stats.tokens_per_round > 1.5 and stats.plain_steps < stats.rounds / 2
 
 
 def test_optimistic_acceptance_is_high_where_little_was_seen_and_comes_back():

@@ -272,7 +272,7 @@ class SpeculativeDecoder:
         self.cache.accept(kept(result), [a + 1 for a in accepted])
         self.cache.commit()
         drafting.commit_rows(rows, list(accepted), features)
-        self.controller.update(rows, n, list(accepted))
+        self.controller.update(rows, n, list(accepted), list(next_ids))
         chunks = []
         for row, d, a, nxt in zip(rows, drafted, accepted, next_ids):
             chunks.append(row.proposal[:a] + [nxt])

@@ -49,7 +49,7 @@ PAD_MARGIN = 0.98
 class ForwardCost:
     """Milliseconds of one target forward over ``rows x width`` tokens.
 
-    One row reads the target's verify cost curve (``curve.ms(width)``, measured on this machine and blended with
+    One row reads the target's verify cost curve (``curve.ms(width)``, measured on this machine and learned from
     real verify times). Batches start from the curve at ``rows * width`` tokens and learn what batched forwards really
     take: a ``(rows, width)`` once seen is predicted by its own moving average, an unseen one by the curve times the
     observed/predicted ratio of the nearest narrower width seen (wide batched forwards cost more than one sequence of
@@ -145,7 +145,7 @@ class _VerifyAll:
         longest = max((len(r.proposal) for r in rows), default=0)
         return longest, longest + 1
 
-    def update(self, rows: list, verified: int, accepted: list[int]) -> None:
+    def update(self, rows: list, verified: int, accepted: list[int], next_ids: list[int]) -> None:
         pass
 
     def timed(self, rows: int, width: int, verify_ms: float, overhead_ms: float) -> None:
@@ -182,7 +182,7 @@ class EmaK(_VerifyAll):
     def next_k(self) -> int:
         return self.num_draft_tokens
 
-    def update(self, rows: list, verified: int, accepted: list[int]) -> None:
+    def update(self, rows: list, verified: int, accepted: list[int], next_ids: list[int]) -> None:
         for row, a in zip(rows, accepted):
             drafted = min(len(row.proposal), verified)
             if drafted == 0:
@@ -266,9 +266,17 @@ class CostAwareK:
                                self._forward_ms(len(weights)), lambda n: n * step_ms)
         return steps
 
-    def update(self, rows: list, verified: int, accepted: list[int]) -> None:
-        for row, a in zip(rows, accepted):
+    def update(self, rows: list, verified: int, accepted: list[int], next_ids: list[int]) -> None:
+        """Learn from a round: each row's verified draft tokens, and, for a deterministic draft whose verified tokens
+        were all accepted, the first one left unverified, which the target's own next token ``next_ids[r]`` tests
+        for free (it is accepted exactly when the target chooses it: greedy, or sampled with probability p(token),
+        which is the acceptance probability of a draft with q = 1). Without that a confidence bin whose estimate fell
+        below what pays is never verified again, so never corrected: a copy the target follows token by token stayed
+        unverified for the rest of a request (issue 50, the repeat suite)."""
+        for row, a, nxt in zip(rows, accepted, next_ids):
             drafted = min(len(row.proposal), verified)
+            if row.q is None and a == drafted < len(row.proposal):
+                drafted, a = drafted + 1, a + (nxt == row.proposal[drafted])
             if drafted:
                 self.calibrator.observe(row.confidence, drafted, a)
 

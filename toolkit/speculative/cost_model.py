@@ -11,8 +11,12 @@ curve is measured once per model x weight format x device x threads and cached (
 ``n = 1 ... max_tokens`` new tokens (rolled back with ``crop`` after each), lengths interleaved within each repetition
 so that a drift of a shared machine hits every length alike; the median over repetitions is kept
 (:func:`toolkit.engine.cost.load_or_measure` caches it). During decoding
-:meth:`VerifyCost.observe` blends the times of real verify forwards in (an exponential average per length), so the
-curve follows the context length and the machine's load.
+:meth:`VerifyCost.observe` learns from the times of real verify forwards, so the curve follows the context length and
+the machine's load: a one-token step's time (every plain round times one) and the cost of the tokens past the first,
+as the measured shape times one learned scale, read from every wider forward. One scale, not one average per length:
+wide forwards are rare, and an average per length left them at the cached measurement (taken at a short context)
+while the step followed the request's, so a 12-token verify of a 400-token context cost 1.2x the curve and rounds
+verified more than pays (llama.cpp on 2 cores: 25 widths of 2-16 tokens, 7-25% over the curve, all one way).
 """
 
 from __future__ import annotations
@@ -22,19 +26,31 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger("toolkit.speculative")
 
-#: weight of a new observation in the online average of a length's time
+#: weight of a new observation in the online average of a one-token step's time
 OBSERVE_WEIGHT = 0.05
+#: weight of a wider forward's observation in the online average of the scale of the tokens past the first
+EXTRA_WEIGHT = 0.1
+#: a width whose measured extra cost is below this share of a step says nothing of the scale (a GPU's flat part)
+MIN_EXTRA = 0.25
+#: the learned scale of the extra tokens' cost stays within these bounds (against a stall timed as a forward)
+EXTRA_SCALE_BOUNDS = (0.25, 4.0)
 
 
 @dataclass
 class VerifyCost:
     """Time of one target forward over ``n`` new tokens, for ``n = 1 .. len(step_ms)``.
 
+    ``ms(n) = step + extra_scale * (step_ms[n - 1] - step_ms[0])``: the measured curve's shape, with the one-token
+    step and the scale of the tokens past it learned online (:meth:`observe`; both start at the measurement).
+
     Attributes:
-        step_ms: milliseconds of a forward over n tokens at index ``n - 1`` (measured or interpolated).
+        step_ms: milliseconds of a forward over n tokens at index ``n - 1``, as measured (or interpolated).
         key: the cache key (model x weights x device x threads), for reports.
         source: ``measured`` (this process), ``cache`` (read from the cache file) or ``given``.
-        learn: blend observed verify times in (:meth:`observe`); ``False`` keeps the curve as given.
+        learn: learn from observed verify times (:meth:`observe`); ``False`` keeps the curve as given.
+        observed: forwards observed, by length.
+        step: the learned milliseconds of a one-token forward (``None``: ``step_ms[0]``).
+        extra_scale: the learned scale of the measured cost of the tokens past the first.
     """
 
     step_ms: list[float]
@@ -42,6 +58,8 @@ class VerifyCost:
     source: str = "given"
     learn: bool = True
     observed: dict[int, int] = field(default_factory=dict)
+    step: float | None = None
+    extra_scale: float = 1.0
 
     @property
     def max_tokens(self) -> int:
@@ -49,7 +67,7 @@ class VerifyCost:
 
     def relative(self, n: int) -> float:
         """Cost of verifying ``n`` tokens relative to a one-token step (``n`` past the curve: its last slope)."""
-        return self.ms(n) / self.step_ms[0]
+        return self.ms(n) / self.ms(1)
 
     @classmethod
     def from_points(cls, lengths: list[int], ms: list[float], max_tokens: int, **fields) -> VerifyCost:
@@ -58,6 +76,15 @@ class VerifyCost:
         return cls(_interpolate(lengths, ms, max_tokens), **fields)
 
     def ms(self, n: int) -> float:
+        """Milliseconds of a forward over ``n`` tokens, as learned so far.
+
+        Raises:
+            ValueError: ``n < 1``.
+        """
+        step = self.step_ms[0] if self.step is None else self.step
+        return step + self.extra_scale * (self._measured(n) - self.step_ms[0])
+
+    def _measured(self, n: int) -> float:
         if n < 1:
             raise ValueError(f"n: must be >= 1, got {n}")
         if n <= self.max_tokens:
@@ -70,20 +97,35 @@ class VerifyCost:
         tokens padded to ``m`` costs ``ms(m)``."""
         best = n
         for m in range(n + 1, min(cap, self.max_tokens) + 1):
-            if self.step_ms[m - 1] < self.step_ms[best - 1] * 0.98:  # 2%: not worth padding for noise
+            if self.ms(m) < self.ms(best) * 0.98:  # 2%: not worth padding for noise
                 best = m
         return best
 
     def observe(self, n: int, ms: float) -> None:
-        """Blend a real forward of ``n`` tokens that took ``ms`` into the curve."""
-        if self.learn and 1 <= n <= self.max_tokens and ms > 0:
-            self.step_ms[n - 1] += OBSERVE_WEIGHT * (ms - self.step_ms[n - 1])
-            self.observed[n] = self.observed.get(n, 0) + 1
+        """Learn from a real forward of ``n`` tokens that took ``ms``: a one-token step moves :attr:`step`, a wider
+        one :attr:`extra_scale` (where the measured curve rises past the step there: :data:`MIN_EXTRA`)."""
+        if not (self.learn and 1 <= n <= self.max_tokens and ms > 0):
+            return
+        self.observed[n] = self.observed.get(n, 0) + 1
+        step = self.ms(1)
+        if n == 1:
+            self.step = step + OBSERVE_WEIGHT * (ms - step)
+            return
+        extra = self.step_ms[n - 1] - self.step_ms[0]
+        if extra > MIN_EXTRA * self.step_ms[0]:
+            low, high = EXTRA_SCALE_BOUNDS
+            scale = min(high, max(low, (ms - step) / extra))
+            self.extra_scale += EXTRA_WEIGHT * (scale - self.extra_scale)
 
     def to_dict(self) -> dict:
-        return {"step_ms": [round(x, 3) for x in self.step_ms],
-                "relative": [round(x / self.step_ms[0], 3) for x in self.step_ms], "key": self.key,
-                "source": self.source}
+        """The measured curve (what the cache holds) and, once forwards were observed, what was learned from them."""
+        out = {"step_ms": [round(x, 3) for x in self.step_ms],
+               "relative": [round(x / self.step_ms[0], 3) for x in self.step_ms], "key": self.key,
+               "source": self.source}
+        if self.observed:
+            out["learned"] = {"step_ms": round(self.ms(1), 3), "extra_scale": round(self.extra_scale, 3),
+                              "observed": dict(sorted(self.observed.items()))}
+        return out
 
 
 def _interpolate(lengths: list[int], values: list[float], max_tokens: int) -> list[float]:

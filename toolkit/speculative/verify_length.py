@@ -13,10 +13,13 @@ one rule for one row and for batches).
 ``p_i`` comes from the drafter's own confidence for token ``i`` (``Drafter.confidence()``: a draft probability, or
 a match-length statistic for a model-free drafter), mapped through a :class:`Calibrator` that learns, online and
 across calls, how often tokens of each confidence bin were actually accepted. Drafters without a confidence are
-calibrated by draft position. Where the number of tokens to *draft* is chosen before any is drawn (a draft network
-over a batch), the choice reads :meth:`Calibrator.optimistic`, an upper confidence bound, so that a draft length the
-estimates have rarely seen still gets tried: an estimate learned only from what is drafted is never corrected if a
-pessimistic prior stops all drafting. Neither the choice of ``j`` nor padding changes what is accepted: the output is
+calibrated by draft position. Each request moves the estimates by its own offset on the logit scale, and the
+planner feeds the calibrator every verified token plus, for deterministic drafts, the first one a round left
+unverified (:meth:`~toolkit.engine.planner.CostAwareK.update`: the target's next token tests it for free). Where the
+number of tokens to *draft* is chosen before any is drawn (a draft network over a batch), the choice reads
+:meth:`Calibrator.optimistic`, an upper confidence bound, so that a draft length the estimates have rarely seen still
+gets tried: an estimate learned only from what is drafted is never corrected if a pessimistic prior stops all
+drafting. Neither the choice of ``j`` nor padding changes what is accepted: the output is
 the same as with any fixed K (greedy: token-identical to AR; sampling: the target's distribution).
 """
 
@@ -30,8 +33,10 @@ BINS = 20
 #: pseudo-observations of a bin's prior (centred on the bin's raw confidence): how far the drafter's own estimate is
 #: trusted before any outcome is seen
 PRIOR_STRENGTH = 4.0
-#: pseudo-tokens at the average acceptance level before a request's own tokens move its factor
-REQUEST_PRIOR = 4.0
+#: step of the request's logit offset per tested token (online logistic recalibration: Platt 1999, as an SGD step)
+REQUEST_STEP = 0.3
+#: the request's logit offset stays within +-this (an odds factor of at most e^3 ~ 20 either way)
+REQUEST_CLIP = 3.0
 #: a bin's counts are scaled down past this many trials, so the estimate follows a drifting acceptance rate
 MAX_TRIALS = 400.0
 #: weight of the exploration bonus of :meth:`Calibrator.optimistic`: UCB1's sqrt(2 ln t / n) (Auer et al. 2002)
@@ -46,20 +51,22 @@ class Calibrator:
     trials: list[float] = field(default_factory=lambda: [0.0] * BINS)
     position_success: dict[int, float] = field(default_factory=dict)
     position_trials: dict[int, float] = field(default_factory=dict)
-    request_accepted: float = 0.0
-    request_expected: float = 0.0
+    request_shift: float = 0.0
     decisions: int = 0  # draft-length decisions taken on optimistic estimates (UCB1's t)
 
     def begin_request(self) -> None:
-        """Start a new request: its own acceptance level is learned afresh (see :meth:`request_factor`)."""
-        self.request_accepted = self.request_expected = 0.0
+        """Start a new request: its own acceptance level is learned afresh (see :attr:`request_shift`)."""
+        self.request_shift = 0.0
 
-    def request_factor(self) -> float:
-        """How this request's tokens have been accepted relative to the calibrated estimates so far: accepted /
-        expected with ``REQUEST_PRIOR`` pseudo-tokens at 1, within [0.25, 2]. Prompts differ (a chatty answer
-        copies less than a code edit); the bins hold the average over requests."""
-        ratio = (self.request_accepted + REQUEST_PRIOR) / (self.request_expected + REQUEST_PRIOR)
-        return min(2.0, max(0.25, ratio))
+    def _shifted(self, p: float) -> float:
+        """``p`` moved by this request's offset on the logit scale: prompts differ (a chatty answer copies less than
+        a code edit) and the bins hold the average over requests. On the logit scale, not as a factor on ``p``: a
+        request whose low-confidence drafts do better than average must not make a 0.8 bin certain (a factor of
+        1.26 did, and 11 tokens were verified and rejected), and one rejection must not sink a 0.95 bin."""
+        if self.request_shift == 0.0:
+            return p
+        p = min(max(p, 1e-6), 1 - 1e-6)
+        return 1.0 / (1.0 + (1 - p) / p * math.exp(-self.request_shift))
 
     @staticmethod
     def _bin(confidence: float) -> int:
@@ -67,8 +74,8 @@ class Calibrator:
 
     def prob(self, confidence: float | None, position: int) -> float:
         """P(accepted | previous accepted) for a token of raw ``confidence`` (``None``: by ``position``, 1-based),
-        this request's factor applied."""
-        return min(1.0, self._average(confidence, position) * self.request_factor())
+        this request's offset applied."""
+        return self._shifted(self._average(confidence, position))
 
     def optimistic(self, position: int) -> float:
         """An upper confidence bound of P(draft token ``position`` (1-based) accepted | the ones before it were), for
@@ -102,8 +109,9 @@ class Calibrator:
         """Record a round: tokens ``1..min(accepted + 1, verified)`` were tested, the first ``accepted`` passed."""
         for i in range(min(accepted + 1, verified)):
             ok = 1.0 if i < accepted else 0.0
-            self.request_expected += self._average(None if confidence is None else confidence[i], i + 1)
-            self.request_accepted += ok
+            predicted = self.prob(None if confidence is None else confidence[i], i + 1)
+            self.request_shift = max(-REQUEST_CLIP, min(REQUEST_CLIP,
+                                                        self.request_shift + REQUEST_STEP * (ok - predicted)))
             if confidence is None:
                 self._count(self.position_success, self.position_trials, i + 1, ok)
             else:
