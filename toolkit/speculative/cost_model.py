@@ -49,7 +49,7 @@ class VerifyCost:
         source: ``measured`` (this process), ``cache`` (read from the cache file) or ``given``.
         learn: learn from observed verify times (:meth:`observe`); ``False`` keeps the curve as given.
         observed: forwards observed, by length.
-        step: the learned milliseconds of a one-token forward (``None``: ``step_ms[0]``).
+        step: the learned milliseconds of a one-token forward (starts at ``step_ms[0]``).
         extra_scale: the learned scale of the measured cost of the tokens past the first.
     """
 
@@ -60,6 +60,10 @@ class VerifyCost:
     observed: dict[int, int] = field(default_factory=dict)
     step: float | None = None
     extra_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.step is None:
+            self.step = self.step_ms[0]
 
     @property
     def max_tokens(self) -> int:
@@ -81,8 +85,7 @@ class VerifyCost:
         Raises:
             ValueError: ``n < 1``.
         """
-        step = self.step_ms[0] if self.step is None else self.step
-        return step + self.extra_scale * (self._measured(n) - self.step_ms[0])
+        return self.step + self.extra_scale * (self._measured(n) - self.step_ms[0])
 
     def _measured(self, n: int) -> float:
         if n < 1:
@@ -107,14 +110,13 @@ class VerifyCost:
         if not (self.learn and 1 <= n <= self.max_tokens and ms > 0):
             return
         self.observed[n] = self.observed.get(n, 0) + 1
-        step = self.ms(1)
         if n == 1:
-            self.step = step + OBSERVE_WEIGHT * (ms - step)
+            self.step += OBSERVE_WEIGHT * (ms - self.step)
             return
         extra = self.step_ms[n - 1] - self.step_ms[0]
         if extra > MIN_EXTRA * self.step_ms[0]:
             low, high = EXTRA_SCALE_BOUNDS
-            scale = min(high, max(low, (ms - step) / extra))
+            scale = min(high, max(low, (ms - self.step) / extra))
             self.extra_scale += EXTRA_WEIGHT * (scale - self.extra_scale)
 
     def to_dict(self) -> dict:
