@@ -14,7 +14,7 @@ from conftest import perturbed_copy, tiny_llama, tiny_neox
 from test_decoder import INIT, hf_greedy, make_prompt, speculate
 
 from toolkit.engine.cost import load_or_measure, measure_verify_cost
-from toolkit.engine.planner import CostAwareK
+from toolkit.engine.planner import CostAwareK, ForwardCost
 from toolkit.kv import make_policy
 from toolkit.recipe import KVSpec
 from toolkit.speculative.cost_model import VerifyCost
@@ -82,8 +82,9 @@ def test_measuring_the_curve_leaves_later_requests_their_own_cache_size():
 
 def test_curve_extrapolates_and_picks_cheaper_padding():
     cost = VerifyCost(list(DIP))
-    assert cost.cheapest_at_least(2, cap=9) == 4 and cost.cheapest_at_least(5, cap=9) == 5
-    assert cost.cheapest_at_least(2, cap=3) == 2  # padding stays within the widest forward the plan allows
+    widths = ForwardCost(cost)  # the planner's cheapest-width rule, one row on this curve
+    assert widths.cheapest(1, 2, 9) == 4 and widths.cheapest(1, 5, 9) == 5
+    assert widths.cheapest(1, 2, 3) == 2  # padding stays within the widest forward the plan allows
     assert cost.ms(20) == pytest.approx(20.0)  # past the curve: its last slope (flat here)
     with pytest.raises(ValueError):
         cost.ms(0)

@@ -95,15 +95,6 @@ class VerifyCost:
         slope = self.step_ms[-1] - self.step_ms[-2] if self.max_tokens > 1 else 0.0
         return self.step_ms[-1] + slope * (n - self.max_tokens)
 
-    def cheapest_at_least(self, n: int, cap: int) -> int:
-        """The forward length ``m`` in ``[n, cap]`` with the lowest time (``n`` itself on ties): verifying ``n``
-        tokens padded to ``m`` costs ``ms(m)``."""
-        best = n
-        for m in range(n + 1, min(cap, self.max_tokens) + 1):
-            if self.ms(m) < self.ms(best) * 0.98:  # 2%: not worth padding for noise
-                best = m
-        return best
-
     def observe(self, n: int, ms: float) -> None:
         """Learn from a real forward of ``n`` tokens that took ``ms``: a one-token step moves :attr:`step`, a wider
         one :attr:`extra_scale` (where the measured curve rises past the step there: :data:`MIN_EXTRA`)."""
