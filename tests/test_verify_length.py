@@ -162,6 +162,21 @@ def test_calibration_learns_the_real_acceptance_and_each_request_its_own_level()
     assert cal.request_shift == 0.0 and 0.55 < cal.prob(0.9, 1) < 4 / 6  # the bin's level, lowered by those 30
 
 
+@pytest.mark.parametrize("confidence", [[0.3], None], ids=["bin", "position"])
+def test_a_bin_and_a_position_forget_old_outcomes_so_the_estimate_follows_a_drift(confidence):
+    from toolkit.speculative.verify_length import MAX_TRIALS
+
+    cal = Calibrator()
+    for _ in range(2000):  # accepted every time, then rejected every time
+        cal.observe(confidence, verified=1, accepted=1)
+    for _ in range(int(MAX_TRIALS)):
+        cal.observe(confidence, verified=1, accepted=0)
+    cal.begin_request()
+    trials = cal.trials[6] if confidence else cal.position_trials[1]
+    assert MAX_TRIALS / 2 <= trials <= MAX_TRIALS + 1  # halved past the cap, whatever was seen before
+    assert cal.prob(confidence and confidence[0], 1) < 0.3  # without forgetting: 2000 / 2400 = 0.83
+
+
 def test_the_targets_next_token_tests_the_first_unverified_deterministic_draft():
     def observed(verified: int, accepted: int, next_id: int, sampled: bool = False) -> list[tuple[int, int]]:
         ctl = controller(FLAT)

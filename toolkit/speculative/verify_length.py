@@ -115,20 +115,19 @@ class Calibrator:
             if confidence is None:
                 self._count(self.position_success, self.position_trials, i + 1, ok)
             else:
-                b = self._bin(confidence[i])
-                if self.trials[b] >= MAX_TRIALS:
-                    self.success[b] *= 0.5
-                    self.trials[b] *= 0.5
-                self.success[b] += ok
-                self.trials[b] += 1.0
+                self._count(self.success, self.trials, self._bin(confidence[i]), ok)
 
     @staticmethod
-    def _count(success: dict, trials: dict, key: int, ok: float) -> None:
-        if trials.get(key, 0.0) >= MAX_TRIALS:
+    def _count(success: dict | list, trials: dict | list, key: int, ok: float) -> None:
+        """One outcome into a bin (a list index) or a draft position (a dict key, created at zero)."""
+        if isinstance(trials, dict):
+            success.setdefault(key, 0.0)
+            trials.setdefault(key, 0.0)
+        if trials[key] >= MAX_TRIALS:
             success[key] *= 0.5
             trials[key] *= 0.5
-        success[key] = success.get(key, 0.0) + ok
-        trials[key] = trials.get(key, 0.0) + 1.0
+        success[key] += ok
+        trials[key] += 1.0
 
     def to_dict(self) -> dict:
         return {"bins": [[round(s, 1), round(t, 1)] for s, t in zip(self.success, self.trials)],
