@@ -7,6 +7,7 @@ The configuration errors run everywhere (they only plan); the rest needs llama-c
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -91,6 +92,36 @@ def test_an_eagle_head_beside_llama_cpp_must_read_the_final_norm_output():
     with pytest.raises(ConfigError) as info:
         check_head(target, SimpleNamespace(config=SimpleNamespace(variant="eagle3", feature_layers=[1, 14, 26])))
     assert info.value.field == "draft.source" and "EAGLE-1" in str(info.value)
+
+
+def test_llama_cpps_log_is_logged_at_its_own_levels_in_whole_lines(caplog):
+    from toolkit.models.llamacpp_log import CONT, emit
+
+    caplog.set_level(logging.DEBUG, logger="toolkit.llamacpp")
+    emit(4, "llama_decode: failed to find a memory slot\n")  # ggml's ERROR (4), which llama-cpp-python drops
+    emit(3, "llama_context: n_ctx_seq (8448) > n_ctx_train (8192) -- possible training context overflow\n")
+    emit(3, "some other ")  # a WARN in pieces: logged once its line is whole
+    emit(CONT, "warning\n")
+    emit(2, "llama_context: constructing llama_context\n")  # INFO
+    got = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert got == [(logging.ERROR, "llama_decode: failed to find a memory slot"),
+                   (logging.DEBUG, "llama_context: n_ctx_seq (8448) > n_ctx_train (8192) -- possible training "
+                                   "context overflow"),
+                   (logging.WARNING, "some other warning"),
+                   (logging.DEBUG, "llama_context: constructing llama_context")]
+
+
+@NEEDS_LLAMACPP
+def test_a_new_context_writes_nothing_to_stderr_and_logs_its_headroom_warning_at_debug(capfd, caplog):
+    from toolkit.models.llamacpp import load_llamacpp
+
+    caplog.set_level(logging.DEBUG, logger="toolkit.llamacpp")
+    target, _ = load_llamacpp(_recipe().target)
+    capfd.readouterr()
+    target.context("f16", "f16")  # n_ctx = the model's 8192 positions + the verify headroom
+    assert capfd.readouterr().err == ""  # llama-cpp-python's own callback printed the warning there
+    headroom = [r for r in caplog.records if "n_ctx_train" in r.getMessage()]
+    assert headroom and all(r.levelno == logging.DEBUG for r in headroom)
 
 
 # ------------------------------------------------------------------------------------------------ on llama.cpp

@@ -160,6 +160,9 @@ class LlamaCppTarget(torch.nn.Module):
         if key not in self._contexts:
             from llama_cpp import Llama
 
+            from toolkit.models.llamacpp_log import route
+
+            route(self.llama_cpp)  # llama.cpp's log through logging, at its own levels
             self._contexts[key] = Llama(
                 model_path=str(self.gguf_path), n_ctx=self.n_ctx, n_batch=N_BATCH, n_ubatch=N_BATCH,
                 n_threads=self.threads, n_threads_batch=self.threads, verbose=False, **cache_kwargs(type_k, type_v),
