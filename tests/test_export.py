@@ -14,6 +14,7 @@ import pytest
 
 from toolkit.errors import ConfigError
 from toolkit.export import export
+from toolkit.export.common import EMBEDDED_HUB_ID
 from toolkit.recipe import Recipe
 
 
@@ -114,6 +115,21 @@ def test_cli_prints_and_writes_with_warnings(tmp_path):
     script = (tmp_path / "r.sh").read_text()
     assert "# WARNING: kv.policy: streaming" in script and "--speculative-algorithm STANDALONE" in script
     assert script in res.stdout
+
+
+def test_cli_exports_a_shipped_recipe_by_name_and_names_the_field_of_an_unknown_one(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from toolkit_cli import app
+
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    res = runner.invoke(app, ["export", "vllm", "short-draft"])  # as `toolkit run short-draft` takes it
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "short-draft.vllm.json").read_text())["config"]["speculative_config"]
+    res = runner.invoke(app, ["export", "sglang", "no-such-recipe"])
+    assert res.exit_code == 2 and "recipe: no file or shipped name 'no-such-recipe'" in res.output
+    assert not list(tmp_path.glob("no-such-recipe*"))
 
 
 @pytest.mark.parametrize("config, vllm_method, sglang_algorithm", [
@@ -341,3 +357,15 @@ def test_a_speculators_head_is_served_by_vllm_and_converted_for_sglang(tmp_path)
     warnings = [w for w in export(r, "sglang").warnings if "draft.source" in w]
     assert len(warnings) == 1 and "speculators layout, which SGLang does not read" in warnings[0]
     assert "--layout eagle" in warnings[0]
+
+
+@pytest.mark.parametrize("precision, says", [("native", "run here on the file's own Q4_1 / Q8_0 blocks"),
+                                             ("int4", "dequantized here (precision int4)")])
+def test_the_embedded_targets_warning_says_which_weights_ran_here(precision, says):
+    from toolkit.export.common import model_path
+    from toolkit.recipe import ModelSpec
+
+    warnings: list[str] = []
+    assert model_path(ModelSpec(source="embedded", precision=precision), "target", warnings) == EMBEDDED_HUB_ID
+    assert len(warnings) == 1 and says in warnings[0]
+    assert (".gguf (GGUF: the engine's support is partial)" in warnings[0]) == (precision == "native")

@@ -18,12 +18,14 @@ from toolkit_cli.errors import reported
 export_app = typer.Typer(no_args_is_help=True, help="Export a recipe to a serving engine (vLLM, SGLang).")
 
 
-def _export(engine: str, recipe_path: Path, out: Optional[Path]) -> None:
+def _export(engine: str, recipe: str, out: Optional[Path]) -> None:
     from toolkit.export import export, render
     from toolkit.export.common import one_line
     from toolkit.io import atomic_write_text
     from toolkit.recipe import Recipe
+    from toolkit.resources import resolve
 
+    recipe_path = resolve(recipe, "", "recipe")  # a YAML file or a shipped recipe's name, as every other command
     exp = export(Recipe.load(recipe_path), engine)
     text, suffix = render(exp)
     path = out if out is not None else Path(recipe_path.stem + suffix)
@@ -36,7 +38,7 @@ def _export(engine: str, recipe_path: Path, out: Optional[Path]) -> None:
 
 @export_app.command("vllm")
 @reported
-def vllm(recipe: Path = typer.Argument(..., exists=True, dir_okay=False, help="recipe YAML"),
+def vllm(recipe: str = typer.Argument(..., help="recipe YAML file or shipped recipe name"),
          out: Optional[Path] = typer.Option(None, help="file to write (default ./<recipe>.vllm.json)")):
     """Print and write the vLLM configuration (speculative_config, quantization, kv_cache_dtype) of RECIPE."""
     _export("vllm", recipe, out)
@@ -44,7 +46,7 @@ def vllm(recipe: Path = typer.Argument(..., exists=True, dir_okay=False, help="r
 
 @export_app.command("sglang")
 @reported
-def sglang(recipe: Path = typer.Argument(..., exists=True, dir_okay=False, help="recipe YAML"),
+def sglang(recipe: str = typer.Argument(..., help="recipe YAML file or shipped recipe name"),
            out: Optional[Path] = typer.Option(None, help="file to write (default ./<recipe>.sglang.sh)")):
     """Print and write the SGLang launch command (--speculative-* flags) of RECIPE."""
     _export("sglang", recipe, out)

@@ -68,14 +68,30 @@ def model_path(spec, prefix: str, warnings: list[str]) -> str:
     """
     command_value(f"{prefix}.source", spec.source)
     if spec.source == "embedded":
-        warnings.append(f"{prefix}.source: 'embedded' is the Q4_1 GGUF of {EMBEDDED_HUB_ID} dequantized; the "
-                        f"engine loads the original hub checkpoint {EMBEDDED_HUB_ID} (higher precision, so outputs "
-                        "can differ slightly from this toolkit's)")
+        here = ("run here on the file's own Q4_1 / Q8_0 blocks (precision native)" if spec.precision == "native"
+                else f"dequantized here (precision {spec.precision})")
+        warnings.append(f"{prefix}.source: 'embedded' is the Q4_1 GGUF of {EMBEDDED_HUB_ID}, {here}; the engine "
+                        f"loads the original hub checkpoint {EMBEDDED_HUB_ID} (higher precision, so outputs can differ "
+                        f"slightly from this toolkit's){_gguf_hint(spec)}")
         return EMBEDDED_HUB_ID
     if spec.source.endswith(".gguf"):
         warnings.append(f"{prefix}.source: a .gguf file; the engine's GGUF support is partial — prefer the "
                         "original HF checkpoint")
     return spec.source
+
+
+def _gguf_hint(spec) -> str:
+    """For a ``native`` embedded target: where the GGUF file itself is, for an engine that loads GGUF files (partial
+    support: the hub checkpoint is the exported default)."""
+    if spec.precision != "native":
+        return ""
+    from toolkit.errors import ModelLoadError
+    from toolkit.models.embedded import embedded_gguf_path
+
+    try:
+        return f"; the same blocks are the file {embedded_gguf_path()} (GGUF: the engine's support is partial)"
+    except ModelLoadError:
+        return ""
 
 
 def draft_source(recipe) -> tuple:
