@@ -329,8 +329,11 @@ def kv_bytes_per_token(model) -> int:
         from toolkit.kv.llamacpp_cache import LlamaCppForm, bytes_per_token
 
         return bytes_per_token(model.config, LlamaCppForm())
+    from toolkit.engine.forward import model_kwargs
+
     device = next(model.parameters()).device
     cache = new_cache(None, model)
     with torch.no_grad():
-        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True,
+              **model_kwargs(model, {"past_key_values": cache}))  # `cache=` where transformers takes it
     return cache.kv_bytes()

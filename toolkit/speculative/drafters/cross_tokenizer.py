@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from toolkit.engine.forward import model_kwargs
 from toolkit.errors import ConfigError
 from toolkit.kv.contract import new_cache
 from toolkit.speculative.drafters.base import Drafter
@@ -71,8 +72,9 @@ class CrossTokenizerDrafter(Drafter):
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         positions = torch.arange(len(self.fed), len(self.fed) + len(ids), device=self.device).unsqueeze(0)
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache,
-                         use_cache=True, logits_to_keep=1, **self.cache.forward_kwargs(positions))
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True, logits_to_keep=1,
+                         **model_kwargs(self.model, {"past_key_values": self.cache,
+                                                     **self.cache.forward_kwargs(positions)}))
         self.fed += ids
         self.forwards += 1
         return out.logits[0, -1]
