@@ -318,6 +318,10 @@ def test_invalid_combinations_are_counted_and_never_evaluated(tmp_path, tiny):
                               storage=f"sqlite:///{(tmp_path / 'found' / 'short' / 'study.db').resolve()}")
     invalid = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
     assert invalid and all("invalid" in t.user_attrs and "recipe" not in t.user_attrs for t in invalid)
+    if hasattr(optuna.trial.Trial, "set_constraint"):  # optuna >= 5: the trials carry the constraints TPE reads
+        complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+        assert complete and all(t.constraints == t.user_attrs["constraints"] for t in complete)
+        assert all(t.constraints == {"pruned": 1.0} for t in invalid)  # infeasible, as constraints_func's [1.0]
     assert {t.user_attrs["config_hash"] for t in study.trials if "config_hash" in t.user_attrs} >= set(calls)
     assert "invalid combinations rejected before loading any model" in (tmp_path / "found" / "short" /
                                                                         "pareto.md").read_text()

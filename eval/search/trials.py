@@ -42,6 +42,34 @@ def trial_key(recipe, settings, sc: Scenario, prompts=None) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def native_constraints() -> bool:
+    """Whether this optuna takes constraints on the trial (``Trial.set_constraint``, optuna >= 5, which deprecates
+    the samplers' ``constraints_func``); else the sampler's ``constraints_func`` reads them
+    (:func:`eval.search.study.make_sampler`)."""
+    import optuna
+
+    return hasattr(optuna.trial.Trial, "set_constraint")
+
+
+def record_constraints(trial, cons: dict | None) -> None:
+    """A trial's constraint values (each feasible at <= 0): the ``constraints`` user attribute our reports read, and
+    on optuna >= 5 the trial's own constraints, which TPE reads. ``None``: a pruned trial, infeasible to the sampler
+    (as ``constraints_func``'s ``[1.0]`` made it)."""
+    if cons is not None:
+        trial.set_user_attr("constraints", cons)
+    if native_constraints():
+        for name, value in (cons if cons is not None else {"pruned": 1.0}).items():
+            trial.set_constraint(name, value)
+
+
+def _pruned(trial, reason: str):
+    """``optuna.TrialPruned(reason)``, the trial marked infeasible first (:func:`record_constraints`)."""
+    import optuna
+
+    record_constraints(trial, None)
+    return optuna.TrialPruned(reason)
+
+
 @dataclass
 class TrialRunner:
     """The Optuna objective of one study (see the module docstring).
@@ -66,15 +94,13 @@ class TrialRunner:
     durations: list[float] = field(default_factory=list)
 
     def __call__(self, trial) -> list[float]:
-        import optuna
-
         params = self._suggest(trial)
         trial.set_user_attr("worker_pid", os.getpid())
         try:
             recipe = self.sp.recipe(params)
         except ConfigError as exc:
             trial.set_user_attr("invalid", str(exc))
-            raise optuna.TrialPruned(f"invalid combination: {exc}") from None
+            raise _pruned(trial, f"invalid combination: {exc}") from None
         key = trial_key(recipe, self.settings, self.sc, self.prompts)
         trial.set_user_attr("config_hash", recipe.config_hash())
         trial.set_user_attr("trial_key", key)
@@ -99,16 +125,17 @@ class TrialRunner:
         TS = optuna.trial.TrialState
         for old in self.study.get_trials(deepcopy=False, states=(TS.COMPLETE,)):
             if old.user_attrs.get("trial_key") == key and old.user_attrs.get("constraints") is not None:
-                for attr in ("constraints", "summary", "results_dir"):
+                record_constraints(trial, old.user_attrs["constraints"])
+                for attr in ("summary", "results_dir"):
                     trial.set_user_attr(attr, old.user_attrs.get(attr))
                 trial.set_user_attr("cached_from", old.number)
                 return list(old.values)
         for old in self.study.get_trials(deepcopy=False, states=(TS.FAIL,)):
             if old.user_attrs.get("trial_key") == key and "error" in old.user_attrs:  # (a dead worker's is retried)
-                raise optuna.TrialPruned(f"failed before in trial {old.number}: {old.user_attrs['error']}")
+                raise _pruned(trial, f"failed before in trial {old.number}: {old.user_attrs['error']}")
         for other in self.study.get_trials(deepcopy=False, states=(TS.RUNNING,)):
             if other.number < trial.number and other.user_attrs.get("trial_key") == key:
-                raise optuna.TrialPruned(f"duplicate of trial {other.number}, running in another worker")
+                raise _pruned(trial, f"duplicate of trial {other.number}, running in another worker")
         return None
 
     def _measure(self, trial, params: dict, recipe) -> list[float]:
@@ -125,7 +152,7 @@ class TrialRunner:
             print(f"  trial {trial.number}: {params} FAILED: {trial.user_attrs['error']}", file=sys.stderr)
             raise
         cons = constraints(m, self.sc)
-        trial.set_user_attr("constraints", cons)
+        record_constraints(trial, cons)
         trial.set_user_attr("summary", summary_of(m))
         trial.set_user_attr("results_dir", target_dir.relative_to(self.out).as_posix())
         values = objectives(m)

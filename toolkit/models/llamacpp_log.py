@@ -55,8 +55,9 @@ def _flush(line: str) -> None:
 def route(llama_cpp) -> None:
     """Install the callback on the ``llama_cpp`` module's library (after ``llama_cpp`` itself was imported, which
     installs its own); idempotent. The callback object is kept for the life of the process (ctypes frees a callback
-    that nothing references)."""
-    if _state["callback"] is not None:
+    that nothing references). A ``llama_cpp`` without the log API (another binding, a test's stand-in) is left as it
+    is."""
+    if _state["callback"] is not None or not hasattr(llama_cpp, "llama_log_set"):
         return
 
     @llama_cpp.llama_log_callback
