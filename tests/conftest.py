@@ -50,6 +50,16 @@ def tiny_neox(seed: int = 0, layers: int = 2, vocab: int = 128, max_positions: i
     return GPTNeoXForCausalLM(config).eval()
 
 
+
+def hf_forward(model, **kwargs):
+    """``model(**kwargs)`` with the cache under the name the model's forward takes (``cache`` from transformers 5.24
+    on, which deprecates ``past_key_values`` and removes it in 5.40; ``past_key_values`` before), as the library
+    passes it (:func:`toolkit.engine.forward.model_kwargs`)."""
+    from toolkit.engine.forward import model_kwargs
+
+    return model(**model_kwargs(model, kwargs))
+
+
 def perturbed_copy(model, scale: float = 0.02, seed: int = 1):
     """A copy of ``model`` with Gaussian noise added to every weight: a draft that agrees often but not always."""
     import copy

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import batch_decoder, perturbed_copy, tiny_llama
+from conftest import batch_decoder, hf_forward, perturbed_copy, tiny_llama
 from test_batch import prompts
 from test_decoder import INIT, hf_greedy, make_prompt
 from transformers import DynamicCache
@@ -100,7 +100,7 @@ def test_draft_cache_rolls_back_to_each_rows_committed_prefix(setup):
         for r, row in enumerate(rows):
             fresh = DynamicCache()
             with torch.no_grad():
-                draft(input_ids=torch.tensor([row.ids[:held[r]]]), past_key_values=fresh, use_cache=True)
+                hf_forward(draft, input_ids=torch.tensor([row.ids[:held[r]]]), past_key_values=fresh, use_cache=True)
             torch.testing.assert_close(layer.keys[r, :, :held[r]], fresh.layers[0].keys[0], rtol=1e-4, atol=1e-5)
         drafter.propose_rows(rows, [2, 2, 2])  # the catch-up feeds each row its missing 1 or 2 tokens
         assert drafter.cache.lengths[:3].tolist() == [len(r.ids) + 1 for r in rows]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import perturbed_copy, tiny_llama
+from conftest import hf_forward, perturbed_copy, tiny_llama
 from test_decoder import hf_greedy
 from transformers import DynamicCache
 
@@ -82,16 +82,16 @@ def test_padding_is_rolled_back_and_appends_exactly_the_query(setup):
         prefilled, kwargs = cache.begin_row(n)
         engine.prefill(prompt, kwargs)
         cache.add_row(prefilled, n)
-        target(input_ids=prompt, past_key_values=reference, use_cache=True)
+        hf_forward(target, input_ids=prompt, past_key_values=reference, use_cache=True)
         logits = engine(cache, prompt[:, :3])  # 3 tokens run in the width-4 graph
         assert logits.shape == (1, 3, 128)
-        eager = target(input_ids=prompt[:, :3], past_key_values=reference, use_cache=True).logits
+        eager = hf_forward(target, input_ids=prompt[:, :3], past_key_values=reference, use_cache=True).logits
         torch.testing.assert_close(logits, eager, atol=1e-5, rtol=1e-5)  # the padding changed nothing
         cache.accept(torch.tensor([1]), [1])  # keep 1 of the 3: the rest and the padding are never read again
         reference.crop(-2)
         assert cache.held == [n + 1] and cache.lengths.tolist() == [n + 1]
         logits = engine(cache, prompt[:, 5:10])  # 5 tokens in the width-8 graph, over the rolled-back slots
-        eager = target(input_ids=prompt[:, 5:10], past_key_values=reference, use_cache=True).logits
+        eager = hf_forward(target, input_ids=prompt[:, 5:10], past_key_values=reference, use_cache=True).logits
         torch.testing.assert_close(logits, eager, atol=1e-5, rtol=1e-5)
         cache.accept(torch.tensor([5]), [5])
         assert cache.held == [n + 6] == [reference.get_seq_length()]

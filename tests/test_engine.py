@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import batch_decoder, perturbed_copy, tiny_llama, tiny_neox
+from conftest import batch_decoder, hf_forward, perturbed_copy, tiny_llama, tiny_neox
 from test_decoder import INIT, hf_greedy, make_prompt
 from transformers import DynamicCache
 
@@ -48,12 +48,12 @@ def test_a_forward_on_the_static_cache_equals_one_on_a_dynamic_cache_and_rolls_b
         prefilled, kwargs = cache.begin_row(20)
         forward.prefill(prompt, kwargs)
         cache.add_row(prefilled, 20)
-        target(input_ids=prompt, past_key_values=reference, use_cache=True)
+        hf_forward(target, input_ids=prompt, past_key_values=reference, use_cache=True)
         assert cache.held == [20] and cache.lengths.tolist() == [20]
         for width, keep in ((5, 2), (3, 3), (8, 1), (1, 1)):
             tokens = make_prompt(width, length=width)
             ours = forward(cache, tokens)[0]
-            theirs = target(input_ids=tokens, past_key_values=reference, use_cache=True).logits[0]
+            theirs = hf_forward(target, input_ids=tokens, past_key_values=reference, use_cache=True).logits[0]
             torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
             cache.accept(torch.tensor([keep]), [keep])  # the rest rolled back: never read again
             if keep < width:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import hf_forward, tiny_llama
 
 from toolkit.eagle.head import HeadCache
 from toolkit.kv import COMPOSED, POLICIES, make_policy
@@ -35,10 +35,10 @@ def test_every_policy_and_its_cache_keep_the_contract(name, spec):
     assert isinstance(cache, CacheProtocol)
     with policy_attached(policy, model), torch.no_grad():
         ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
-        model(input_ids=ids, past_key_values=cache, use_cache=True, **cache.forward_kwargs(torch.arange(40)[None]))
+        hf_forward(model, input_ids=ids, past_key_values=cache, use_cache=True, **cache.forward_kwargs(torch.arange(40)[None]))
         cache.commit()
         before = cache.get_seq_length()
-        model(input_ids=ids[:, :3], past_key_values=cache, use_cache=True,
+        hf_forward(model, input_ids=ids[:, :3], past_key_values=cache, use_cache=True,
               **cache.forward_kwargs(torch.arange(before, before + 3)[None]))
         cache.crop(-2)
     assert cache.get_seq_length() == before + 1 and cache.kv_bytes() > 0 and cache.compressions >= 0
@@ -49,11 +49,11 @@ def test_plain_cache_rolls_back_and_counts_bytes():
     cache = new_cache(None, model)
     assert isinstance(cache, PlainCache) and isinstance(cache, CacheProtocol)
     with torch.no_grad():
-        model(input_ids=torch.arange(10)[None], past_key_values=cache, use_cache=True,
+        hf_forward(model, input_ids=torch.arange(10)[None], past_key_values=cache, use_cache=True,
               **cache.forward_kwargs(torch.arange(10)[None]))
         cache.commit()
         keys = cache.layers[0].keys.clone()
-        model(input_ids=torch.arange(4)[None], past_key_values=cache, use_cache=True,
+        hf_forward(model, input_ids=torch.arange(4)[None], past_key_values=cache, use_cache=True,
               **cache.forward_kwargs(torch.arange(10, 14)[None]))
     cache.crop(-2)
     assert cache.get_seq_length() == 12 and torch.equal(cache.layers[0].keys[:, :, :10], keys)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_llama, tiny_neox
+from conftest import hf_forward, tiny_llama, tiny_neox
 
 from toolkit.kv import calibration, make_policy
 from toolkit.kv.contract import new_cache, policy_attached
@@ -80,9 +80,9 @@ def test_tiers_before_compression_equal_uncompressed():
                                                "importance": [[1.0, 0.0], [0.2, 0.7]]}))
     cache = new_cache(policy, model)
     with policy_attached(policy, model):  # per-tier attention, installed for this block only
-        first = model(input_ids=ids[:, :12], past_key_values=cache, **cache.forward_kwargs(torch.arange(12)[None]))
+        first = hf_forward(model, input_ids=ids[:, :12], past_key_values=cache, **cache.forward_kwargs(torch.arange(12)[None]))
         cache.commit()
-        rest = model(input_ids=ids[:, 12:], past_key_values=cache,
+        rest = hf_forward(model, input_ids=ids[:, 12:], past_key_values=cache,
                      **cache.forward_kwargs(torch.arange(12, 20)[None]))
     assert model.config._attn_implementation == "sdpa"  # restored
     torch.testing.assert_close(torch.cat([first.logits, rest.logits], 1), reference, atol=1e-5, rtol=1e-5)

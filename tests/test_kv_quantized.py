@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import perturbed_copy, tiny_llama, tiny_neox
+from conftest import hf_forward, perturbed_copy, tiny_llama, tiny_neox
 
 from toolkit.errors import ConfigError
 from toolkit.kv import make_policy
@@ -355,18 +355,18 @@ def test_shadow_mask_gives_each_query_its_autoregressive_view():
     pol = policy(quant_bits=2, quant_group_size=8, residual_length=8)
     ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(5))
     cache = new_cache(pol, model)
-    model(input_ids=ids[:, :20], past_key_values=cache, **cache.forward_kwargs(torch.arange(20)[None]))
+    hf_forward(model, input_ids=ids[:, :20], past_key_values=cache, **cache.forward_kwargs(torch.arange(20)[None]))
     cache.commit()
     logits_one = [None] * 20
     for p in range(20, 60):
-        out = model(input_ids=ids[:, p:p + 1], past_key_values=cache,
+        out = hf_forward(model, input_ids=ids[:, p:p + 1], past_key_values=cache,
                     **cache.forward_kwargs(torch.tensor([[p]])))
         logits_one.append(out.logits[0, -1])
         cache.commit()
     cache = new_cache(pol, model)
-    model(input_ids=ids[:, :20], past_key_values=cache, **cache.forward_kwargs(torch.arange(20)[None]))
+    hf_forward(model, input_ids=ids[:, :20], past_key_values=cache, **cache.forward_kwargs(torch.arange(20)[None]))
     cache.commit()
-    out = model(input_ids=ids[:, 20:60], past_key_values=cache, **cache.forward_kwargs(torch.arange(20, 60)[None]))
+    out = hf_forward(model, input_ids=ids[:, 20:60], past_key_values=cache, **cache.forward_kwargs(torch.arange(20, 60)[None]))
     torch.testing.assert_close(out.logits[0], torch.stack(logits_one[20:]), atol=1e-4, rtol=1e-4)
     assert isinstance(cache, QuantizedKVCache) and cache._shadow == (0, 0)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import perturbed_copy, tiny_llama, tiny_neox
+from conftest import hf_forward, perturbed_copy, tiny_llama, tiny_neox
 
 from toolkit.engine.decoder import SpeculativeDecoder
 from toolkit.engine.planner import ConstantK
@@ -134,7 +134,7 @@ def test_reindexed_keys_equal_keys_computed_at_their_slots(make, own_cache):
     from transformers import DynamicCache
 
     fresh = DynamicCache()
-    target(input_ids=torch.tensor([kept]), position_ids=torch.arange(held)[None], past_key_values=fresh)
+    hf_forward(target, input_ids=torch.tensor([kept]), position_ids=torch.arange(held)[None], past_key_values=fresh)
     torch.testing.assert_close(keys, fresh.layers[0].keys, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(values, fresh.layers[0].values)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import batch_decoder, tiny_llama
+from conftest import batch_decoder, hf_forward, tiny_llama
 from test_batch import prompts
 from test_decoder import INIT
 
@@ -174,7 +174,7 @@ def test_fixed_budget_buffers_hold_exact_bytes_and_refuse_what_they_cannot_hold(
     per_slot = 2 * 2 * 16 * 4  # keys and values, 2 heads x 16 dims x 4 bytes
     assert cache.kv_bytes() == per_slot * ((20) + (512 + 64))  # the skipped layer's span padding: SPAN_STEP
     prefilled, kwargs = cache.begin_row(30)
-    target(input_ids=torch.arange(1, 31).view(1, -1), **{k: v for k, v in kwargs.items()})
+    hf_forward(target, input_ids=torch.arange(1, 31).view(1, -1), **{k: v for k, v in kwargs.items()})
     cache.add_row(prefilled, 30)  # 30 > 12 + 3: the prefill is compacted to the budget at once
     assert cache.fill_held[1.0] == [12] and cache.held == [30]
     assert cache.needed_bytes() == per_slot * (12 + 30)

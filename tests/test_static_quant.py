@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import perturbed_copy, tiny_llama
+from conftest import hf_forward, perturbed_copy, tiny_llama
 from test_decoder import INIT, make_prompt
 from test_static_evict import decode_one
 
@@ -117,7 +117,7 @@ def test_buffers_are_allocated_once_with_exact_bytes():
     assert cache.kv_bytes() == 2 * (packed_group * 40 + fp)
     prefilled, kwargs = cache.begin_row(30)
     with torch.no_grad(), attached(model, STATIC_NAME):
-        model(input_ids=torch.arange(1, 31).view(1, -1), **kwargs)
+        hf_forward(model, input_ids=torch.arange(1, 31).view(1, -1), **kwargs)
     cache.add_row(prefilled, 30)  # boundary(30) = 2 + 8 * min(3, ceil(22 / 8)) = 26: three groups packed
     assert cache.quantized_held == [24] and cache.held == [30] and cache.compressions == 1
     assert cache.needed_bytes() == 2 * (3 * packed_group + 2 * heads * dim * 4 * (2 + 4))

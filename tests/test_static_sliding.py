@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import batch_decoder
+from conftest import batch_decoder, hf_forward
 from test_decoder import hf_greedy
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -134,7 +134,7 @@ def test_rings_hold_the_window_plus_one_forward_and_exact_bytes(models):
     cache = SlidingStaticKV(mistral, 1, 256, 5)
     prefilled, kwargs = cache.begin_row(30)
     with torch.no_grad():
-        mistral(input_ids=torch.arange(1, 31).view(1, -1), **kwargs)
+        hf_forward(mistral, input_ids=torch.arange(1, 31).view(1, -1), **kwargs)
     cache.add_row(prefilled, 30)
     for p in (10, 29):
         assert torch.equal(cache.layers[1].keys[0, :, p % 20], prefilled.layers[1].keys[0, :, p])

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from conftest import perturbed_copy, tiny_llama, tiny_neox
+from conftest import hf_forward, perturbed_copy, tiny_llama, tiny_neox
 from test_decoder import INIT, make_prompt
 from test_static_evict import decode_one
 
@@ -170,7 +170,7 @@ def test_buffers_are_fixed_by_the_window_with_exact_bytes():
         packed_group = 2 * heads * dim * 8 * 4 // 8 + heads * dim * 2 * 2 + heads * 8 * (dim // 8) * 2 * 2
         assert quant.kv_bytes() == layers * (3 * packed_group + 2 * heads * quant.fp_slots * dim * 4)
     prefilled, kwargs = cache.begin_row(30)
-    model(input_ids=torch.arange(1, 31).view(1, -1), **kwargs)
+    hf_forward(model, input_ids=torch.arange(1, 31).view(1, -1), **kwargs)
     cache.add_row(prefilled, 30)  # 30 > 2 + 12 + 3: compacted to the sinks and the window at once
     assert cache.fill_held[cache.factor] == [14] and cache.held == [30] and cache.compressions == 1
     assert cache.needed_bytes() == layers * 2 * heads * dim * 4 * 14

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import perturbed_copy, tiny_llama, tiny_neox
+from conftest import hf_forward, perturbed_copy, tiny_llama, tiny_neox
 
 from toolkit.engine.accept import accept_tree
 from toolkit.kv import make_policy
@@ -214,7 +214,7 @@ def test_draft_cache_holds_the_committed_prefix_after_every_tree_round():
         assert held == drafter._held[0] == int(cache.lengths[0]) and len(sequence) - 3 <= held < len(sequence)
         ref = DynamicCache()
         with torch.no_grad():
-            draft_lm(input_ids=torch.tensor([sequence[:held]]), past_key_values=ref, use_cache=True)
+            hf_forward(draft_lm, input_ids=torch.tensor([sequence[:held]]), past_key_values=ref, use_cache=True)
         for layer, single in zip(cache.layers, ref.layers):
             assert torch.allclose(layer.keys[0, :, :held], single.keys[0], atol=1e-5)
             assert torch.allclose(layer.values[0, :, :held], single.values[0], atol=1e-5)
