@@ -103,12 +103,18 @@ def test_llama_cpps_log_is_logged_at_its_own_levels_in_whole_lines(caplog):
     emit(3, "some other ")  # a WARN in pieces: logged once its line is whole
     emit(CONT, "warning\n")
     emit(2, "llama_context: constructing llama_context\n")  # INFO
+    emit(4, "first error line\nsecond ")  # two lines in one piece, the second finished by the next
+    emit(CONT, "error line\n")
+    emit(3, "unterminated warning")  # ended by the next message
+    emit(4, "last\n")
     got = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert got == [(logging.ERROR, "llama_decode: failed to find a memory slot"),
                    (logging.DEBUG, "llama_context: n_ctx_seq (8448) > n_ctx_train (8192) -- possible training "
                                    "context overflow"),
                    (logging.WARNING, "some other warning"),
-                   (logging.DEBUG, "llama_context: constructing llama_context")]
+                   (logging.DEBUG, "llama_context: constructing llama_context"),
+                   (logging.ERROR, "first error line"), (logging.ERROR, "second error line"),
+                   (logging.WARNING, "unterminated warning"), (logging.ERROR, "last")]
 
 
 @NEEDS_LLAMACPP

@@ -84,7 +84,7 @@ def make_sampler(points: list, n_total: int, shared: bool):
         options["constraints_func"] = constraints_func
     sampler = optuna.samplers.TPESampler(seed=None if shared else 0, multivariate=True, group=True,
                                          n_startup_trials=min(8, n_total), **options)
-    return sampler, f"TPE with constraints_func (more than {n_total} points, {n_total} trials)", False
+    return sampler, f"TPE with constraints (more than {n_total} points, {n_total} trials)", False
 
 
 def _version(text: str) -> tuple[int, ...]:

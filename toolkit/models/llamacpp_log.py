@@ -34,16 +34,15 @@ def emit(level: int, text: str) -> None:
     if level != CONT:
         if _state["pending"]:  # a new message ends an unterminated one
             _flush(_state["pending"])
+            _state["pending"] = ""
         _state["level"] = LEVELS.get(level, logging.DEBUG)
-        _state["pending"] = ""
     lines = (_state["pending"] + text).split("\n")
-    _state["pending"] = lines.pop()
+    _state["pending"] = lines.pop()  # what follows the last newline waits for the rest of its line
     for line in lines:
         _flush(line)
 
 
 def _flush(line: str) -> None:
-    _state["pending"] = ""
     if not line.strip():
         return
     level = _state["level"]
