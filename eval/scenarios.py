@@ -151,7 +151,8 @@ def objectives(r: EvalResult) -> list[float]:
 
 
 def constraints(r: EvalResult, sc: Scenario) -> dict[str, float]:
-    """Constraint values (feasible iff every value <= 0), named, for Optuna's ``constraints_func``."""
+    """Constraint values (feasible iff every value <= 0), named, for Optuna (:func:`eval.search.trials.
+    record_constraints`)."""
     out: dict[str, float] = {}
     if sc.ppl_ratio_max is not None:
         out["ppl_ratio"] = (r.ppl_ratio if r.ppl_ratio is not None else float("inf")) - sc.ppl_ratio_max

@@ -6,7 +6,8 @@ Every trial walks the scenario's space (``recipes/search/<scenario>.yaml``, cond
 :mod:`eval.space`), builds the recipe — a combination that makes no valid recipe is pruned with its reason before
 any model loads, counted and never evaluated — runs the evaluator on it (fast settings from the space file) and
 reports three objectives: throughput (max), perplexity (min), memory = weights + peak KV in MiB (min), plus the
-scenario's constraints through Optuna's ``constraints_func`` (feasible iff every value <= 0; :mod:`eval.scenarios`).
+scenario's constraints on each trial (optuna 5's ``Trial.set_constraint``, ``constraints_func`` before; feasible iff
+every value <= 0; :mod:`eval.scenarios`).
 The sampler is multi-objective TPE with constraints (multivariate, grouped for conditional spaces); a space small
 enough for the trial budget is run as an exhaustive grid instead. The winner is the feasible trial best on the
 scenario's primary objective (ties: lower perplexity); infeasible trials are never chosen.
