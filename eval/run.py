@@ -26,6 +26,7 @@ from eval.runners import (
     PROMPT_LOOKUPS,
     baseline_methods,
     engine_runners,
+    llamacpp_hint,
     runners_for,
     static_cache_len,
     strongest_baselines,
@@ -126,6 +127,9 @@ def run_recipe(recipe: Recipe, compare: bool = False, repeats: int = 3, prompts:
     methods = [OURS] + (baseline_methods(recipe, reference is not None) if compare else [])
     if compare:  # the strongest baselines right after plain HF AR
         methods[2:2] = strongest_baselines(recipe, generator.target)
+        hint = llamacpp_hint(recipe, methods, generator.target)
+        if hint and progress:
+            print(hint, file=sys.stderr)
     items = [Prompt(p.id, p.kind, generator.encode(p.prompt, f"prompts.{p.id}")) for p in prompts]
     for item in items:  # before any forward: empty prompts, prompts past the context, EOS ids outside the vocab
         generator.check_request(item.input_ids, gen, f"prompts.{item.id}")

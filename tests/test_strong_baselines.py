@@ -14,7 +14,7 @@ from conftest import tiny_llama
 from test_decoder import hf_greedy
 
 from eval.evaluate import EvalSettings
-from eval.runners import selected_baselines, strongest_baselines
+from eval.runners import llamacpp_hint, selected_baselines, strongest_baselines
 from toolkit.errors import ConfigError
 from toolkit.measure import engines
 from toolkit.measure.baselines import hf_generate
@@ -59,6 +59,19 @@ def test_strongest_baselines_name_static_ar_where_compiling_pays_and_only_engine
     assert strongest_baselines(sampled, int4) == ["ar_static"]  # the engines' samplers are not ours: greedy only
     fp32 = Recipe.load("recipes/short-exact.yaml")  # bytes-bound on CPU: HF eager AR is the strongest HF baseline
     assert strongest_baselines(fp32, tiny_llama()) == ["llamacpp_ar", "llamacpp_lookup", "openvino_ar"]
+
+
+def test_compare_says_how_to_add_llama_cpps_rows_where_a_cpu_gguf_recipe_runs_without_them():
+    recipe = Recipe.load("recipes/short.yaml")  # the embedded GGUF's own blocks, greedy
+    model = tiny_llama()
+    hint = llamacpp_hint(recipe, ["ours", "ar", "ar_static"], model)
+    assert hint is not None and "`make llamacpp`" in hint and "llama.cpp's own AR" in hint
+    assert llamacpp_hint(recipe, ["ours", "ar", "llamacpp_ar", "llamacpp_lookup"], model) is None  # they run
+    hub = Recipe.from_dict({**recipe.to_dict(), "target": {**recipe.to_dict()["target"], "source": "org/model",
+                                                             "precision": "int4", "backend": "torchao"}})
+    assert llamacpp_hint(hub, ["ours", "ar"], model) is None  # llama.cpp runs GGUF files only
+    sampled = Recipe.from_dict({**recipe.to_dict(), "generation": {"max_new_tokens": 8, "do_sample": True}})
+    assert llamacpp_hint(sampled, ["ours", "ar"], model) is None  # its rows are greedy only
 
 
 def test_no_engines_without_their_interpreter(monkeypatch, tmp_path):
