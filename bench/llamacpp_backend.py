@@ -99,13 +99,9 @@ def llamacpp_runner(path: str, threads: int, eos: set[int], lookup_tokens: int =
                     kv: str = "f16"):
     """llama.cpp's own greedy decoding (``Llama.generate``, temperature 0), optionally with its prompt lookup, on a
     ``kv`` cache (``f16``; ``q8_0``: keys and values, with flash attention), as our context's (``cache_kwargs``)."""
-    import llama_cpp
     from llama_cpp import Llama
 
     from toolkit.models.llamacpp import cache_kwargs
-    from toolkit.models.llamacpp_log import route
-
-    route(llama_cpp)
 
     draft = None
     if lookup_tokens:

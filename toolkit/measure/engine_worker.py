@@ -69,12 +69,8 @@ class LlamaCpp:
     def _llama(self, scorer: bool = False):
         """A context of ``n_ctx`` positions on the model: the generator (with the prompt-lookup draft when asked) or,
         with ``scorer``, one keeping logits for every position (``logits_all``)."""
-        import llama_cpp
         from llama_cpp import Llama
 
-        from toolkit.models.llamacpp_log import route
-
-        route(llama_cpp)  # llama.cpp's log through logging, at its own levels
         draft = None
         if self.lookup[0] and not scorer:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding

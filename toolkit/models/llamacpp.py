@@ -61,12 +61,16 @@ def installed() -> bool:
 
 
 def require(field: str = "target.backend"):
-    """The ``llama_cpp`` module. Raises :class:`ModelLoadError` naming ``field`` and the install command."""
+    """The ``llama_cpp`` module, its log routed through :mod:`logging` at llama.cpp's own levels
+    (:mod:`toolkit.models.llamacpp_log`). Raises :class:`ModelLoadError` naming ``field`` and the install command."""
     if not installed():
         raise ModelLoadError(f"{field}: llama.cpp needs llama-cpp-python=={VERSION} (the optional extra "
                              "[llamacpp]); install it with `make llamacpp` (a native build, once)")
     import llama_cpp
 
+    from toolkit.models.llamacpp_log import route
+
+    route(llama_cpp)
     return llama_cpp
 
 
@@ -160,9 +164,6 @@ class LlamaCppTarget(torch.nn.Module):
         if key not in self._contexts:
             from llama_cpp import Llama
 
-            from toolkit.models.llamacpp_log import route
-
-            route(self.llama_cpp)  # llama.cpp's log through logging, at its own levels
             self._contexts[key] = Llama(
                 model_path=str(self.gguf_path), n_ctx=self.n_ctx, n_batch=N_BATCH, n_ubatch=N_BATCH,
                 n_threads=self.threads, n_threads_batch=self.threads, verbose=False, **cache_kwargs(type_k, type_v),

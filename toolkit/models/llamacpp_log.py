@@ -54,9 +54,11 @@ def _flush(line: str) -> None:
 def route(llama_cpp) -> None:
     """Install the callback on the ``llama_cpp`` module's library (after ``llama_cpp`` itself was imported, which
     installs its own); idempotent. The callback object is kept for the life of the process (ctypes frees a callback
-    that nothing references). A ``llama_cpp`` without the log API (another binding, a test's stand-in) is left as it
-    is."""
-    if _state["callback"] is not None or not hasattr(llama_cpp, "llama_log_set"):
+    that nothing references). Called by :func:`toolkit.models.llamacpp.require`, the library's one way to
+    ``llama_cpp``; the baseline engines' worker (:mod:`toolkit.measure.engine_worker`) imports nothing from the
+    toolkit and keeps llama-cpp-python's own callback (its contexts stay within the training context, so it prints
+    nothing of ours)."""
+    if _state["callback"] is not None:
         return
 
     @llama_cpp.llama_log_callback
