@@ -75,26 +75,18 @@ def make_sampler(points: list, n_total: int, shared: bool):
 
     if len(points) <= n_total:  # every valid point is queued explicitly; the sampler only fills in past the queue
         return optuna.samplers.RandomSampler(seed=0), f"exhaustive grid ({len(points)} points)", True
+    from packaging.version import Version
+
     from eval.search.trials import native_constraints
 
     # quiet about parameters sampled independently: optuna >= 4.9 is by default and deprecates the argument; from
     # optuna 5 on the trials carry their constraints (eval.search.trials.record_constraints)
-    options = {} if _version(optuna.__version__) >= (4, 9) else {"warn_independent_sampling": False}
+    options = {} if Version(optuna.__version__) >= Version("4.9") else {"warn_independent_sampling": False}
     if not native_constraints():
         options["constraints_func"] = constraints_func
     sampler = optuna.samplers.TPESampler(seed=None if shared else 0, multivariate=True, group=True,
                                          n_startup_trials=min(8, n_total), **options)
     return sampler, f"TPE with constraints (more than {n_total} points, {n_total} trials)", False
-
-
-def _version(text: str) -> tuple[int, ...]:
-    """``"4.9.0.dev"`` -> ``(4, 9, 0)``: the leading numeric parts of a version."""
-    parts = []
-    for part in text.split("."):
-        if not part.isdigit():
-            break
-        parts.append(int(part))
-    return tuple(parts)
 
 
 def _point_key(trial) -> str:
