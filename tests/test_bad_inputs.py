@@ -403,10 +403,11 @@ def test_unknown_scenario(tmp_path, nothing_heavy):
 
 
 # ------------------------------------------------------------------------------------------------- CLI options
-def test_nan_temperature_option(models, tmp_path):
+@pytest.mark.parametrize("value", ["nan", "-1"])
+def test_bad_temperature_option_refused_before_loading(models, tmp_path, nothing_heavy, value):
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(base_recipe(models)))
-    result = cli("generate", "--recipe", path, "--no-chat", "--do-sample", "--temperature", "nan", "hello")
+    result = cli("generate", "--recipe", path, "--no-chat", "--do-sample", "--temperature", value, "hello")
     assert_one_line_error(result, "generation.temperature")
 
 

@@ -9,6 +9,7 @@ shows the traceback of either (:mod:`toolkit_cli.errors`). Outputs go to the wor
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -170,17 +171,19 @@ def generate(prompt: str = typer.Argument(..., help="prompt text ('-' reads stdi
     overrides = {k: v for k, v in {"max_new_tokens": max_new_tokens, "do_sample": do_sample,
                                    "temperature": temperature}.items() if v is not None}
     loaded = _retarget(_load(recipe or "short"), target, draft)
+    loaded = dataclasses.replace(loaded, generation=dataclasses.replace(loaded.generation, **overrides))
+    loaded.generation.validate("generation")  # a bad option fails here, before any model loads
     generator = toolkit.build(loaded)
     message = [{"role": "user", "content": text}] if chat else text
     if stream:
         from toolkit.speculative.stats import GenerationStats
 
         s = GenerationStats()
-        for piece in generator.generate_stream(message, stats=s, **overrides):
+        for piece in generator.generate_stream(message, stats=s):
             typer.echo(piece, nl=False)
         typer.echo()
     else:
-        result = generator.generate(message, **overrides)
+        result = generator.generate(message)
         typer.echo(result.text)
         s = result.stats
     typer.secho(f"{s.new_tokens} tokens, {s.throughput:.1f} tok/s, α {s.acceptance_rate:.2f}, "
