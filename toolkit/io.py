@@ -47,10 +47,17 @@ def atomic_write(path: Path, write: Callable[[Path], None], suffix: str = ".tmp"
 
     ``suffix`` is the temporary file's extension (some writers pick the format from it, e.g. ``np.save``).
     ``durable`` fsyncs the file and its directory, for the user's work (checkpoints, found recipes).
+
+    Raises:
+        OSError: creating, writing or renaming failed (a missing or read-only directory, a full disk), with
+            ``filename`` ``path`` (not the temporary file, which is removed); nothing is left at ``path``.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    try:
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    except OSError as exc:  # the error names the file the user asked for, not the temporary one
+        raise _about(exc, path) from None
     os.close(fd)
     tmp = Path(name)
     try:
@@ -62,9 +69,19 @@ def atomic_write(path: Path, write: Callable[[Path], None], suffix: str = ".tmp"
         os.replace(tmp, path)
         if durable:
             fsync_dir(path.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.filename == str(tmp):
+            raise _about(exc, path) from None
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _about(exc: OSError, path: Path) -> OSError:
+    """``exc`` (same type, errno and reason) about ``path`` instead of the temporary file next to it."""
+    return type(exc)(exc.errno, exc.strerror, str(path))
 
 
 def fsync_dir(directory: Path) -> None:
