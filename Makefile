@@ -91,14 +91,19 @@ bench-llamacpp: bench-cpu-engines
 ## on another ISA), then installed into .venv from there (the extra [llamacpp] of pyproject.toml). The build took
 ## about 17 min on a shared 2-core AMD EPYC (AVX-512) machine under load; later installs take seconds. Afterwards
 ## `toolkit run short --compare` also shows ours on llama.cpp and llama.cpp's AR / prompt-lookup rows.
+## Without ggml's AMX kernels (scripts/llamacpp_cflags.sh: they crash at the first matrix product); the wheel directory
+## says so (-noamx), so a wheel built with them before is not reused, and the install replaces an installed one.
 LLAMACPP_VERSION := 0.3.36
 CPU_KEY := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-12)
-LLAMACPP_WHEELS ?= $(HOME)/.cache/llm-toolkit/wheels/$(CPU_KEY)
+LLAMACPP_WHEELS ?= $(HOME)/.cache/llm-toolkit/wheels/$(CPU_KEY)-noamx
+LLAMACPP_CFLAGS := $(shell scripts/llamacpp_cflags.sh)
 llamacpp: $(STAMP)
 	ls $(LLAMACPP_WHEELS)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl >/dev/null 2>&1 || \
-	  CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=ON}" $(BIN)/pip wheel --no-deps \
+	  CFLAGS="$(LLAMACPP_CFLAGS) $$CFLAGS" CXXFLAGS="$(LLAMACPP_CFLAGS) $$CXXFLAGS" \
+	  CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=ON}" $(BIN)/pip wheel --no-deps --no-cache-dir \
 	    llama-cpp-python==$(LLAMACPP_VERSION) -w $(LLAMACPP_WHEELS)
 	$(BIN)/pip install -c constraints.txt --find-links $(LLAMACPP_WHEELS) "llama-cpp-python==$(LLAMACPP_VERSION)"
+	$(BIN)/pip install --no-deps --force-reinstall $(LLAMACPP_WHEELS)/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl
 	$(BIN)/python -c "import llama_cpp; from toolkit.models.llamacpp import metadata_dir as m; \
 	  print('llama.cpp (llama-cpp-python)', llama_cpp.__version__, '| embedded GGUF metadata:', m('embedded')[1])"
 

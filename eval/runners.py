@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import time
 
 import torch
@@ -79,13 +80,17 @@ def strongest_baselines(recipe: Recipe, target) -> list[str]:
 def llamacpp_hint(recipe: Recipe, methods: list[str], target) -> str | None:
     """What ``--compare`` leaves out for a CPU user of a GGUF: llama.cpp's rows (its AR and prompt lookup on the same
     file, and this recipe on llama.cpp's kernels — on a CPU the strongest baselines), where llama-cpp-python is not
-    installed; ``None`` where they run, do not apply (sampling, a non-GGUF source) or the target is on a GPU."""
+    installed or cannot run (:func:`toolkit.models.llamacpp.unusable`, logged); ``None`` where they run, do not apply (sampling, a non-GGUF source) or the target is on a GPU."""
     if recipe.generation.do_sample or not is_gguf_source(recipe.target.source):
         return None
     if next(target.parameters()).device.type != "cpu" or any(m.startswith("llamacpp") for m in methods):
         return None
-    return ("llama.cpp rows: llama-cpp-python is not installed here; `make llamacpp` (a native build, once: ~9 min on "
-            "2 cores) adds llama.cpp's own AR and prompt lookup on the same GGUF and this recipe on llama.cpp's "
+    from toolkit.models.llamacpp import PACKAGE, unusable
+
+    if importlib.util.find_spec(PACKAGE) is not None:
+        return f"llama.cpp rows: left out: {unusable() or 'its engine did not start'}"
+    return ("llama.cpp rows: llama-cpp-python is not installed here; `make llamacpp` (a native build, once: ~9-15 min "
+            "on 2 cores) adds llama.cpp's own AR and prompt lookup on the same GGUF and this recipe on llama.cpp's "
             "kernels, a CPU user's strongest baselines")
 
 

@@ -94,6 +94,58 @@ def test_an_eagle_head_beside_llama_cpp_must_read_the_final_norm_output():
     assert info.value.field == "draft.source" and "EAGLE-1" in str(info.value)
 
 
+AMX_INFO = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | AMX_INT8 = 1 | LLAMAFILE = 1 | REPACK = 1 | "
+
+
+def test_a_build_with_ggmls_amx_kernels_is_refused_with_the_rebuild_command(monkeypatch):
+    """A native build on an AMX Xeon crashed the process at its first decode (ggml's AMX tile config); such a build
+    is refused with one error saying how to rebuild, unless the user says it works (TOOLKIT_LLAMACPP_AMX=1)."""
+    import importlib.machinery
+    import sys
+    import types
+
+    from toolkit.errors import ModelLoadError
+    from toolkit.models import llamacpp
+
+    monkeypatch.delenv(llamacpp.AMX_ENV, raising=False)
+    why = llamacpp.amx_refusal(AMX_INFO)
+    assert why is not None and "`make llamacpp`" in why and "20824" in why
+    assert llamacpp.amx_refusal(AMX_INFO.replace("AMX_INT8 = 1 | ", "")) is None  # what make llamacpp builds
+    fake = types.ModuleType("llama_cpp")
+    fake.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
+    fake.llama_print_system_info = lambda: AMX_INFO.encode()
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    llamacpp.unusable.cache_clear()
+    try:
+        assert not llamacpp.installed()
+        with pytest.raises(ModelLoadError, match="target.backend: llama.cpp cannot run: .*AMX kernels"):
+            llamacpp.require()
+        monkeypatch.setenv(llamacpp.AMX_ENV, "1")
+        llamacpp.unusable.cache_clear()
+        assert llamacpp.installed()
+    finally:
+        llamacpp.unusable.cache_clear()
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_the_engines_probe_leaves_out_a_llama_cpp_build_that_would_crash(tmp_path, monkeypatch, caplog, amx):
+    """The llama.cpp AR rows run in a worker process, in the engines' interpreter: its probe reads the build's system
+    info there and leaves llama_cpp out where it has the AMX kernels (the worker would die at its first decode)."""
+    import sys
+
+    from toolkit.measure import engines
+    from toolkit.models import llamacpp
+
+    info = AMX_INFO if amx else AMX_INFO.replace("AMX_INT8 = 1 | ", "")
+    (tmp_path / "llama_cpp.py").write_text(f"def llama_print_system_info():\n    return {info.encode()!r}\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.delenv(llamacpp.AMX_ENV, raising=False)
+    with caplog.at_level(logging.WARNING, "toolkit.models"):
+        found = engines._importable.__wrapped__(sys.executable, ("llama_cpp", "no_such_engine_module"))
+    assert found == (frozenset() if amx else frozenset({"llama_cpp"}))
+    assert ("AMX kernels" in caplog.text) == amx
+
+
 def test_llama_cpps_log_is_logged_at_its_own_levels_in_whole_lines(caplog):
     from toolkit.models.llamacpp_log import CONT, emit
 

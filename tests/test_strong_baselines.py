@@ -61,11 +61,16 @@ def test_strongest_baselines_name_static_ar_where_compiling_pays_and_only_engine
     assert strongest_baselines(fp32, tiny_llama()) == ["llamacpp_ar", "llamacpp_lookup", "openvino_ar"]
 
 
-def test_compare_says_how_to_add_llama_cpps_rows_where_a_cpu_gguf_recipe_runs_without_them():
+def test_compare_says_how_to_add_llama_cpps_rows_where_a_cpu_gguf_recipe_runs_without_them(monkeypatch):
     recipe = Recipe.load("recipes/short.yaml")  # the embedded GGUF's own blocks, greedy
     model = tiny_llama()
+    monkeypatch.setattr("toolkit.models.llamacpp.PACKAGE", "no_such_llama_cpp")  # not installed, wherever this runs
     hint = llamacpp_hint(recipe, ["ours", "ar", "ar_static"], model)
     assert hint is not None and "`make llamacpp`" in hint and "llama.cpp's own AR" in hint
+    monkeypatch.setattr("toolkit.models.llamacpp.PACKAGE", "json")  # installed, but a build that would crash
+    monkeypatch.setattr("toolkit.models.llamacpp.unusable", lambda: "built with ggml's AMX kernels, which crash")
+    assert llamacpp_hint(recipe, ["ours", "ar"], model) == "llama.cpp rows: left out: built with ggml's AMX " \
+        "kernels, which crash"
     assert llamacpp_hint(recipe, ["ours", "ar", "llamacpp_ar", "llamacpp_lookup"], model) is None  # they run
     hub = Recipe.from_dict({**recipe.to_dict(), "target": {**recipe.to_dict()["target"], "source": "org/model",
                                                              "precision": "int4", "backend": "torchao"}})

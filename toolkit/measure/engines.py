@@ -80,22 +80,41 @@ def engines_python() -> str | None:
     return None
 
 
+#: what the probe prints after an importable llama_cpp: its build's ``llama_print_system_info``
+_SYSTEM_INFO = "llama_cpp.system_info:"
+
+
 @cache
 def _importable(python: str, modules: tuple) -> frozenset:
+    """The ``modules`` that ``python`` can import, less a llama.cpp build that would crash here
+    (:func:`toolkit.models.llamacpp.amx_refusal`, which logs why)."""
+    from toolkit.models.llamacpp import amx_refusal, log
+
     code = ("import importlib.util as u, sys\n"
             "for m in sys.argv[1:]:\n"
             "    try:\n        print(m) if u.find_spec(m) else None\n"
-            "    except ModuleNotFoundError:\n        pass\n")
+            "    except ModuleNotFoundError:\n        pass\n"
+            "if 'llama_cpp' in sys.argv[1:] and u.find_spec('llama_cpp'):\n"
+            "    import llama_cpp\n"
+            f"    print({_SYSTEM_INFO!r} + llama_cpp.llama_print_system_info().decode(errors='replace'))\n")
     try:
         out = subprocess.run([python, "-c", code, *modules], capture_output=True, text=True, timeout=120,
                              check=False)
     except (OSError, subprocess.TimeoutExpired):
         return frozenset()
-    return frozenset(out.stdout.split())
+    lines = out.stdout.splitlines()
+    found = {line.strip() for line in lines if not line.startswith(_SYSTEM_INFO)}
+    for line in lines:
+        why = amx_refusal(line[len(_SYSTEM_INFO):]) if line.startswith(_SYSTEM_INFO) else None
+        if why:
+            log.warning("llama.cpp rows left out (%s): %s", python, why)
+            found.discard("llama_cpp")
+    return frozenset(found)
 
 
 def available() -> list[str]:
-    """Names of the :data:`ENGINES` whose package the engines' interpreter can import (``[]`` without one)."""
+    """Names of the :data:`ENGINES` whose package the engines' interpreter can import and run (``[]`` without
+    one)."""
     python = engines_python()
     if python is None:
         return []

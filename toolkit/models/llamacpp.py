@@ -25,6 +25,7 @@ setting (:meth:`LlamaCppTarget.context`): the weights are memory-mapped once and
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -55,17 +56,55 @@ N_BATCH = 512
 META_LAYOUT = "config, generation config and tokenizer only (no weights)"
 
 
+#: what ``llama_print_system_info`` says of a build with ggml's AMX kernels (``GGML_NATIVE`` on an AMX CPU)
+AMX_BUILT = "AMX_INT8 = 1"
+#: ``1``: use a build with AMX kernels anyway (a llama.cpp where they are fixed)
+AMX_ENV = "TOOLKIT_LLAMACPP_AMX"
+
+
+def amx_refusal(system_info: str) -> str | None:
+    """Why a llama.cpp build whose ``llama_print_system_info()`` is ``system_info`` is not used, or ``None``.
+
+    ggml's AMX kernels (compiled in by a native build on an AMX CPU: Sapphire Rapids and later Xeons) build their
+    tile configuration on the stack, where GCC leaves half of it unwritten, and the first matrix product on the
+    AMX buffer dies in ``ldtilecfg`` (a general protection fault in ``ggml_backend_amx_mul_mat``; llama.cpp issue
+    20824, fix pending in PR 26954). Seen here with llama-cpp-python 0.3.36 built by GCC 12 on a Xeon with
+    amx_int8: every decode crashed the process. ``make llamacpp`` builds without them (``-mno-amx-*``).
+    ``TOOLKIT_LLAMACPP_AMX=1`` uses such a build anyway."""
+    if AMX_BUILT not in system_info or os.environ.get(AMX_ENV) == "1":
+        return None
+    return ("this llama-cpp-python was built with ggml's AMX kernels, which crash the process at the first matrix "
+            "product (general protection fault in ggml_backend_amx_mul_mat: llama.cpp issue 20824); rebuild it "
+            f"without them with `make llamacpp` (or set {AMX_ENV}=1 to use it anyway)")
+
+
+@functools.cache
+def unusable() -> str | None:
+    """Why llama.cpp cannot run here (not installed, or a build that crashes: :func:`amx_refusal`), or ``None``.
+    Imports llama-cpp-python where it is installed (once; ~0.1 s)."""
+    if importlib.util.find_spec(PACKAGE) is None:
+        return (f"llama-cpp-python=={VERSION} (the optional extra [llamacpp]) is not installed; install it with "
+                "`make llamacpp` (a native build, once)")
+    import llama_cpp
+
+    why = amx_refusal(llama_cpp.llama_print_system_info().decode(errors="replace"))
+    if why:
+        log.warning("llama.cpp not used: %s", why)
+    return why
+
+
 def installed() -> bool:
-    """Whether llama-cpp-python is importable (not imported)."""
-    return importlib.util.find_spec(PACKAGE) is not None
+    """Whether llama-cpp-python is installed and can run here (:func:`unusable` says why not)."""
+    return unusable() is None
 
 
 def require(field: str = "target.backend"):
     """The ``llama_cpp`` module, its log routed through :mod:`logging` at llama.cpp's own levels
-    (:mod:`toolkit.models.llamacpp_log`). Raises :class:`ModelLoadError` naming ``field`` and the install command."""
-    if not installed():
-        raise ModelLoadError(f"{field}: llama.cpp needs llama-cpp-python=={VERSION} (the optional extra "
-                             "[llamacpp]); install it with `make llamacpp` (a native build, once)")
+    (:mod:`toolkit.models.llamacpp_log`). Raises :class:`ModelLoadError` naming ``field`` and why llama.cpp cannot
+    run (:func:`unusable`: the install command, or the rebuild)."""
+    why = unusable()
+    if why:
+        raise ModelLoadError(f"{field}: llama.cpp cannot run: {why}")
     import llama_cpp
 
     from toolkit.models.llamacpp_log import route

@@ -12,7 +12,6 @@ changes no logging level (the ``toolkit`` command shows that line, see :func:`to
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 import torch
@@ -53,8 +52,9 @@ for _name in ("torchao", "torchao.kernel.intmm", "torch.utils._pytree"):  # filt
 
 
 def installed(backend: str) -> bool:
-    """Whether ``backend``'s package is importable (not imported)."""
-    return importlib.util.find_spec(weight_backend(backend).package) is not None
+    """Whether ``backend`` can run here (:meth:`~toolkit.quant.registry.WeightBackend.installed`: its package is
+    importable; llama.cpp's build must also be one that runs)."""
+    return weight_backend(backend).installed()
 
 
 def choose_backend(spec, device: torch.device, field: str) -> str:

@@ -50,6 +50,11 @@ class LlamaCppBackend(WeightBackend):
     precisions = (PRECISION,)
     devices = ("cpu",)
 
+    def installed(self) -> bool:
+        from toolkit.models.llamacpp import installed
+
+        return installed()  # importable, and not a build that crashes (toolkit.models.llamacpp.unusable)
+
     def check_spec(self, spec, field: str) -> None:
         check_llamacpp_spec(spec, field)
 

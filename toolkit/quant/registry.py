@@ -15,6 +15,8 @@ line in :mod:`toolkit.quant` (and its place in the measured ``auto`` table, :mod
 
 from __future__ import annotations
 
+import importlib.util
+
 from typing import ClassVar
 
 from toolkit.errors import ConfigError
@@ -45,6 +47,10 @@ class WeightBackend:
     devices: ClassVar[tuple[str, ...]] = ()
     places_weights: ClassVar[bool] = False
     engine_in_flight: ClassVar[bool] = False
+
+    def installed(self) -> bool:
+        """Whether the backend can run here: its ``package`` is importable (checked without importing it)."""
+        return importlib.util.find_spec(self.package) is not None
 
     def check_kernel(self, spec, device, field: str) -> None:
         """Raise :class:`ConfigError` (naming ``{field}.<name>``) when the backend has no kernel for ``spec`` on
