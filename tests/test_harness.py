@@ -116,3 +116,13 @@ def test_cpu_figures_state_the_machines_isa_from_lscpu_or_proc_cpuinfo(monkeypat
         assert fallback["flags"] == cpu["flags"] and fallback["model"] != "?"
     else:
         assert fallback["flags"] == [] and fallback["model"] == "?"
+
+
+def test_environment_reads_library_versions_without_importing_them(monkeypatch):
+    """bitsandbytes' version comes from its installed metadata: importing it on an AVX-512 CPU logged a warning about
+    an optional kernel hub into every run's output (make short, toolkit eval)."""
+    import importlib.metadata
+    import sys
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # an import would now fail
+    assert environment()["bitsandbytes"] == importlib.metadata.version("bitsandbytes")

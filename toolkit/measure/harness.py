@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.metadata
 import os
 import platform
 import statistics
@@ -242,11 +243,9 @@ def environment() -> dict:
             "platform": platform.platform(), "machine": platform.machine(), "cpu_count": cpu_count,
             "torch_threads": torch.get_num_threads(), "omp_wait_policy": wait_policy(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    try:
-        import bitsandbytes
-
-        info["bitsandbytes"] = bitsandbytes.__version__
-    except ImportError:
+    try:  # its version from the installed metadata: importing it on an AVX-512 CPU logs a kernel-hub warning
+        info["bitsandbytes"] = importlib.metadata.version("bitsandbytes")
+    except importlib.metadata.PackageNotFoundError:
         pass
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
