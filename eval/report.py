@@ -129,7 +129,9 @@ def _memory_lines(mem: dict) -> list[str]:
              *([f"| KV target peak held (a cache sized to the rows would need) | {_mb(kv['target_peak_needed'])} |"]
                if "target_peak_needed" in kv else []),
              f"| KV draft peak / final (exact) | {_mb(kv['draft_peak'])} / {_mb(kv['draft_final'])} |",
-             f"| KV target uncompressed at the same length (computed) | {_mb(kv['uncompressed_target_peak'])} |",
+             f"| KV target uncompressed at the same length (computed: {kv['per_token_uncompressed']:,} bytes a token, "
+             f"HF's DynamicCache in the activations' dtype; the static engine stores half precision as float32 on "
+             f"a CPU) | {_mb(kv['uncompressed_target_peak'])} |",
              *([f"| KV batch cache peak (exact bytes of its allocated buffers) | {_mb(kv['batch_peak'])} |"]
                if "batch_peak" in kv else []),
              f"| weights + peak KV | {_mb(mem['total_peak_bytes'])} |",
