@@ -80,7 +80,8 @@ def strongest_baselines(recipe: Recipe, target) -> list[str]:
 def llamacpp_hint(recipe: Recipe, methods: list[str], target) -> str | None:
     """What ``--compare`` leaves out for a CPU user of a GGUF: llama.cpp's rows (its AR and prompt lookup on the same
     file, and this recipe on llama.cpp's kernels — on a CPU the strongest baselines), where llama-cpp-python is not
-    installed or cannot run (:func:`toolkit.models.llamacpp.unusable`, logged); ``None`` where they run, do not apply (sampling, a non-GGUF source) or the target is on a GPU."""
+    installed or cannot run (:func:`toolkit.models.llamacpp.unusable`, logged); ``None`` where they run, do not apply
+    (sampling, a non-GGUF source) or the target is on a GPU."""
     if recipe.generation.do_sample or not is_gguf_source(recipe.target.source):
         return None
     if next(target.parameters()).device.type != "cpu" or any(m.startswith("llamacpp") for m in methods):

@@ -16,7 +16,6 @@ line in :mod:`toolkit.quant` (and its place in the measured ``auto`` table, :mod
 from __future__ import annotations
 
 import importlib.util
-
 from typing import ClassVar
 
 from toolkit.errors import ConfigError
