@@ -96,6 +96,32 @@ def test_tiny_search_end_to_end_infeasible_never_chosen_and_recipe_runs(tmp_path
     assert len(ids) == 32
 
 
+def test_a_found_recipe_beats_a_shipped_one_only_outside_the_spread_of_repetitions():
+    """The found recipe's provenance said "beats shipped recipe short (74.06 tok/s ...)" for the same configuration
+    at 75.22 tok/s, within the repetitions' spread; timed throughput whose min-max ranges overlap now "matches", and a
+    shipped recipe with the winner's configuration is said to be one."""
+    from eval.search.report import _why
+    from eval.search.select import verdict
+
+    def summary(median, low, high, memory=140.0):
+        return {"throughput": median, "throughput_min": low, "throughput_max": high, "ppl": 19.5, "ppl_ratio": 1.0,
+                "memory_mb": memory}
+
+    short, memory = Scenario("short", primary="throughput"), Scenario("memory", primary="memory_mb")
+    assert verdict(summary(75.2, 74.9, 76.2), summary(74.1, 72.6, 75.0), short) == "matches"
+    assert verdict(summary(75.2, 74.9, 76.2), summary(74.1, 72.6, 74.8), short) == "beats"
+    assert verdict(summary(70.0, 69.0, 71.0), summary(74.1, 72.6, 74.8), short) == "does NOT beat"
+    assert verdict(summary(70.0, 69.0, 71.0, 100.0), summary(74.1, 72.6, 74.8, 101.0), memory) == "beats"
+    best = S.TrialRow(0, {"drafter": "lookup"}, [75.2, 19.5, 140.0], {"ppl_ratio": -0.1},
+                      summary=summary(75.2, 74.9, 76.2))
+    best.heldout = {"summary": summary(75.2, 74.9, 76.2), "feasible": True}
+    best.shipped = [{"name": "short", "summary": summary(74.1, 72.6, 75.0), "feasible": True, "same_config": True},
+                    {"name": "short-exact", "summary": summary(31.0, 30.8, 31.0), "feasible": True}]
+    why = _why(best, [best], short)
+    assert "; matches shipped recipe short (the same configuration) (74.10 tok/s" in why
+    assert "; beats shipped recipe short-exact (31.00 tok/s" in why
+
+
 def test_choose_never_picks_infeasible():
     sc = Scenario("short", primary="throughput")
     rows = [S.TrialRow(0, {}, [100.0, 10.0, 5.0], {"ppl_ratio": 0.5}),

@@ -71,14 +71,15 @@ def confirm_winner(best, sp: SearchSpace, sc: Scenario, confirm: Callable) -> No
         print(f"search {sc.name}: WARNING: the winner misses a constraint on the held-out prompts: {cons}",
               file=sys.stderr)
     best.shipped = []
-    batch_size = Recipe.from_dict(best.recipe).batch_size
+    winner = Recipe.from_dict(best.recipe)
     for shipped in shipped_recipes(sp):
-        if batch_size is not None and shipped.batch_size is None:  # served as the winner is: same batch size
-            shipped = shipped.replace(batch_size=batch_size)
+        if winner.batch_size is not None and shipped.batch_size is None:  # served as the winner is: same batch size
+            shipped = shipped.replace(batch_size=winner.batch_size)
         sm = confirm(shipped)
         cons = constraints(sm, sc)
         best.shipped.append({"name": shipped.name, "summary": summary_of(sm), "constraints": cons,
-                             "feasible": is_feasible(cons)})
+                             "feasible": is_feasible(cons), "same_config": shipped.config_hash() ==
+                             winner.config_hash()})
 
 
 def finalize(study, sp: SearchSpace, sc: Scenario, out_dir: Path, found_dir, settings, storage: str,

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from eval.scenarios import DIRECTIONS, OBJECTIVES, Scenario
-from eval.search.select import TrialRow, beats, primary_value
+from eval.search.select import TrialRow, primary_value, verdict
 from eval.space import SearchSpace
 from toolkit.io import atomic_write_png, atomic_write_text
 
@@ -136,13 +136,15 @@ def _why(best: TrialRow, rows: list[TrialRow], sc: Scenario) -> str:
         line += (f"; on held-out prompts {_fmt_primary(primary_value(h['summary'], sc), sc)}"
                  f"{'' if h['feasible'] else ' (misses a constraint there)'}")
         for c in best.shipped or []:
-            mine, theirs = primary_value(h["summary"], sc), primary_value(c["summary"], sc)
-            better = beats(mine, theirs, sc)
+            said = verdict(h["summary"], c["summary"], sc)
             # a shipped recipe that misses a constraint of the scenario loses to a feasible winner whatever its value
-            better = h["feasible"] and (better or not c["feasible"])
-            line += (f"; {'beats' if better else 'does NOT beat'} shipped recipe {c['name']} "
-                     f"({_fmt_primary(theirs, sc)}{'' if c['feasible'] else ', infeasible'} on the same held-out "
-                     "prompts)")
+            if not h["feasible"]:
+                said = "does NOT beat"
+            elif not c["feasible"]:
+                said = "beats"
+            same = " (the same configuration)" if c.get("same_config") else ""
+            line += (f"; {said} shipped recipe {c['name']}{same} ({_fmt_primary(primary_value(c['summary'], sc), sc)}"
+                     f"{'' if c['feasible'] else ', infeasible'} on the same held-out prompts)")
     return line
 
 

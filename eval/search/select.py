@@ -130,3 +130,16 @@ def primary_value(summary: dict, sc: Scenario) -> float:
 def beats(mine: float, theirs: float, sc: Scenario) -> bool:
     """``mine`` is better than ``theirs`` on the scenario's primary objective."""
     return mine > theirs if DIRECTIONS[OBJECTIVES.index(sc.primary)] == "maximize" else mine < theirs
+
+
+def verdict(mine: dict, theirs: dict, sc: Scenario) -> str:
+    """``beats``, ``matches`` or ``does NOT beat``: summary ``mine`` against ``theirs`` on the scenario's primary
+    objective. Throughput is timed (median of repetitions with their min and max): where the two ranges overlap the
+    difference is within the spread of the repetitions, and that is ``matches``. PPL and memory are deterministic."""
+    a, b = primary_value(mine, sc), primary_value(theirs, sc)
+    if sc.primary == "throughput" and "throughput_min" in mine and "throughput_min" in theirs:
+        if mine["throughput_min"] <= theirs["throughput_max"] and theirs["throughput_min"] <= mine["throughput_max"]:
+            return "matches"
+    if a == b:
+        return "matches"
+    return "beats" if beats(a, b, sc) else "does NOT beat"
