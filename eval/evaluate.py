@@ -45,6 +45,7 @@ from eval.runners import (
     static_cache_len,
 )
 from eval.settings import EvalSettings
+from toolkit.engine.forward import compile_breaks
 from toolkit.io import atomic_write_json, atomic_write_text
 from toolkit.measure.harness import Prompt, measure, spread
 from toolkit.recipe import ModelSpec, Recipe
@@ -304,6 +305,8 @@ def _timed(run: _Run) -> tuple:
     process on the same models, prompts and settings are reused (``settings.reuse_baselines``)."""
     recipe, settings, generator, gen = run.recipe, run.settings, run.generator, run.gen
     applicable = selected_baselines(recipe, run.separate_reference, settings.baselines)
+    if compile_breaks(run.target):  # HF's compiled AR would time wrong output (toolkit.engine.forward.compile_breaks)
+        applicable = [m for m in applicable if m != "ar_static"]
     methods = [OURS] + applicable
 
     def key(m):

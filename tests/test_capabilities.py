@@ -62,3 +62,23 @@ def test_build_refuses_trees_the_static_cache_cannot_hold_and_logs_the_record(mo
     assert "recipe caps: static engine: yes; compiled: no (compile: off); batches: yes" in caplog.text
     assert lm.batchable and not lm.engine.compiled and lm.engine_note == "eager (compile: off)"
     assert not toolkit.build(recipe(), target=chunked, tokenizer=None).batchable
+
+
+def test_torchao_w8a8_weights_on_cpu_run_eager_whatever_compile_says():
+    """Inductor's CPU lowering of torchao's int8 weights with dynamic int8 activations drifted from eager (the
+    embedded model's greedy text broke down from its second token, under our compiled engine and HF's static
+    compiled AR alike): such a target runs eager with the reason, and `auto` does not count it among the weights
+    where compiling pays (so `--compare` drops HF's compiled AR). Weight-only int8 compiled exactly: untouched."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
+
+    from toolkit.engine.forward import compile_breaks, compile_pays
+
+    weight_only, w8a8 = tiny_llama(seed=0), tiny_llama(seed=0)
+    quantize_(weight_only, Int8WeightOnlyConfig())
+    quantize_(w8a8, Int8DynamicActivationInt8WeightConfig())
+    assert compile_breaks(weight_only) is None and compile_pays(weight_only)
+    assert "dynamic int8 activations on CPU" in compile_breaks(w8a8) and not compile_pays(w8a8)
+    for mode in ("on", "auto", "max"):
+        why = capabilities(plan(recipe(compile=mode)), w8a8).compile
+        assert why.startswith(f"compile: {mode}, but torchao int8 weights with dynamic int8 activations"), why
+        assert capabilities(plan(recipe(compile=mode)), weight_only).compile is None

@@ -73,12 +73,14 @@ def capabilities(plan, target, draft_model=None, draft_tokenizer=None) -> Capabi
 
 
 def _compile_why(recipe, target, static: str | None) -> str | None:
-    from toolkit.engine.forward import CUDA_WIDTHS, bucketed, compile_pays
+    from toolkit.engine.forward import CUDA_WIDTHS, bucketed, compile_breaks, compile_pays
     from toolkit.models.loading import weights_note
 
     mode = recipe.compile
     if mode == "off":
         return "compile: off"
+    if compile_breaks(target):
+        return f"compile: {mode}, but {compile_breaks(target)}"
     if mode == "auto" and not compile_pays(target):
         return (f"compile: auto; {weights_note(target)} weights on CPU are bytes-bound or opaque kernels: compiling "
                 "was measured to gain nothing there")
@@ -91,10 +93,12 @@ def _compile_why(recipe, target, static: str | None) -> str | None:
 
 
 def _draft_compile_why(recipe, draft_model, target_why: str | None, draft_static: str | None) -> str | None:
-    from toolkit.engine.forward import compile_pays
+    from toolkit.engine.forward import compile_breaks, compile_pays
 
     if target_why is not None:
         return f"the target's forward is not compiled ({target_why})"
+    if compile_breaks(draft_model):
+        return f"the draft's {compile_breaks(draft_model)}"
     if draft_static:
         return f"the static cache does not hold the draft's {draft_static}"
     if recipe.compile == "auto" and not compile_pays(draft_model):
