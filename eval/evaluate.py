@@ -45,7 +45,7 @@ from eval.runners import (
     static_cache_len,
 )
 from eval.settings import EvalSettings
-from toolkit.engine.forward import compile_breaks
+from toolkit.engine.capabilities import compile_breaks
 from toolkit.io import atomic_write_json, atomic_write_text
 from toolkit.measure.harness import Prompt, measure, spread
 from toolkit.recipe import ModelSpec, Recipe

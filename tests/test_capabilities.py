@@ -71,7 +71,8 @@ def test_torchao_w8a8_weights_on_cpu_run_eager_whatever_compile_says():
     where compiling pays (so `--compare` drops HF's compiled AR). Weight-only int8 compiled exactly: untouched."""
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
 
-    from toolkit.engine.forward import compile_breaks, compile_pays
+    from toolkit.engine.capabilities import compile_breaks
+    from toolkit.engine.forward import compile_pays
 
     weight_only, w8a8 = tiny_llama(seed=0), tiny_llama(seed=0)
     quantize_(weight_only, Int8WeightOnlyConfig())

@@ -355,30 +355,14 @@ class TargetForward:
         return time.perf_counter() - began
 
 
-def compile_breaks(model) -> str | None:
-    """Why compiling ``model``'s forward would change its output, or ``None``: torchao's int8 weights with dynamic
-    int8 activations (``Int8Tensor`` with ``act_quant_kwargs``: ``torchao_int8: dynamic``, the default of
-    ``precision: int8`` on CPU) on CPU. Inductor's CPU lowering of their per-token activation quantization and int8
-    matmuls (torch 2.13, torchao 0.18) drifts from eager layer by layer: one layer is exact, the embedded model's
-    last hidden state is 0.03 off after two layers and 1.8 (of 34) after 30, and its greedy text breaks down from the
-    second token, while ``aot_eager`` (the same traced graph without inductor) is exact and weight-only int8 compiles
-    exactly; HF's static-cache compiled AR on the same weights diverges the same way. Such weights run eager
-    (``compile`` on or auto), and ``--compare`` leaves out HF's compiled AR baseline for them."""
-    for p in model.parameters():
-        data = p.data
-        if p.device.type == "cpu" and type(data).__name__ == "Int8Tensor" and \
-                type(data).__module__.startswith("torchao") and getattr(data, "act_quant_kwargs", None) is not None:
-            return ("torchao int8 weights with dynamic int8 activations on CPU: inductor's lowering drifts from eager "
-                    "(the embedded model's greedy text breaks down from its second token), so they run eager")
-    return None
-
-
 def compile_pays(target) -> bool:
     """Where compiling was measured to pay (``docs/design.md``, "Cost model of a 2-core CPU"): on CUDA, and on CPU
     for int4 / int8 weights (torchao's tensor subclasses, a GGUF's native blocks on
     :class:`~toolkit.quant.int4_linear.PackedInt4Linear`: eager per-op overhead dominates); fp32 / bf16 /
     bitsandbytes weights on CPU are bytes-bound or opaque kernels, where compiling gained nothing."""
     from toolkit.quant.int4_linear import PackedInt4Linear
+
+    from toolkit.engine.capabilities import compile_breaks
 
     params = list(target.parameters())
     if compile_breaks(target):
