@@ -137,7 +137,7 @@ def fit_evaluation(recipe, settings, generator, prompts: list, batch_prompts: li
     from toolkit.measure.harness import round_robin
 
     separate = reference_model is not None and reference_model is not generator.target
-    methods = selected_baselines(recipe, separate, settings.baselines)
+    methods = selected_baselines(recipe, separate, settings.baselines, generator.target)
     longest = recipe.generation.max_new_tokens
     ordered = round_robin(prompts)  # the order the per-request stage takes them in (spread)
     work = Workload([int(p.input_ids.shape[1]) for p in ordered], 1 + len(methods), recipe.spec.num_draft_tokens + 1,

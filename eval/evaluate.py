@@ -45,7 +45,6 @@ from eval.runners import (
     static_cache_len,
 )
 from eval.settings import EvalSettings
-from toolkit.engine.capabilities import compile_breaks
 from toolkit.io import atomic_write_json, atomic_write_text
 from toolkit.measure.harness import Prompt, measure, spread
 from toolkit.recipe import ModelSpec, Recipe
@@ -304,9 +303,7 @@ def _timed(run: _Run) -> tuple:
     """Our decoder and the applicable HF baselines, timed with the harness; baselines measured earlier in this
     process on the same models, prompts and settings are reused (``settings.reuse_baselines``)."""
     recipe, settings, generator, gen = run.recipe, run.settings, run.generator, run.gen
-    applicable = selected_baselines(recipe, run.separate_reference, settings.baselines)
-    if compile_breaks(run.target):  # HF's compiled AR would time wrong output (toolkit.engine.forward.compile_breaks)
-        applicable = [m for m in applicable if m != "ar_static"]
+    applicable = selected_baselines(recipe, run.separate_reference, settings.baselines, run.target)
     methods = [OURS] + applicable
 
     def key(m):

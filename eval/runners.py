@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import time
 
 import torch
@@ -86,9 +85,9 @@ def llamacpp_hint(recipe: Recipe, methods: list[str], target) -> str | None:
         return None
     if next(target.parameters()).device.type != "cpu" or any(m.startswith("llamacpp") for m in methods):
         return None
-    from toolkit.models.llamacpp import PACKAGE, unusable
+    from toolkit.models.llamacpp import importable, unusable
 
-    if importlib.util.find_spec(PACKAGE) is not None:
+    if importable():
         return f"llama.cpp rows: left out: {unusable() or 'its engine did not start'}"
     return ("llama.cpp rows: llama-cpp-python is not installed here; `make llamacpp` (a native build, once: ~9-15 min "
             "on 2 cores) adds llama.cpp's own AR and prompt lookup on the same GGUF and this recipe on llama.cpp's "
@@ -144,17 +143,20 @@ def engine_runners(recipe: Recipe, methods: list[str], eos_ids: list[int]):
 BASELINES = ("ar", "ar_static", "ar_fp32", "assisted", "prompt_lookup", "prompt_lookup_10")
 
 
-def selected_baselines(recipe: Recipe, has_reference: bool, wanted: bool | list[str]) -> list[str]:
+def selected_baselines(recipe: Recipe, has_reference: bool, wanted: bool | list[str], target=None) -> list[str]:
     """The baselines an evaluation times: :func:`baseline_methods` as ``EvalSettings.baselines`` asks — all
     (``True``), none (``False``, an empty list) or those the list names. ``ar_static`` (HF's static cache +
     ``torch.compile``: it compiles on its first call, so only where asked by name) joins where the target is an HF
-    model."""
+    model whose weights compile to the same output (``target``: :func:`toolkit.engine.capabilities.
+    compile_breaks`)."""
+    from toolkit.engine.capabilities import compile_breaks
+
     if not wanted:
         return []
     methods = baseline_methods(recipe, has_reference)
     if wanted is True:
         return methods
-    if "ar_static" in wanted and recipe.target.backend != LLAMACPP:
+    if "ar_static" in wanted and recipe.target.backend != LLAMACPP and (target is None or not compile_breaks(target)):
         methods.insert(1, "ar_static")
     return [m for m in methods if m in wanted]
 

@@ -187,6 +187,12 @@ def test_an_evaluation_times_static_compiled_ar_where_its_settings_name_it():
         ["ar", "ar_static", "prompt_lookup_10"]
     assert "ar_static" not in selected_baselines(recipe, True, True)  # all: the ones that compile nothing
     assert selected_baselines(recipe, False, ["ar_static"]) == ["ar_static"]
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    w8a8 = tiny_llama()
+    assert selected_baselines(recipe, False, ["ar_static"], w8a8) == ["ar_static"]
+    quantize_(w8a8, Int8DynamicActivationInt8WeightConfig())  # inductor compiles it wrongly (compile_breaks)
+    assert selected_baselines(recipe, False, ["ar", "ar_static"], w8a8) == ["ar"]
     with pytest.raises(ConfigError, match=r"baselines.*'ar_statc'.*allowed: ar, ar_static"):
         EvalSettings.fast(baselines=["ar", "ar_statc"])
     EvalSettings.fast(baselines=["hf-batch-ar", "ours-single"])  # the batch stage's methods are names too

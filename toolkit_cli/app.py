@@ -55,8 +55,6 @@ DRAFT_HELP = "your draft LM instead of the recipe's draft (another tokenizer is 
 
 def _retarget(recipe, target: Optional[str], draft: Optional[str]):
     """``recipe`` with its target (and the draft of a ``self`` drafter) on ``target``, its draft LM on ``draft``."""
-    import dataclasses
-
     from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_TARGET
 
     config = recipe.spec.config

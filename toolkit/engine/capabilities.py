@@ -97,8 +97,8 @@ def _compile_why(recipe, target, static: str | None) -> str | None:
     mode = recipe.compile
     if mode == "off":
         return "compile: off"
-    if compile_breaks(target):
-        return f"compile: {mode}, but {compile_breaks(target)}"
+    if breaks := compile_breaks(target):
+        return f"compile: {mode}, but {breaks}"
     if mode == "auto" and not compile_pays(target):
         return (f"compile: auto; {weights_note(target)} weights on CPU are bytes-bound or opaque kernels: compiling "
                 "was measured to gain nothing there")
@@ -115,8 +115,8 @@ def _draft_compile_why(recipe, draft_model, target_why: str | None, draft_static
 
     if target_why is not None:
         return f"the target's forward is not compiled ({target_why})"
-    if compile_breaks(draft_model):
-        return f"the draft's {compile_breaks(draft_model)}"
+    if breaks := compile_breaks(draft_model):
+        return f"the draft's {breaks}"
     if draft_static:
         return f"the static cache does not hold the draft's {draft_static}"
     if recipe.compile == "auto" and not compile_pays(draft_model):

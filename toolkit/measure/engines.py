@@ -102,11 +102,11 @@ def _importable(python: str, modules: tuple) -> frozenset:
                              check=False)
     except (OSError, subprocess.TimeoutExpired):
         return frozenset()
-    lines = out.stdout.splitlines()
-    found = {line.strip() for line in lines if not line.startswith(_SYSTEM_INFO)}
-    for line in lines:
-        why = amx_refusal(line[len(_SYSTEM_INFO):]) if line.startswith(_SYSTEM_INFO) else None
-        if why:
+    found = set()
+    for line in out.stdout.splitlines():  # the system info comes last, after the module names
+        if not line.startswith(_SYSTEM_INFO):
+            found.add(line.strip())
+        elif why := amx_refusal(line[len(_SYSTEM_INFO):]):
             log.warning("llama.cpp rows left out (%s): %s", python, why)
             found.discard("llama_cpp")
     return frozenset(found)

@@ -78,11 +78,16 @@ def amx_refusal(system_info: str) -> str | None:
             f"without them with `make llamacpp` (or set {AMX_ENV}=1 to use it anyway)")
 
 
+def importable() -> bool:
+    """Whether llama-cpp-python is installed (not imported; whether its build can run: :func:`unusable`)."""
+    return importlib.util.find_spec(PACKAGE) is not None
+
+
 @functools.cache
 def unusable() -> str | None:
     """Why llama.cpp cannot run here (not installed, or a build that crashes: :func:`amx_refusal`), or ``None``.
     Imports llama-cpp-python where it is installed (once; ~0.1 s)."""
-    if importlib.util.find_spec(PACKAGE) is None:
+    if not importable():
         return (f"llama-cpp-python=={VERSION} (the optional extra [llamacpp]) is not installed; install it with "
                 "`make llamacpp` (a native build, once)")
     import llama_cpp
