@@ -183,10 +183,17 @@ class SearchSpace:
         that use them), KV quantization groups keep the sizes that divide the model's head dimension.
 
         Raises:
-            ConfigError: the target's config cannot be read (field ``--target``).
+            ConfigError: the target's config cannot be read (field ``--target``); ``draft`` where no searched label
+                drafts with a draft model (field ``--draft``: ``--enable drafter.draft_model`` where it is off).
         """
         if target is None and draft is None:
             return
+        if draft is not None and not any(_drafts_with(d.fragments[x], DRAFT_MODEL) for d in self.dimensions
+                                         if d.fragments is not None for x in d.searched):
+            off = [f"{d.name}.{x}" for d in self.dimensions if d.fragments is not None for x in d.labels
+                   if x not in d.searched and _drafts_with(d.fragments[x], DRAFT_MODEL)]
+            raise ConfigError("--draft", f"the {self.scenario} space searches no drafter that runs a draft model"
+                              + (f" (off in its file: --enable {' '.join(off)})" if off else ""))
         quantized = None
         if target is not None:
             self.base.setdefault("target", {})["source"] = target

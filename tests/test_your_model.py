@@ -66,3 +66,44 @@ def test_commands_take_target_and_draft(model_dir):
                                       "--target", str(model_dir), "--max-new-tokens", "6", "--no-stream"])
     assert result.exit_code == 0, result.output
     assert "6 tokens" in result.output  # the round statistics line
+
+
+def test_draft_flag_follows_the_drafter(model_dir, tmp_path):
+    """--draft replaces a draft LM (at native where the file carries its own blocks, like --target) or an EAGLE head
+    (its dtype kept), and is refused, naming the flag, where the drafter runs no draft model — before, a lookup recipe
+    copied the target's `native` precision onto the draft and failed on draft.precision, and a `self` recipe ignored
+    the flag."""
+    from toolkit.recipe import Recipe
+    from toolkit.resources import resolve
+    from toolkit_cli.app import _retarget
+
+    def load(name):
+        return Recipe.load(resolve(name, "", "recipe"))
+
+    drafted = _retarget(load("short-draft"), None, str(model_dir))
+    assert (drafted.draft.source, drafted.draft.precision) == (str(model_dir), "int4")
+    gguf = str(tmp_path / "draft.Q4_0.gguf")
+    assert _retarget(load("short-draft"), None, gguf).draft.precision == "native"  # a GGUF on CPU: its own blocks
+    head = _retarget(load("short-eagle"), str(model_dir), str(tmp_path / "head"))
+    assert (head.draft.source, head.draft.precision) == (str(tmp_path / "head"), "bf16")
+    for name, drafter in (("short", "lookup"), ("short-ngram", "ngram"), ("quantspec", "self")):
+        with pytest.raises(ConfigError, match=f"^--draft: recipe '{name}' drafts with '{drafter}'"):
+            _retarget(load(name), None, str(model_dir))
+    selfed = _retarget(load("quantspec"), str(model_dir), None)  # a self drafter's draft follows the target
+    assert selfed.draft.source == selfed.target.source == str(model_dir)
+    assert selfed.draft.precision == load("quantspec").draft.precision
+
+
+def test_search_draft_needs_a_searched_draft_model(tmp_path):
+    """search --draft on a space whose draft_model label is off in its file says how to turn it on (before, the draft
+    went into a label no trial could pick, and the search ran without it)."""
+    from eval.space_file import load_space
+
+    sp = load_space("long")
+    with pytest.raises(ConfigError, match=r"^--draft: .*--enable drafter\.draft_model"):
+        sp.for_model(None, draft=str(tmp_path / "draft"))
+    sp = load_space("long")
+    sp.enable(["drafter.draft_model"])
+    sp.for_model(None, draft=str(tmp_path / "draft"))
+    assert {d.name: d for d in sp.dimensions}["drafter"].fragments["draft_model"]["draft"]["source"] == \
+        str(tmp_path / "draft")

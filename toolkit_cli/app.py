@@ -54,25 +54,18 @@ DRAFT_HELP = "your draft LM instead of the recipe's draft (another tokenizer is 
 
 
 def _retarget(recipe, target: Optional[str], draft: Optional[str]):
-    """``recipe`` with its target (and the draft of a ``self`` drafter) on ``target``, its draft LM on ``draft``."""
-    from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_TARGET
+    """``recipe`` with its target (and the draft of a ``self`` drafter) on ``target``, its draft LM or EAGLE head on
+    ``draft`` (:meth:`~toolkit.recipe.Recipe.with_target` / :meth:`~toolkit.recipe.Recipe.with_draft`: a GGUF on CPU
+    or a checkpoint quantized by torchao / bitsandbytes runs on its own quantized weights, precision native)."""
+    from toolkit.errors import ConfigError
+    from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD
 
-    config = recipe.spec.config
     if target is not None:
-        # a GGUF (on CPU) or a checkpoint quantized by torchao / bitsandbytes runs on its own quantized weights
-        # (precision native), not re-quantized
-        recipe = recipe.with_target(target)
-        if config.draft == DRAFT_TARGET:
-            recipe = recipe.replace(draft=dataclasses.replace(recipe.draft, source=target))
-        elif config.draft == DRAFT_EAGLE_HEAD and recipe.draft.source == "embedded" and draft is None:
-            from toolkit.errors import ConfigError
-
+        if recipe.spec.config.draft == DRAFT_EAGLE_HEAD and recipe.draft.source == "embedded" and draft is None:
             raise ConfigError("--draft", "the recipe's EAGLE head was trained for the embedded model; pass a head "
                               "for your target with --draft (toolkit draft eagle --target ...)")
-    if draft is not None:
-        base = recipe.draft or recipe.target
-        recipe = recipe.replace(draft=dataclasses.replace(base, source=draft))
-    return recipe
+        recipe = recipe.with_target(target)
+    return recipe.with_draft(draft, "--draft") if draft is not None else recipe
 
 
 def _load(recipe: str):
@@ -111,8 +104,6 @@ def run(recipe: str = typer.Argument(..., help="recipe YAML file or shipped reci
     _check_out(out)
     loaded = _retarget(_load(recipe), target, draft)
     if max_new_tokens is not None:
-        import dataclasses
-
         loaded = loaded.replace(generation=dataclasses.replace(loaded.generation, max_new_tokens=max_new_tokens))
     if batch_size is not None or loaded.batch_size is not None:
         _run_batch(loaded, batch_size or loaded.rows_per_forward, prompts, compare, repeats, num_prompts, out,

@@ -39,11 +39,9 @@ def heldout_confirmation(sp: SearchSpace, settings, out_dir: Path, models_fn: Ca
 def shipped_recipes(sp: SearchSpace) -> list:
     """The shipped recipes ``heldout.compare`` names; on a user's model (``sp.target``) the same recipes for that
     model, those that need the embedded model's own EAGLE head left out."""
-    import dataclasses
-
     from toolkit.recipe import Recipe
     from toolkit.resources import resolve
-    from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_TARGET
+    from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD
 
     out = []
     for name in sp.heldout.get("compare", []):
@@ -52,8 +50,6 @@ def shipped_recipes(sp: SearchSpace) -> list:
             if recipe.spec.config.draft == DRAFT_EAGLE_HEAD:
                 continue
             recipe = recipe.with_target(sp.target)  # its own weights where it has them (precision native)
-            if recipe.spec.config.draft == DRAFT_TARGET:
-                recipe = recipe.replace(draft=dataclasses.replace(recipe.draft, source=sp.target))
         out.append(recipe)
     return out
 

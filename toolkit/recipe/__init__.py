@@ -52,7 +52,7 @@ from toolkit.recipe.speculation import LOOP_FIELDS, SpeculationSpec
 from toolkit.recipe.yaml_io import check_keys as _check_keys
 from toolkit.recipe.yaml_io import load_yaml_text, read_text
 from toolkit.recipe.yaml_io import section as _section
-from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_UNUSED
+from toolkit.speculative.drafters.registry import DRAFT_EAGLE_HEAD, DRAFT_MODEL, DRAFT_TARGET, DRAFT_UNUSED
 
 #: most requests per target forward (``batch_size``, ``--batch-size``)
 BATCH_SIZE_MAX = 256
@@ -199,18 +199,33 @@ class Recipe:
         quantized by torchao or bitsandbytes (:func:`toolkit.models.spec.native_by_default`) — else at the recipe's
         precision, except that a ``native`` recipe quantizes a source without weights of its own to ``int4``
         (backend ``auto``: the re-quantization native was measured against). ``--target`` (every command), ``search
-        --target`` and the search's held-out comparisons follow this rule.
+        --target`` and the search's held-out comparisons follow this rule. A ``self`` drafter's draft follows the
+        target (its source; its precision stays the recipe's).
         """
-        import torch
+        recipe = self.replace(target=_on_source(self.target, source))
+        if self.spec.config.draft == DRAFT_TARGET:
+            recipe = recipe.replace(draft=dataclasses.replace(recipe.draft, source=source))
+        return recipe
 
-        from toolkit.models.spec import NATIVE, native_by_default
+    def with_draft(self, source: str, field: str = "draft.source") -> Recipe:
+        """This recipe drafting with the model at ``source``: a draft LM for the ``draft_model`` drafter, by the rule
+        of :meth:`with_target` (``native`` where the source carries its own quantized weights; a ``native`` draft
+        section quantizes any other source to ``int4``), or an EAGLE head directory for ``eagle`` (its
+        ``draft.precision`` kept). ``--draft`` (``toolkit run / generate / eval``) follows this rule.
 
-        on_cuda = self.target.device == "cuda" or (self.target.device == "auto" and torch.cuda.is_available())
-        if native_by_default(source, on_cuda):
-            precision = {"precision": NATIVE, "backend": "auto"}
-        else:
-            precision = {"precision": "int4", "backend": "auto"} if self.target.precision == NATIVE else {}
-        return self.replace(target=dataclasses.replace(self.target, source=source, **precision))
+        Raises:
+            ConfigError: naming ``field``: the recipe's drafter runs no draft model of its own (``lookup`` /
+                ``ngram`` / ``suffix`` draft from the text, ``self`` from the target's own weights).
+        """
+        needs = self.spec.config.draft
+        if needs == DRAFT_EAGLE_HEAD:
+            return self.replace(draft=dataclasses.replace(self.draft, source=source))
+        if needs != DRAFT_MODEL:
+            what = "the target's own weights" if needs == DRAFT_TARGET else "the text"
+            raise ConfigError(field, f"recipe {self.name!r} drafts with {self.spec.drafter!r} from {what} and runs no "
+                              "draft model; recipes that take one have spec.drafter",
+                              ["draft_model (e.g. short-draft)", "eagle (a head directory; e.g. short-eagle)"])
+        return self.replace(draft=_on_source(self.draft, source))
 
     @property
     def rows_per_forward(self) -> int:
@@ -223,3 +238,19 @@ class Recipe:
         data.pop("name")
         data.pop("description")
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def _on_source(spec: ModelSpec, source: str) -> ModelSpec:
+    """``spec`` on the model at ``source`` (:meth:`Recipe.with_target`'s rule): ``precision: native`` where the source
+    carries its own quantized weights (:func:`toolkit.models.spec.native_by_default`), ``int4`` where ``spec`` was
+    native and the source has none, else ``spec``'s precision."""
+    import torch
+
+    from toolkit.models.spec import NATIVE, native_by_default
+
+    on_cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
+    if native_by_default(source, on_cuda):
+        precision = {"precision": NATIVE, "backend": "auto"}
+    else:
+        precision = {"precision": "int4", "backend": "auto"} if spec.precision == NATIVE else {}
+    return dataclasses.replace(spec, source=source, **precision)
