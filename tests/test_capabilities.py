@@ -3,7 +3,10 @@ forward choice, batching, the draft network's engine and the tree check, each an
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 from conftest import perturbed_copy, tiny_llama
 
 import toolkit
@@ -46,7 +49,9 @@ def test_each_reason_names_what_stops_it(models):
     assert off.compile == "compile: off" and "static engine: yes; compiled: no (compile: off)" in off.summary()
     drafted = recipe(draft={"device": "cpu"}, spec={"drafter": "draft_model", "num_draft_tokens": 3}, compile="off")
     caps = capabilities(plan(drafted), target, draft)
-    assert caps.draft_compile == "the target's forward is not compiled (compile: off)" and caps.batch is None
+    assert caps.draft_compile == "compile: off" and caps.batch is None
+    on = capabilities(plan(dataclasses.replace(drafted, compile="on")), chunked, draft)  # the draft's own facts
+    assert on.compile.startswith("compile: on, but the static cache") and on.draft_compile is None
     trees = recipe(spec={"drafter": "suffix", "tree": True})
     assert capabilities(plan(trees), target).batch == "token trees decode one sequence at a time"
     assert "token trees run on the static cache" in capabilities(plan(trees), chunked).tree
@@ -83,3 +88,36 @@ def test_torchao_w8a8_weights_on_cpu_run_eager_whatever_compile_says():
         why = capabilities(plan(recipe(compile=mode)), w8a8).compile
         assert why.startswith(f"compile: {mode}, but torchao int8 weights with dynamic int8 activations"), why
         assert capabilities(plan(recipe(compile=mode)), weight_only).compile is None
+
+
+def test_a_quantized_draft_compiles_beside_an_fp32_target_that_does_not(models, monkeypatch):
+    """compile: auto decides for each network on its own weights: an fp32 target on CPU runs eager (compiling gains
+    nothing there) while a torchao-quantized draft beside it compiles on its own static cache (before, the draft
+    followed the target and ran eager too: the shipped `long` recipe's int4 drafting took 82 ms a round eager against
+    47 compiled on a Xeon). warm_up compiles the draft's graphs alone; greedy output is the target's, drafts
+    accepted."""
+    from test_decoder import hf_greedy
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    from toolkit.engine.forward import TargetForward
+
+    target, _, draft = models
+    draft = perturbed_copy(draft, scale=0.0)
+    quantize_(draft, Int8WeightOnlyConfig())  # torchao weights: compiling pays (compile_pays)
+    drafted = recipe(draft={"device": "cpu"}, spec={"drafter": "draft_model", "num_draft_tokens": 3},
+                     compile="auto", generation={"max_new_tokens": 16, "ignore_eos": True})
+    caps = capabilities(plan(drafted), target, draft)
+    assert "gain nothing" in caps.compile and caps.draft_compile is None
+    assert "compiled: no (compile: auto" in caps.summary() and "draft compiled: yes" in caps.summary()
+    # dynamo traces the draft's graphs as inductor would, without code generation (seconds, not minutes)
+    monkeypatch.setattr("toolkit.speculative_lm.TargetForward",
+                        lambda *args, **kwargs: TargetForward(*args, **{**kwargs, "backend": "eager"}))
+    torch._dynamo.reset()
+    lm = toolkit.build(drafted, target=target, draft_model=draft, tokenizer=None)
+    assert not lm.engine.compiled and lm.draft_engine.compiled
+    assert lm.warm_up(64) > 0 and set(lm.draft_engine.compile_s) == {(1, 1), (1, 2)}
+    prompt = torch.randint(1, 128, (1, 11), generator=torch.Generator().manual_seed(3))
+    out = lm.generate(prompt)
+    assert out.token_ids == hf_greedy(target, prompt, 16) and out.stats.tokens_per_round > 1
+    assert out.stats.compile_ms == 0  # warmed up
+    torch._dynamo.reset()

@@ -134,8 +134,9 @@ class SpeculativeLM:
         return drafter
 
     def _context(self, gen: GenerationSpec) -> DrafterContext:
-        """What a drafter of one call is built from (the draft network's forward engine and head compile follow the
-        target's: compiled where the target's forward is)."""
+        """What a drafter of one call is built from: a draft LM's forward engine (:attr:`draft_engine`, compiled on its
+        own facts), an EAGLE head's step compiled where the target's forward is (it reads the target graph's hidden
+        states)."""
         return DrafterContext(self.target, self.draft_model, self.draft_policy, do_sample=gen.do_sample,
                               temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p, seed=gen.seed,
                               tokenizer=self.tokenizer, draft_tokenizer=self.draft_tokenizer,
@@ -144,12 +145,13 @@ class SpeculativeLM:
 
     @property
     def draft_engine(self) -> TargetForward | None:
-        """The draft LM's forward (``None`` without one): compiled on its own static cache where the target's forward
-        is compiled, the draft cache has a static form and (``compile: auto``) compiling pays for its weights."""
+        """The draft LM's forward (``None`` without one): compiled on its own static cache where the recipe compiles
+        (``compile`` on / max, or ``auto`` where compiling pays for the draft's weights) and the draft cache has a
+        static form, whether or not the target's forward compiles (:attr:`capabilities`' ``draft_compile``)."""
         if self._draft_engine is None and self.draft_model is not None and self.recipe.spec.config.uses_draft_model:
-            engine = self.engine
+            backend = self.engine.backend or "inductor"  # a llama.cpp target compiles nothing of its own
             self._draft_engine = TargetForward(self.draft_model, compile=self.capabilities.draft_compile is None,
-                                               backend=engine.backend, tuned=engine.tuned, name="draft")
+                                               backend=backend, tuned=self.recipe.compile == "max", name="draft")
         return self._draft_engine
 
     def forget(self) -> None:
@@ -213,18 +215,19 @@ class SpeculativeLM:
 
         check_int("tokens", tokens, low=1)
         check_int("batch_size", batch_size, low=1)
-        engine, spec = self.engine, self.recipe.spec
-        if not engine.compiled:
+        engine, draft, spec = self.engine, self.draft_engine, self.recipe.spec
+        if not engine.compiled and not (draft is not None and draft.compiled):
             return 0.0
         widest = engine.width_for(max(self.plan.max_query_tokens, spec.tree_budget + 1 if spec.tree else 0))
         capacity = capacity_for(tokens + widest)
-        widths = tuple(w for w in engine.widths if w <= widest) if engine.buckets else (1, 2)
         rows = (1,) if batch_size == 1 else (1, batch_size)
-        seconds = engine.warm_up(lambda r: engine.cache_for(self.target_policy, r, capacity, widest), widths, rows,
-                                 self._features())
-        draft = self.draft_engine
-        if draft is not None and draft.compiled:  # the draft network's graphs on its own static cache
-            seconds += draft.warm_up(lambda r: draft.cache_for(self.draft_policy, r, capacity, widest), widths, rows)
+        seconds = 0.0
+        for forward, policy, features in ((engine, self.target_policy, self._features()),
+                                          (draft, self.draft_policy, ())):  # the draft network's on its own cache
+            if forward is not None and forward.compiled:
+                widths = tuple(w for w in forward.widths if w <= widest) if forward.buckets else (1, 2)
+                seconds += forward.warm_up(lambda r, f=forward, p=policy: f.cache_for(p, r, capacity, widest),
+                                           widths, rows, features)
         if spec.adaptive == "cost":
             self.verify_cost_for(max(16, self.plan.max_query_tokens))
         freeze_heap()  # and the compiled graphs

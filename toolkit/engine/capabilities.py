@@ -29,6 +29,7 @@ class Capabilities:
         batch: requests cannot share a forward (:meth:`~toolkit.speculative_lm.SpeculativeLM.generate_batch` then
             decodes them one at a time).
         tree: token trees cannot run (``None`` also where the recipe asks for chains); building refuses the recipe.
+        draft: a draft LM runs beside the target (the summary then says whether it compiles).
     """
 
     static: str | None = None
@@ -37,6 +38,7 @@ class Capabilities:
     draft_compile: str | None = None
     batch: str | None = None
     tree: str | None = None
+    draft: bool = False
 
     def summary(self) -> str:
         """One line for the run log: what runs where, and why not where it does not."""
@@ -44,7 +46,7 @@ class Capabilities:
             return f"{what}: {'yes' if why is None else 'no (' + why + ')'}"
 
         parts = [say("static engine", self.static), say("compiled", self.compile), say("batches", self.batch)]
-        if self.draft_compile is not None:
+        if self.draft:
             parts.append(say("draft compiled", self.draft_compile))
         if self.tree is not None:
             parts.append(say("token trees", self.tree))
@@ -64,12 +66,10 @@ def capabilities(plan, target, draft_model=None, draft_tokenizer=None) -> Capabi
     drafts = draft_model is not None and spec.config.uses_draft_model
     draft_static = static_why(plan.draft_policy, draft_model) if drafts else None
     compile_why = "the target runs on llama.cpp's kernels" if llamacpp else _compile_why(recipe, target, static)
-    draft_compile = None
-    if drafts:
-        draft_compile = _draft_compile_why(recipe, draft_model, compile_why, draft_static)
+    draft_compile = _draft_compile_why(recipe, draft_model, draft_static) if drafts else None
     return Capabilities(static=static, draft_static=draft_static, compile=compile_why, draft_compile=draft_compile,
                         batch=_batch_why(spec, static, draft_static, drafts and draft_tokenizer is not None),
-                        tree=_tree_why(spec, static, draft_static, drafts))
+                        tree=_tree_why(spec, static, draft_static, drafts), draft=drafts)
 
 
 def compile_breaks(model) -> str | None:
@@ -110,11 +110,13 @@ def _compile_why(recipe, target, static: str | None) -> str | None:
     return None
 
 
-def _draft_compile_why(recipe, draft_model, target_why: str | None, draft_static: str | None) -> str | None:
+def _draft_compile_why(recipe, draft_model, draft_static: str | None) -> str | None:
+    """Why the draft LM's forward runs eager: decided on the draft's own weights and cache, not the target's (an fp32
+    target, where compiling gains nothing on CPU, with an int4 draft compiles the draft alone)."""
     from toolkit.engine.forward import compile_pays
 
-    if target_why is not None:
-        return f"the target's forward is not compiled ({target_why})"
+    if recipe.compile == "off":
+        return "compile: off"
     if breaks := compile_breaks(draft_model):
         return f"the draft's {breaks}"
     if draft_static:
