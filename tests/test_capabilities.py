@@ -43,8 +43,8 @@ def test_each_reason_names_what_stops_it(models):
     assert "chunked_attention" in caps.static
     assert caps.compile.startswith("compile: on, but the static cache does not hold") and "chunked" in caps.compile
     assert caps.batch.startswith("the static cache does not hold") and caps.tree is None  # chains asked
-    auto = capabilities(plan(recipe(compile="auto")), target)  # fp32 weights on CPU: compiling does not pay
-    assert auto.static is None and "gain nothing" in auto.compile and auto.batch is None
+    auto = capabilities(plan(recipe(compile="auto")), target)  # fp32 weights on CPU: compiling pays (~1.3x)
+    assert auto.static is None and auto.compile is None and auto.batch is None
     off = capabilities(plan(recipe(compile="off")), target)
     assert off.compile == "compile: off" and "static engine: yes; compiled: no (compile: off)" in off.summary()
     drafted = recipe(draft={"device": "cpu"}, spec={"drafter": "draft_model", "num_draft_tokens": 3}, compile="off")
@@ -90,12 +90,35 @@ def test_torchao_w8a8_weights_on_cpu_run_eager_whatever_compile_says():
         assert capabilities(plan(recipe(compile=mode)), weight_only).compile is None
 
 
-def test_a_quantized_draft_compiles_beside_an_fp32_target_that_does_not(models, monkeypatch):
-    """compile: auto decides for each network on its own weights: an fp32 target on CPU runs eager (compiling gains
-    nothing there) while a torchao-quantized draft beside it compiles on its own static cache (before, the draft
-    followed the target and ran eager too: the shipped `long` recipe's int4 drafting took 82 ms a round eager against
-    47 compiled on a Xeon). warm_up compiles the draft's graphs alone; greedy output is the target's, drafts
-    accepted."""
+def bnb_model(tmp_path, seed: int = 0):
+    """A tiny llama with bitsandbytes' NF4 weights on the CPU (transformers' loader)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_llama(seed=seed).save_pretrained(tmp_path / f"bnb-{seed}")
+    return AutoModelForCausalLM.from_pretrained(tmp_path / f"bnb-{seed}", device_map="cpu",
+                                                quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+
+
+def test_auto_compiles_every_cpu_weight_format_but_bitsandbytes(tmp_path):
+    """compile: auto on CPU compiles fp32 / bf16 / fp16 and torchao / native weights (measured to pay), not
+    bitsandbytes' (opaque kernels) nor W8A8 (compiles wrongly), each with its reason."""
+    from toolkit.engine.forward import compile_pays
+
+    pytest.importorskip("bitsandbytes")
+    assert compile_pays(tiny_llama()) and compile_pays(tiny_llama().to(torch.bfloat16))
+    nf4 = bnb_model(tmp_path)
+    assert not compile_pays(nf4)
+    why = capabilities(plan(recipe(compile="auto")), nf4).compile
+    assert why.startswith("compile: auto;") and "bitsandbytes' kernels" in why
+    assert capabilities(plan(recipe(compile="on")), nf4).compile is None  # asked for: compiled anyway
+
+
+def test_a_quantized_draft_compiles_beside_a_target_that_does_not(models, monkeypatch):
+    """compile: auto decides for each network on its own weights: a target whose weights gain nothing from compiling
+    runs eager while a torchao-quantized draft beside it compiles on its own static cache (before, the draft
+    followed the target and ran eager too: the shipped `long` recipe's int4 drafting took 82 ms a round eager
+    against 47 compiled on a Xeon, its fp32 target then eager). warm_up compiles the draft's graphs alone; greedy
+    output is the target's, drafts accepted."""
     from test_decoder import hf_greedy
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
@@ -106,8 +129,9 @@ def test_a_quantized_draft_compiles_beside_an_fp32_target_that_does_not(models, 
     quantize_(draft, Int8WeightOnlyConfig())  # torchao weights: compiling pays (compile_pays)
     drafted = recipe(draft={"device": "cpu"}, spec={"drafter": "draft_model", "num_draft_tokens": 3},
                      compile="auto", generation={"max_new_tokens": 16, "ignore_eos": True})
+    monkeypatch.setattr("toolkit.engine.forward.compile_pays", lambda model: model is draft)  # the target not
     caps = capabilities(plan(drafted), target, draft)
-    assert "gain nothing" in caps.compile and caps.draft_compile is None
+    assert "gains nothing" in caps.compile and caps.draft_compile is None
     assert "compiled: no (compile: auto" in caps.summary() and "draft compiled: yes" in caps.summary()
     # dynamo traces the draft's graphs as inductor would, without code generation (seconds, not minutes)
     monkeypatch.setattr("toolkit.speculative_lm.TargetForward",
@@ -115,6 +139,8 @@ def test_a_quantized_draft_compiles_beside_an_fp32_target_that_does_not(models, 
     torch._dynamo.reset()
     lm = toolkit.build(drafted, target=target, draft_model=draft, tokenizer=None)
     assert not lm.engine.compiled and lm.draft_engine.compiled
+    assert lm.engine_note.startswith("eager (compile: auto;") and \
+        lm.engine_note.endswith("; draft LM compiled on its own static cache")
     assert lm.warm_up(64) > 0 and set(lm.draft_engine.compile_s) == {(1, 1), (1, 2)}
     prompt = torch.randint(1, 128, (1, 11), generator=torch.Generator().manual_seed(3))
     out = lm.generate(prompt)

@@ -152,8 +152,8 @@ def test_what_the_static_cache_does_not_hold_runs_eager(setup):
     assert engine(base.replace(compile="off")) == (False, "eager (compile: off)")
     compiled, why = engine(base.replace(compile="max"))
     assert compiled and "frozen weights, C++ wrapper" in why
-    compiled, why = engine(base.replace(compile="auto"))  # fp32 weights on the CPU: compiling does not pay
-    assert not compiled and "bytes-bound" in why
+    compiled, why = engine(base.replace(compile="auto"))  # fp32 weights on the CPU: compiling pays (~1.3x a step)
+    assert compiled and "compile: auto" in why
     with pytest.raises(ValueError, match="the ring holds StreamingLLM with absolute positions and the exact window"):
         StaticKV(target, 1, 64, window=make_policy(KVSpec("streaming", {"position_mode": "reindex"})))
     # a compiled forward handed a policy the static cache does not hold (on a model with sliding-window layers) runs

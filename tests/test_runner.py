@@ -35,8 +35,8 @@ def _generator(tokenizer, drafter: str) -> SpeculativeLM:
     return build(recipe, target=target, tokenizer=tokenizer, draft_model=draft)
 
 
-@pytest.mark.parametrize("drafter,baselines", [("draft_model", {"ar", "assisted"}),
-                                               ("ngram", {"ar", "prompt_lookup", "prompt_lookup_10"})])
+@pytest.mark.parametrize("drafter,baselines", [("draft_model", {"ar", "ar_static", "assisted"}),
+                                               ("ngram", {"ar", "ar_static", "prompt_lookup", "prompt_lookup_10"})])
 def test_compare_run_matches_ar_and_writes_results(tokenizer, tmp_path, drafter, baselines):
     generator = _generator(tokenizer, drafter)
     prompts = load_suite("short")[:2]

@@ -221,9 +221,8 @@ class SpeculativeLM:
         widest = engine.width_for(max(self.plan.max_query_tokens, spec.tree_budget + 1 if spec.tree else 0))
         capacity = capacity_for(tokens + widest)
         rows = (1,) if batch_size == 1 else (1, batch_size)
-        seconds = 0.0
-        for forward, policy, features in ((engine, self.target_policy, self._features()),
-                                          (draft, self.draft_policy, ())):  # the draft network's on its own cache
+        seconds, nets = 0.0, ((engine, self.target_policy, self._features()), (draft, self.draft_policy, ()))
+        for forward, policy, features in nets:  # the target's graphs, and the draft network's on its own cache
             if forward is not None and forward.compiled:
                 widths = tuple(w for w in forward.widths if w <= widest) if forward.buckets else (1, 2)
                 seconds += forward.warm_up(lambda r, f=forward, p=policy: f.cache_for(p, r, capacity, widest),

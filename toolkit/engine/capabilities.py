@@ -40,6 +40,13 @@ class Capabilities:
     tree: str | None = None
     draft: bool = False
 
+    def draft_note(self) -> str:
+        """What the run log's path line adds for a draft LM (``""`` without one): compiled, or eager and why."""
+        if not self.draft:
+            return ""
+        return "; draft LM " + ("compiled on its own static cache" if self.draft_compile is None else
+                                f"eager ({self.draft_compile})")
+
     def summary(self) -> str:
         """One line for the run log: what runs where, and why not where it does not."""
         def say(what: str, why: str | None) -> str:
@@ -100,8 +107,8 @@ def _compile_why(recipe, target, static: str | None) -> str | None:
     if breaks := compile_breaks(target):
         return f"compile: {mode}, but {breaks}"
     if mode == "auto" and not compile_pays(target):
-        return (f"compile: auto; {weights_note(target)} weights on CPU are bytes-bound or opaque kernels: compiling "
-                "was measured to gain nothing there")
+        return (f"compile: auto; {weights_note(target)} weights run bitsandbytes' kernels on CPU, opaque to "
+                "torch.compile: compiling gains nothing there")
     if static:
         return f"compile: {mode}, but the static cache does not hold {static}"
     if bucketed(next(target.parameters()).device) and recipe.spec.tree and recipe.spec.tree_budget + 1 > CUDA_WIDTHS[-1]:

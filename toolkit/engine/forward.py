@@ -357,20 +357,21 @@ class TargetForward:
 
 def compile_pays(target) -> bool:
     """Where compiling was measured to pay (``docs/design.md``, "Cost model of a 2-core CPU"): on CUDA, and on CPU
-    for int4 / int8 weights (torchao's tensor subclasses, a GGUF's native blocks on
-    :class:`~toolkit.quant.int4_linear.PackedInt4Linear`: eager per-op overhead dominates); fp32 / bf16 /
-    bitsandbytes weights on CPU are bytes-bound or opaque kernels, where compiling gained nothing."""
-    from toolkit.quant.int4_linear import PackedInt4Linear
-
+    for every weight format but two. torchao's int4 / int8 tensor subclasses and a GGUF's native blocks
+    (:class:`~toolkit.quant.int4_linear.PackedInt4Linear`), where eager per-op overhead dominates, ~1.5x; fp32 / bf16
+    / fp16 weights since the engine attends a dynamic span with lean inductor options: one-token steps 1.32x / 1.34x
+    / 1.09x eager on a 2-core AVX-512 Xeon (2026-11-29; the matmuls stay ATen's, the rest fuses). Not bitsandbytes'
+    weights (opaque kernels that graph-break), nor weights that compile wrongly (:func:`~toolkit.engine.capabilities.
+    compile_breaks`)."""
     from toolkit.engine.capabilities import compile_breaks
 
-    params = list(target.parameters())
     if compile_breaks(target):
         return False
+    params = list(target.parameters())
     if params[0].device.type == "cuda":
         return True
-    return any(type(p.data).__module__.startswith("torchao") for p in params) or any(
-        isinstance(m, PackedInt4Linear) for m in target.modules())
+    return not any(type(p).__module__.startswith("bitsandbytes") or type(p.data).__module__.startswith("bitsandbytes")
+                   for p in params)
 
 
 def forward_for(recipe, target, plan, caps=None) -> tuple[TargetForward, str]:
@@ -384,10 +385,11 @@ def forward_for(recipe, target, plan, caps=None) -> tuple[TargetForward, str]:
 
     caps = caps if caps is not None else capabilities(plan, target)
     if caps.compile:
-        return TargetForward(target), f"eager ({caps.compile})"
+        return TargetForward(target), f"eager ({caps.compile}){caps.draft_note()}"
     mode = recipe.compile
     engine = TargetForward(target, compile=True, tuned=mode == "max")
     shapes = "bucketed widths and batch sizes, CUDA graphs" if engine.buckets else "dynamic widths and spans"
     if mode == "max" and not engine.buckets:
         shapes += ", frozen weights, C++ wrapper"
-    return engine, f"compiled static engine (compile: {mode}; {shapes}; {weights_note(target)} weights)"
+    why = f"compiled static engine (compile: {mode}; {shapes}; {weights_note(target)} weights)"
+    return engine, why + caps.draft_note()
