@@ -66,6 +66,8 @@ def test_commands_take_target_and_draft(model_dir):
                                       "--target", str(model_dir), "--max-new-tokens", "6", "--no-stream"])
     assert result.exit_code == 0, result.output
     assert "6 tokens" in result.output  # the round statistics line
+    # a compiled recipe says why the first call waits, and how long compiling took apart from the decode's numbers
+    assert "decoding path: compiled static engine" in result.output and "after compiling for" in result.output
 
 
 def test_draft_flag_follows_the_drafter(model_dir, tmp_path):

@@ -163,6 +163,10 @@ def generate(prompt: str = typer.Argument(..., help="prompt text ('-' reads stdi
     loaded = dataclasses.replace(loaded, generation=dataclasses.replace(loaded.generation, **overrides))
     loaded.generation.validate("generation")  # a bad option fails here, before any model loads
     generator = toolkit.build(loaded)
+    draft_engine = generator.draft_engine
+    if generator.engine.compiled or (draft_engine is not None and draft_engine.compiled):  # say why the wait
+        typer.secho(f"decoding path: {generator.engine_note}; its graphs compile at first use (seconds from the "
+                    "on-disk cache, a minute or two the first time on this machine)", err=True, fg="cyan")
     message = [{"role": "user", "content": text}] if chat else text
     if stream:
         from toolkit.speculative.stats import GenerationStats
@@ -176,7 +180,8 @@ def generate(prompt: str = typer.Argument(..., help="prompt text ('-' reads stdi
         typer.echo(result.text)
         s = result.stats
     typer.secho(f"{s.new_tokens} tokens, {s.throughput:.1f} tok/s, α {s.acceptance_rate:.2f}, "
-                f"τ {s.tokens_per_round:.2f}, TTFT {s.ttft_ms:.0f} ms", err=True, fg="cyan")
+                f"τ {s.tokens_per_round:.2f}, TTFT {s.ttft_ms:.0f} ms"
+                + (f" (after compiling for {s.compile_ms / 1000:.1f} s)" if s.compile_ms else ""), err=True, fg="cyan")
 
 
 @app.command("eval")
