@@ -104,3 +104,22 @@ def _stats():
 def test_recipe_is_inert_data():
     recipe = _recipe(kv={"policy": "streaming", "sink_tokens": 4, "window": 3})  # fine on its own
     assert Recipe.from_yaml(recipe.to_yaml()) == recipe and copy.deepcopy(recipe) == recipe
+
+
+def test_a_chain_recipe_pads_its_rounds_only_within_the_room_its_caches_hold():
+    """A constant-K chain reads the verify cost curve and may pad a round up to PAD_ROOM tokens on uncompressed
+    caches (a cheaper width: the AVX2 fp32 curve's 3 tokens cost more than 6); under a compressing policy its room stays
+    K + 1, its window's size; a token tree reads no curve (its width is the tree's)."""
+    from toolkit.engine.planner import PAD_ROOM
+
+    target = tiny_llama()
+    draft = perturbed_copy(target, scale=0.3)
+    gen = GenerationSpec(max_new_tokens=8)
+    plain = build(_recipe(), target=target, draft_model=draft).decoder(gen).controller
+    assert plain.cost is not None and plain.widest == PAD_ROOM
+    streaming = build(_recipe(kv={"policy": "streaming", "sink_tokens": 4, "window": 24}), target=target,
+                      draft_model=draft).decoder(gen).controller
+    assert streaming.cost is not None and streaming.widest == 4
+    tree = _recipe(spec={"drafter": "draft_model", "num_draft_tokens": 3, "tree": True, "tree_budget": 8,
+                         "tree_depth": 3, "tree_topk": 2})
+    assert build(tree, target=target, draft_model=draft).decoder(gen).controller.cost is None

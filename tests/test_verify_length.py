@@ -14,7 +14,7 @@ from conftest import perturbed_copy, tiny_llama, tiny_neox
 from test_decoder import INIT, hf_greedy, make_prompt, speculate
 
 from toolkit.engine.cost import load_or_measure, measure_verify_cost
-from toolkit.engine.planner import CostAwareK, ForwardCost
+from toolkit.engine.planner import PAD_ROOM, ConstantK, CostAwareK, ForwardCost, verify_room
 from toolkit.kv import make_policy
 from toolkit.recipe import KVSpec
 from toolkit.speculative.cost_model import VerifyCost
@@ -127,6 +127,32 @@ def test_unlikely_drafts_on_a_steep_curve_give_a_plain_step():
 def test_short_draft_is_padded_to_the_cheaper_width():
     assert plan(controller(DIP), [0.9], 1) == (1, 4)  # 1 draft token in a forward of 4: cheaper than of 2
     assert plan(controller(DIP), [0.9, 0.05], 2) == (2, 4)  # a second token rides along for free
+
+
+def test_a_constant_k_runs_at_the_cheapest_width_that_holds_it():
+    """A constant K verifies every proposed token, at the cheapest width the curve gives (the AVX2 fp32 shape: 3
+    tokens dearer than 4), exactly ``K + 1`` without a curve, and a plain step unpadded."""
+    padded = ConstantK(2, cost=ForwardCost(VerifyCost(list(DIP), learn=False)), widest=7)
+    assert plan(padded, None, 1) == (1, 4) and plan(padded, None, 2) == (2, 4)
+    assert plan(padded, None, 0) == (0, 1)
+    assert plan(ConstantK(2, cost=ForwardCost(VerifyCost(list(DIP), learn=False)), widest=3), None, 2) == (2, 3)
+    assert plan(ConstantK(2), None, 1) == (1, 2)  # no curve: no padding
+
+
+def test_padding_room_only_on_uncompressed_caches():
+    streaming = make_policy(KVSpec.from_dict({"policy": "streaming", "sink_tokens": 4, "window": 24}, "kv"))
+    assert verify_room(3, (None, None)) == PAD_ROOM and verify_room(17, (None, None)) == 17
+    assert verify_room(3, (streaming, None)) == 3 and verify_room(3, (None, streaming)) == 3
+
+
+def test_a_padded_constant_k_gives_ar_greedy_output():
+    target = tiny_llama(seed=0, **INIT)
+    prompt = make_prompt(0)
+    ctl = ConstantK(2, cost=ForwardCost(VerifyCost(list(DIP), learn=False)), widest=7)
+    ids, stats, _ = speculate(target, DraftModel(perturbed_copy(target, scale=0.1, seed=1)), prompt, ctl)
+    assert ids == hf_greedy(target, prompt, len(ids))
+    assert stats.accepted > 0 and stats.tokens_per_round > 1
+    assert stats.verify_tokens == 4 * stats.rounds  # every round verified its 2 drafts in a forward of 4
 
 
 def test_every_choice_expects_at_least_a_plain_steps_rate():

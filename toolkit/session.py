@@ -43,6 +43,14 @@ class Plan:
     draft_spec: ModelSpec | None
     max_query_tokens: int
 
+    @property
+    def verify_room(self) -> int:
+        """The widest forward a round may run (tokens per row): ``max_query_tokens``, or room to pad a round to a
+        cheaper width on uncompressed caches (:func:`toolkit.engine.planner.verify_room`)."""
+        from toolkit.engine.planner import verify_room
+
+        return verify_room(self.max_query_tokens, (self.target_policy, self.draft_policy))
+
 
 def max_query_tokens(recipe: Recipe) -> int:
     """Tokens a verify forward leaves in a cache after its commit point: the last committed token plus the longest

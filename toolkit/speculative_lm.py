@@ -24,7 +24,7 @@ from toolkit.engine.capabilities import capabilities
 from toolkit.engine.cost import load_or_measure
 from toolkit.engine.decoder import SpeculativeDecoder
 from toolkit.engine.forward import TargetForward, forward_for
-from toolkit.engine.planner import ForwardCost, make_controller
+from toolkit.engine.planner import ForwardCost, make_controller, reads_cost
 from toolkit.errors import ConfigError
 from toolkit.heap import freeze_heap
 from toolkit.models import model_vocab_size, weight_bytes, weights_note
@@ -218,7 +218,7 @@ class SpeculativeLM:
         engine, draft, spec = self.engine, self.draft_engine, self.recipe.spec
         if not engine.compiled and not (draft is not None and draft.compiled):
             return 0.0
-        widest = engine.width_for(max(self.plan.max_query_tokens, spec.tree_budget + 1 if spec.tree else 0))
+        widest = engine.width_for(max(self.plan.verify_room, spec.tree_budget + 1 if spec.tree else 0))
         capacity = capacity_for(tokens + widest)
         rows = (1,) if batch_size == 1 else (1, batch_size)
         seconds, nets = 0.0, ((engine, self.target_policy, self._features()), (draft, self.draft_policy, ()))
@@ -227,7 +227,7 @@ class SpeculativeLM:
                 widths = tuple(w for w in forward.widths if w <= widest) if forward.buckets else (1, 2)
                 seconds += forward.warm_up(lambda r, f=forward, p=policy: f.cache_for(p, r, capacity, widest),
                                            widths, rows, features)
-        if spec.adaptive == "cost":
+        if reads_cost(spec):
             self.verify_cost_for(max(16, self.plan.max_query_tokens))
         freeze_heap()  # and the compiled graphs
         return seconds
@@ -248,8 +248,8 @@ class SpeculativeLM:
         tree = TreeShape(spec.tree_budget, spec.tree_depth, spec.tree_topk) if spec.tree else None
         k = spec.num_draft_tokens if spec.config.speculates else 0
         cost = self.forward_cost(max(16, self.plan.max_query_tokens, batch_size * (k + 1))) \
-            if spec.adaptive == "cost" else None
-        controller = make_controller(spec, cost, self.calibrator, self.plan.max_query_tokens)
+            if reads_cost(spec) else None
+        controller = make_controller(spec, cost, self.calibrator, self.plan.verify_room)
         drafter = self._drafter(gen, batch_size)
         return SpeculativeDecoder(self.target, drafter, controller, self.target_policy, tree, self.engine,
                                   batch_size)

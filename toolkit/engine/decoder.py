@@ -146,8 +146,8 @@ class SpeculativeDecoder:
             return 1  # autoregressive: one token per forward
         if isinstance(controller, CostAwareK):
             widest = controller.widest
-        else:
-            widest = max(getattr(controller, "k_max", 0), controller.next_k()) + 1
+        else:  # every proposed token, or a padded width (a constant / ema K given the cost curve: its room)
+            widest = max(getattr(controller, "k_max", 0) + 1, controller.next_k() + 1, getattr(controller, "widest", 0))
         if self.tree is not None:
             widest = max(widest, self.tree.budget + 1)
         return self.forward.width_for(widest) if self.forward.compiled else widest

@@ -43,6 +43,8 @@ from toolkit.speculative.verify_length import Calibrator
 BATCH_OBSERVE_WEIGHT = 0.3
 #: a wider forward is chosen over a narrower one only when at least this much cheaper (not for noise)
 PAD_MARGIN = 0.98
+#: tokens per row a padded forward may reach on an uncompressed cache (:func:`verify_room`)
+PAD_ROOM = 8
 
 
 @dataclass
@@ -136,20 +138,36 @@ def most_per_ms(weights: list[float], tokens: list[int], longest: int, prob: Cal
     return best, best_width
 
 
+@dataclass
 class _VerifyAll:
-    """Verify every proposed token in a forward of exactly ``1 + the longest proposal`` tokens."""
+    """Verify every proposed token, in the cheapest forward that holds them: ``1 + the longest proposal`` tokens, or
+    a wider forward where the target's measured ``cost`` says it takes :data:`PAD_MARGIN` less (the extra positions
+    verify nothing). A verify cost curve need not rise: on a 2-core AVX2 CPU the embedded fp32 model's 3-token forward
+    took 97 ms and its 6-token one 73 (the GEMM library's small-row paths), so a constant K = 2 paid the dearest width.
 
+    Args:
+        cost: the target's forward cost (:class:`ForwardCost`), or ``None``: always exactly ``1 + longest`` tokens.
+        widest: most tokens one forward may hold per row (padding stays within it).
+    """
+
+    cost: ForwardCost | None = field(default=None, kw_only=True)
+    widest: int = field(default=0, kw_only=True)
     uses_confidence = False
 
     def plan(self, rows: list, weights: list[float]) -> tuple[int, int]:
+        """``(n, m)``: every row's whole proposal (``n`` its longest), in a forward of ``m >= n + 1`` tokens."""
         longest = max((len(r.proposal) for r in rows), default=0)
-        return longest, longest + 1
+        if longest == 0 or self.cost is None:  # a plain step is never padded (a wider forward verifies nothing)
+            return longest, longest + 1
+        return longest, self.cost.cheapest(len(rows), longest + 1, max(self.widest, longest + 1))
 
     def update(self, rows: list, verified: int, accepted: list[int], next_ids: list[int]) -> None:
         pass
 
     def timed(self, rows: int, width: int, verify_ms: float, overhead_ms: float) -> None:
-        pass
+        """A round's forward of ``(rows, width)`` took ``verify_ms``: learned into ``cost`` where there is one."""
+        if self.cost is not None:
+            self.cost.observe(rows, width, verify_ms)
 
 
 @dataclass
@@ -286,20 +304,38 @@ class CostAwareK:
         self.overhead_ms += 0.1 * (overhead_ms - self.overhead_ms)
 
 
+def verify_room(max_query_tokens: int, policies: tuple = ()) -> int:
+    """The widest forward a round may run, in tokens per row: ``max_query_tokens`` (K + 1 for a chain), widened to
+    :data:`PAD_ROOM` where no KV ``policies`` (target's, draft's) is set — an uncompressed cache holds a padded
+    forward's extra positions until the commit point drops them; a compressing policy's window or residual is sized
+    to ``max_query_tokens`` and stays so."""
+    return max_query_tokens if any(p is not None for p in policies) else max(max_query_tokens, PAD_ROOM)
+
+
+def reads_cost(spec) -> bool:
+    """Whether the controller of ``spec`` reads the target's verify cost curve: the cost-aware verify length, and a
+    chain drafter's constant / ema K (to pick the width); not AR, not token trees (their width is the tree's)."""
+    return spec.adaptive == "cost" or (spec.config.speculates and not spec.tree)
+
+
 def make_controller(spec, cost=None, calibrator=None, widest: int | None = None):
     """The controller of a recipe's ``spec`` (``adaptive``: ``constant``, ``ema`` or ``cost``); ``cost`` needs the
-    target's forward ``cost`` and a :class:`~toolkit.speculative.verify_length.Calibrator`.
+    target's forward ``cost`` and a :class:`~toolkit.speculative.verify_length.Calibrator`; ``constant`` and ``ema``
+    read ``cost``, where given, only to run a wider forward where it is cheaper (:class:`_VerifyAll`).
 
     Raises:
         ValueError: ``adaptive: cost`` without ``cost`` or ``calibrator``.
     """
-    if spec.adaptive == "ema":
-        return EmaK(spec.num_draft_tokens, spec.k_min, spec.k_max, spec.ema_decay)
+    widest = widest or spec.num_draft_tokens + 1
     if spec.adaptive == "cost":
         if cost is None or calibrator is None:
             raise ValueError("adaptive 'cost' needs the target's verify cost curve and a calibrator")
-        return CostAwareK(cost, calibrator, spec.num_draft_tokens, widest or spec.num_draft_tokens + 1)
-    return ConstantK(spec.num_draft_tokens)
+        return CostAwareK(cost, calibrator, spec.num_draft_tokens, widest)
+    cost = ForwardCost(cost) if isinstance(cost, VerifyCost) else cost  # constant / ema: only to pick the width
+    room = dict(cost=cost, widest=widest) if cost is not None else {}
+    if spec.adaptive == "ema":
+        return EmaK(spec.num_draft_tokens, spec.k_min, spec.k_max, spec.ema_decay, **room)
+    return ConstantK(spec.num_draft_tokens, **room)
 
 
 def batch_weights(left: list[int], draining: bool) -> list[float]:
