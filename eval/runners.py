@@ -63,8 +63,8 @@ def baseline_methods(recipe: Recipe, has_reference: bool = False) -> list[str]:
 def strongest_baselines(recipe: Recipe, target) -> list[str]:
     """What a user would run instead, next to ``toolkit run --compare``: ``ar_static`` (HF static cache + compile)
     where compiling pays (:func:`toolkit.engine.forward.compile_pays`: not for bitsandbytes' weights on CPU, where
-    HF eager AR is the strongest HF baseline) and, for greedy recipes, the installed CPU engines that apply to the target (llama.cpp needs a GGUF
-    source: ``embedded`` or a ``.gguf`` file)."""
+    HF eager AR is the strongest HF baseline) and, for greedy recipes, the installed CPU engines that apply to the
+    target (llama.cpp needs a GGUF source: ``embedded`` or a ``.gguf`` file)."""
     from toolkit.engine.forward import compile_pays
 
     methods = ["ar_static"] if compile_pays(target) and recipe.target.backend != LLAMACPP else []
