@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from toolkit.engine.planner import verify_room
 from toolkit.errors import ConfigError
 from toolkit.kv import make_policy
 from toolkit.recipe import ModelSpec, Recipe
@@ -47,8 +48,6 @@ class Plan:
     def verify_room(self) -> int:
         """The widest forward a round may run (tokens per row): ``max_query_tokens``, or room to pad a round to a
         cheaper width on uncompressed caches (:func:`toolkit.engine.planner.verify_room`)."""
-        from toolkit.engine.planner import verify_room
-
         return verify_room(self.max_query_tokens, (self.target_policy, self.draft_policy))
 
 
