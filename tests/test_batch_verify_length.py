@@ -135,7 +135,7 @@ def test_sampled_drafts_truncated_by_the_cost_curve_keep_the_target_law():
 
 def test_a_plan_prices_each_draft_length_as_the_forward_cost_rule_does():
     """The planner prices the widths once per plan; every draft length must still get ForwardCost.cheapest's width
-    (the cheapest holding it, a wider one only when 2% cheaper) and its cost, for one row (the curve, staircases
+    (the cheapest holding it, a wider one only when 10% cheaper) and its cost, for one row (the curve, staircases
     included) and for batches (learned costs), and past the controller's widest width."""
     from toolkit.engine.planner import CostAwareK, ForwardCost
     from toolkit.speculative.verify_length import Calibrator
