@@ -20,6 +20,7 @@ import torch
 from toolkit.cpu import cpu_isa
 from toolkit.engine.forward import TargetForward
 from toolkit.kv.static import capacity_for
+from toolkit.quant import fp32_products
 from toolkit.speculative.cost_model import VerifyCost, extend
 
 log = logging.getLogger("toolkit.engine")
@@ -115,7 +116,7 @@ def measure_verify_cost(model, max_tokens: int = 16, context: int = 256, repeats
 
 def cost_key(model) -> str:
     """What the curve depends on: architecture and sizes, weight formats, device (a CPU's model and instruction-set
-    flags), torch threads and version."""
+    flags), torch threads and version, and whether bf16 layers multiply in fp32 (:mod:`toolkit.quant.fp32_products`)."""
     params = list(model.parameters())
     formats = sorted({f"{type(p.data).__name__}:{p.dtype}" for p in params})
     device = params[0].device
@@ -126,6 +127,8 @@ def cost_key(model) -> str:
         hardware = f"{platform.machine()} {cpu['model']} {' '.join(cpu['flags'])} x{torch.get_num_threads()}"
     parts = [model.config.to_json_string(use_diff=False), ",".join(formats), getattr(model, "toolkit_backend", ""),
              hardware, torch.__version__, str(sum(p.numel() for p in params))]
+    if any(isinstance(m, fp32_products.Fp32ProductLinear) for m in model.modules()):  # widened bf16: another curve
+        parts.append(f"fp32-products from {fp32_products.FP32_PRODUCT_ROWS} rows")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
