@@ -9,9 +9,12 @@ llama.cpp target forward, per GGUF file and context setting.
 Per prompt: the prompt is prefilled, 64 tokens are decoded greedily one at a time (their logits are the reference),
 the cache rolls back to the prompt and the same tokens are fed again in forwards of ``W`` tokens (teacher forcing).
 Reported per file, setting and ``W``: the largest ``|Δ logit|`` over the vocabulary at a position (median and max over
-positions), the positions whose argmax changes, and the reference's top-2 margin there. Where the argmax changes, a
-speculative greedy decode on llama.cpp and llama.cpp's own greedy AR part ways (both are the file's model, computed
-by different ggml kernels: ggml quantizes activations for quantized matmuls, and batched kernels sum in another order).
+positions), the positions whose argmax changes, and the reference's top-2 margin there; and per file and setting the
+verify cost curve through the same forward (:func:`toolkit.engine.cost.measure_verify_cost`, ms for 1-8 tokens after
+256 of context): what a verify of ``W`` tokens costs against a one-token step on these block types. Where the
+argmax changes, a speculative greedy decode on llama.cpp and llama.cpp's own greedy AR part ways (both are the file's
+model, computed by different ggml kernels: ggml quantizes activations for quantized matmuls, and batched kernels sum
+in another order).
 
 Writes ``<out>/llamacpp_width.json`` and ``<out>/README.md`` (with ``lscpu``'s model and AVX flags).
 """
@@ -32,6 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from llamacpp_backend import FTYPES, SUITES, requantized  # noqa: E402
 
 from toolkit.cpu import cpu_isa, cpu_line  # noqa: E402
+from toolkit.engine.cost import measure_verify_cost  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from toolkit.measure.harness import spread  # noqa: E402
 from toolkit.measure.prompts import load_suite  # noqa: E402
@@ -94,7 +98,8 @@ def measure_file(source: str, prompts, args) -> dict:
         forward = LlamaCppForward(target, policy)
         cache = forward.cache_for(None, 1, 2048, max(args.widths))
         per_prompt = [score(forward, cache, ids, args.tokens, args.widths) for ids in encoded]
-        rows = {}
+        curve = [round(x, 1) for x in measure_verify_cost(target, 8, forward=forward).step_ms]
+        rows = {"curve_ms": curve}
         for w in args.widths:
             diffs = [d for p in per_prompt for d in p[w]["max_abs_diff"]]
             margins = [m for p in per_prompt for m in p[w]["flip_margins"]]
@@ -117,9 +122,17 @@ def markdown(report: dict) -> str:
     for file, settings in report["files"].items():
         for setting, rows in settings.items():
             for w, r in rows.items():
+                if w == "curve_ms":
+                    continue
                 margin = "–" if r["largest_flip_margin"] is None else f"{r['largest_flip_margin']:.3f}"
                 lines.append(f"| {file} | {setting} | {w} | {r['median_max_abs_diff']:.3f} | {r['max_abs_diff']:.3f} "
                              f"| {r['flips']} / {r['positions']} | {margin} |")
+    lines += ["", "Verify cost through the same forward (ms for 1-8 tokens after 256 of context; median of 5):", "",
+              "| file | KV | ms, 1-8 tokens | 2 / 1 | 4 / 1 |", "|---|---|---|---|---|"]
+    for file, settings in report["files"].items():
+        for setting, rows in settings.items():
+            c = rows["curve_ms"]
+            lines.append(f"| {file} | {setting} | {' / '.join(map(str, c))} | {c[1] / c[0]:.2f} | {c[3] / c[0]:.2f} |")
     return "\n".join(lines) + "\n"
 
 
