@@ -42,9 +42,9 @@ from toolkit.speculative.verify_length import Calibrator
 #: weight of a new observation in :class:`ForwardCost`'s moving averages of batched forwards
 BATCH_OBSERVE_WEIGHT = 0.3
 #: a wider forward is chosen over a narrower one only when the curve prices it at least 10% cheaper: a curve point is
-#: one measurement, and five measurements of fp32's curve on the 2-core AVX2 EPYC (2026-12-07, one process) put the
-#: 6-token forward at 0.98-1.13x the 5-token one, while 4 against 3 tokens read 0.77-0.90x every time; at a 2% margin
-#: a K = 4 round padded to 6 on one run's 5% dip and ran 0.98x
+#: one measurement, and five measurements of fp32's curve on the 2-core AVX2 EPYC (2026-12-07, one process,
+#: bench/reports/verify-padding-margin-avx2/) put the 6-token forward at 0.90-1.14x the 5-token one, while 4 against 3
+#: tokens read 0.78-0.84x every time; at a 2% margin a K = 4 round padded to 6 on one run's 5% dip and ran 0.98x
 PAD_MARGIN = 0.90
 #: tokens per row a padded forward may reach on an uncompressed cache (:func:`verify_room`)
 PAD_ROOM = 8

@@ -15,7 +15,7 @@ from toolkit.models.llamacpp import LLAMACPP
 from toolkit.models.prequantized import checkpoint_quantization, load_prequantized
 from toolkit.models.spec import NATIVE, ModelSpec, is_gguf_source
 from toolkit.quant import AUTO, NONE, choose_backend, fallback_after, weight_backend
-from toolkit.quant.fp32_products import use_fp32_products
+from toolkit.quant.fp32_products import FP32_PRODUCT_ROWS, Fp32ProductLinear, use_fp32_products
 
 #: ``model.toolkit_backend`` of a native GGUF model
 NATIVE_BACKEND = "gguf"
@@ -127,10 +127,9 @@ def weights_note(model) -> str:
 
 
 def fp32_products_note(model) -> str:
-    """``"; bf16 forwards of 2+ rows multiply in fp32 ..."`` where ``model`` has layers that do
-    (:mod:`toolkit.quant.fp32_products`: dense bf16 weights on a CPU without BF16 instructions), else ``""``."""
-    from toolkit.quant.fp32_products import FP32_PRODUCT_ROWS, Fp32ProductLinear
-
+    """``"; bf16 forwards of 8+ rows multiply in fp32 ..."`` (:data:`~toolkit.quant.fp32_products.FP32_PRODUCT_ROWS`)
+    where ``model`` has layers that do (:mod:`toolkit.quant.fp32_products`: dense bf16 weights on a CPU without BF16
+    instructions), else ``""``."""
     if not any(isinstance(m, Fp32ProductLinear) for m in model.modules()):
         return ""
     return (f"; bf16 forwards of {FP32_PRODUCT_ROWS}+ rows multiply in fp32: this CPU has no BF16 instructions "
@@ -159,7 +158,7 @@ def _read(spec: ModelSpec, location: str, kwargs: dict, field: str) -> tuple:
 
 def _finish(model, spec: ModelSpec, backend: str):
     """``model`` in eval mode, without gradients, with its spec and backend recorded (reports, ``self`` drafts), its
-    dense bf16 layers multiplying in fp32 from 2 rows on where the CPU has no BF16 instructions
+    dense bf16 layers multiplying in fp32 from 8 rows on where the CPU has no BF16 instructions
     (:func:`~toolkit.quant.fp32_products.use_fp32_products`)."""
     model.eval()
     model.requires_grad_(False)
