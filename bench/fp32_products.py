@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -38,6 +39,7 @@ from toolkit.cpu import cpu_isa, cpu_line  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from toolkit.measure.harness import Prompt, environment, measure  # noqa: E402
 from toolkit.measure.prompts import load_suite  # noqa: E402
+from toolkit.quant import fp32_products  # noqa: E402
 from toolkit.quant.int4_linear import native_bf16  # noqa: E402
 from toolkit.recipe import Recipe  # noqa: E402
 from toolkit.resources import resolve  # noqa: E402
@@ -48,27 +50,12 @@ FORMS = ("fp32_products", "bf16_kernel")
 
 def builds(recipe: Recipe) -> dict:
     """The recipe built twice from the same weights: as loaded (fp32 products) and with its layers left on PyTorch's
-    bf16 kernel (the swap turned off while loading)."""
+    bf16 kernel (:func:`~toolkit.quant.fp32_products.use_fp32_products` seeing a CPU with BF16 instructions while
+    loading)."""
     lms = {"fp32_products": build(recipe)}
-    with _native_bf16(True):
+    with mock.patch.object(fp32_products, "native_bf16", lambda: True):
         lms["bf16_kernel"] = build(recipe)
     return lms
-
-
-class _native_bf16:
-    """Within: :func:`toolkit.quant.fp32_products.use_fp32_products` sees the CPU as one with BF16 instructions."""
-
-    def __init__(self, value: bool):
-        self.value = value
-
-    def __enter__(self):
-        import toolkit.quant.fp32_products as module
-
-        self.module, self.saved = module, module.native_bf16
-        module.native_bf16 = lambda: self.value
-
-    def __exit__(self, *exc):
-        self.module.native_bf16 = self.saved
 
 
 def one_recipe(name: str, args) -> dict:

@@ -127,7 +127,7 @@ def cost_key(model) -> str:
         hardware = f"{platform.machine()} {cpu['model']} {' '.join(cpu['flags'])} x{torch.get_num_threads()}"
     parts = [model.config.to_json_string(use_diff=False), ",".join(formats), getattr(model, "toolkit_backend", ""),
              hardware, torch.__version__, str(sum(p.numel() for p in params))]
-    if any(isinstance(m, fp32_products.Fp32ProductLinear) for m in model.modules()):  # widened bf16: another curve
+    if fp32_products.uses_fp32_products(model):  # bf16 layers widened to fp32: another curve
         parts.append(f"fp32-products from {fp32_products.FP32_PRODUCT_ROWS} rows")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 

@@ -15,7 +15,7 @@ from toolkit.models.llamacpp import LLAMACPP
 from toolkit.models.prequantized import checkpoint_quantization, load_prequantized
 from toolkit.models.spec import NATIVE, ModelSpec, is_gguf_source
 from toolkit.quant import AUTO, NONE, choose_backend, fallback_after, weight_backend
-from toolkit.quant.fp32_products import FP32_PRODUCT_ROWS, Fp32ProductLinear, use_fp32_products
+from toolkit.quant.fp32_products import FP32_PRODUCT_ROWS, use_fp32_products, uses_fp32_products
 
 #: ``model.toolkit_backend`` of a native GGUF model
 NATIVE_BACKEND = "gguf"
@@ -130,7 +130,7 @@ def fp32_products_note(model) -> str:
     """``"; bf16 forwards of 8+ rows multiply in fp32 ..."`` (:data:`~toolkit.quant.fp32_products.FP32_PRODUCT_ROWS`)
     where ``model`` has layers that do (:mod:`toolkit.quant.fp32_products`: dense bf16 weights on a CPU without BF16
     instructions), else ``""``."""
-    if not any(isinstance(m, Fp32ProductLinear) for m in model.modules()):
+    if not uses_fp32_products(model):
         return ""
     return (f"; bf16 forwards of {FP32_PRODUCT_ROWS}+ rows multiply in fp32: this CPU has no BF16 instructions "
             "(avx512_bf16 / AMX)")

@@ -59,3 +59,9 @@ def use_fp32_products(model: torch.nn.Module) -> int:
             module.__class__ = Fp32ProductLinear
             changed += 1
     return changed
+
+
+def uses_fp32_products(model: torch.nn.Module) -> bool:
+    """Whether any layer of ``model`` is a :class:`Fp32ProductLinear` (what the path line and the verify cost
+    curve's cache key say)."""
+    return any(isinstance(m, Fp32ProductLinear) for m in model.modules())
