@@ -7,7 +7,7 @@ RECIPE ?= recipes/short.yaml
 SCENARIO ?= short
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-native-gguf bench-long-context bench-prequantized bench-gpu bench-cpu-engines bench-llamacpp llamacpp bench-llamacpp-backend bench-model-drafters bench-compile-auto bench-verify-padding bench-fp32-products bench-int4-rows test test-system test-all test-fast upgrade-check distill clean
+.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-native-gguf bench-long-context bench-prequantized bench-gpu bench-cpu-engines bench-llamacpp llamacpp bench-llamacpp-backend bench-model-drafters bench-compile-auto bench-verify-padding bench-fp32-products bench-packed-fp32 bench-int4-rows test test-system test-all test-fast upgrade-check distill clean
 
 setup: $(STAMP)
 
@@ -129,7 +129,12 @@ bench-verify-padding: $(STAMP)
 ## A bf16 recipe with its layers multiplying in fp32 from 8 rows on against PyTorch's bf16 kernel, on a CPU without
 ## BF16 instructions (two builds of the same weights, interleaved) -> bench/reports/fp32-products/.
 bench-fp32-products: $(STAMP)
-	PYTHONPATH=. $(BIN)/python bench/fp32_products.py
+	PYTHONPATH=. $(BIN)/python bench/dense_kernels.py --kernel fp32-products
+
+## fp32 recipes with their linears on oneDNN's prepacked GEMM against MKL's sgemm (two builds of the same weights,
+## interleaved; the EAGLE round in one-token steps) -> bench/reports/packed-fp32/.
+bench-packed-fp32: $(STAMP)
+	PYTHONPATH=. $(BIN)/python bench/dense_kernels.py --kernel packed-fp32
 
 ## What a verify forward's width costs in the 4-bit kernel: each linear of the native embedded model at 1..8 rows,
 ## one forward's layers summed, next to dense bf16 / fp32 GEMMs -> bench/reports/int4-rows/.

@@ -26,6 +26,19 @@ def cpu_isa() -> dict:
 
 
 @functools.cache
+def cpu_vendor() -> str:
+    """This CPU's vendor as ``/proc/cpuinfo``'s ``vendor_id`` gives it (``GenuineIntel``, ``AuthenticAMD``; ``""``
+    where it is not given: another architecture, another OS). MKL chooses its code paths by it."""
+    if not os.path.exists("/proc/cpuinfo"):
+        return ""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
+@functools.cache
 def _cpu_fields() -> tuple[str, str, str]:
     """``(model name, flags, logical CPUs)`` as ``lscpu`` (or ``/proc/cpuinfo``) gives them."""
     try:

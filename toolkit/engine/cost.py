@@ -20,7 +20,7 @@ import torch
 from toolkit.cpu import cpu_isa
 from toolkit.engine.forward import TargetForward
 from toolkit.kv.static import capacity_for
-from toolkit.quant import fp32_products
+from toolkit.quant import fp32_products, packed_fp32
 from toolkit.speculative.cost_model import VerifyCost, extend
 
 log = logging.getLogger("toolkit.engine")
@@ -116,7 +116,8 @@ def measure_verify_cost(model, max_tokens: int = 16, context: int = 256, repeats
 
 def cost_key(model) -> str:
     """What the curve depends on: architecture and sizes, weight formats, device (a CPU's model and instruction-set
-    flags), torch threads and version, and whether bf16 layers multiply in fp32 (:mod:`toolkit.quant.fp32_products`)."""
+    flags), torch threads and version, and which kernels dense layers run (:mod:`toolkit.quant.fp32_products`,
+    :mod:`toolkit.quant.packed_fp32`)."""
     params = list(model.parameters())
     formats = sorted({f"{type(p.data).__name__}:{p.dtype}" for p in params})
     device = params[0].device
@@ -129,6 +130,8 @@ def cost_key(model) -> str:
              hardware, torch.__version__, str(sum(p.numel() for p in params))]
     if fp32_products.uses_fp32_products(model):  # bf16 layers widened to fp32: another curve
         parts.append(f"fp32-products from {fp32_products.FP32_PRODUCT_ROWS} rows")
+    if packed_fp32.uses_packed_fp32(model):  # fp32 layers on oneDNN instead of MKL: another curve
+        parts.append(packed_fp32.KERNEL)
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -381,16 +381,16 @@ def forward_for(recipe, target, plan, caps=None) -> tuple[TargetForward, str]:
     sliding-window layers; token trees too, within the widest CUDA graph bucket); ``auto`` also needs
     :func:`compile_pays`; ``max`` is ``on`` with :data:`TUNED_CPU_OPTIONS` on CPU."""
     from toolkit.engine.capabilities import capabilities
-    from toolkit.models.loading import fp32_products_note, weights_note
+    from toolkit.models.loading import kernels_note, weights_note
 
     caps = caps if caps is not None else capabilities(plan, target)
     if caps.compile:
-        return TargetForward(target), f"eager ({caps.compile}){fp32_products_note(target)}{caps.draft_note()}"
+        return TargetForward(target), f"eager ({caps.compile}){kernels_note(target)}{caps.draft_note()}"
     mode = recipe.compile
     engine = TargetForward(target, compile=True, tuned=mode == "max")
     shapes = "bucketed widths and batch sizes, CUDA graphs" if engine.buckets else "dynamic widths and spans"
     if mode == "max" and not engine.buckets:
         shapes += ", frozen weights, C++ wrapper"
-    weights = f"{weights_note(target)} weights{fp32_products_note(target)}"
+    weights = f"{weights_note(target)} weights{kernels_note(target)}"
     why = f"compiled static engine (compile: {mode}; {shapes}; {weights})"
     return engine, why + caps.draft_note()

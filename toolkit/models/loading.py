@@ -15,6 +15,7 @@ from toolkit.models.llamacpp import LLAMACPP
 from toolkit.models.prequantized import checkpoint_quantization, load_prequantized
 from toolkit.models.spec import NATIVE, ModelSpec, is_gguf_source
 from toolkit.quant import AUTO, NONE, choose_backend, fallback_after, weight_backend
+from toolkit.quant import packed_fp32
 from toolkit.quant.fp32_products import FP32_PRODUCT_ROWS, use_fp32_products, uses_fp32_products
 
 #: ``model.toolkit_backend`` of a native GGUF model
@@ -126,14 +127,17 @@ def weights_note(model) -> str:
     return note
 
 
-def fp32_products_note(model) -> str:
-    """``"; bf16 forwards of 8+ rows multiply in fp32 ..."`` (:data:`~toolkit.quant.fp32_products.FP32_PRODUCT_ROWS`)
-    where ``model`` has layers that do (:mod:`toolkit.quant.fp32_products`: dense bf16 weights on a CPU without BF16
-    instructions), else ``""``."""
-    if not uses_fp32_products(model):
-        return ""
-    return (f"; bf16 forwards of {FP32_PRODUCT_ROWS}+ rows multiply in fp32: this CPU has no BF16 instructions "
-            "(avx512_bf16 / AMX)")
+def kernels_note(model) -> str:
+    """What the path line says about kernels :func:`load_model` chose for dense layers: ``"; fp32 linears on oneDNN
+    prepacked weights (+N MiB)"`` (:mod:`toolkit.quant.packed_fp32`), ``"; bf16 forwards of 8+ rows multiply in fp32
+    ..."`` (:mod:`toolkit.quant.fp32_products`, :data:`~toolkit.quant.fp32_products.FP32_PRODUCT_ROWS`), or ``""``."""
+    note = ""
+    if packed_fp32.uses_packed_fp32(model):
+        note += f"; fp32 linears on {packed_fp32.KERNEL} (+{packed_fp32.packed_bytes(model) / 2**20:.0f} MiB)"
+    if uses_fp32_products(model):
+        note += (f"; bf16 forwards of {FP32_PRODUCT_ROWS}+ rows multiply in fp32: this CPU has no BF16 instructions "
+                 "(avx512_bf16 / AMX)")
+    return note
 
 
 def _read(spec: ModelSpec, location: str, kwargs: dict, field: str) -> tuple:
@@ -158,12 +162,14 @@ def _read(spec: ModelSpec, location: str, kwargs: dict, field: str) -> tuple:
 
 def _finish(model, spec: ModelSpec, backend: str):
     """``model`` in eval mode, without gradients, with its spec and backend recorded (reports, ``self`` drafts), its
+    dense fp32 CPU layers on oneDNN's prepacked GEMM (:func:`~toolkit.quant.packed_fp32.use_packed_fp32`) and its
     dense bf16 layers multiplying in fp32 from 8 rows on where the CPU has no BF16 instructions
     (:func:`~toolkit.quant.fp32_products.use_fp32_products`)."""
     model.eval()
     model.requires_grad_(False)
     model.toolkit_spec = spec
     model.toolkit_backend = backend
+    packed_fp32.use_packed_fp32(model)  # dense fp32 layers on the CPU
     use_fp32_products(model)  # dense bf16 layers on a CPU without BF16 instructions
     return model
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from toolkit.quant.packed_fp32 import packed_bytes
+
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
     """Bytes a tensor really holds.
@@ -41,7 +43,8 @@ def _quant_state_bytes(state) -> int:
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes held by the model's parameters and buffers, each storage counted once (tied weights once), quantized
     weights at their packed size plus their scales / zero points (see :func:`tensor_bytes`). A model whose weights
-    live outside torch (a llama.cpp target) states them as ``toolkit_weight_bytes`` (the GGUF file's bytes)."""
+    live outside torch (a llama.cpp target) states them as ``toolkit_weight_bytes`` (the GGUF file's bytes). fp32
+    linears prepacked for oneDNN (:mod:`toolkit.quant.packed_fp32`) count twice: the weight and its packed copy."""
     if getattr(model, "toolkit_weight_bytes", None) is not None:
         return int(model.toolkit_weight_bytes)
     seen: set[int] = set()
@@ -51,7 +54,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
             continue
         seen.add(id(tensor))
         total += tensor_bytes(tensor)
-    return total
+    return total + packed_bytes(model)
 
 
 def bytes_read_per_token(model: torch.nn.Module) -> int:
@@ -60,12 +63,13 @@ def bytes_read_per_token(model: torch.nn.Module) -> int:
     half-precision embedding (torchao int4 quantizes ``lm_head`` and leaves the embedding; a native GGUF head has
     its own int4 planes, :mod:`toolkit.models.gguf_native`) counts at its packed size; an embedding held in a GGUF's
     blocks (:class:`~toolkit.quant.block_embedding.BlockEmbedding`: codes and scales, every tensor one row per
-    token) counts one row of each."""
+    token) counts one row of each. A layer prepacked for oneDNN (:mod:`toolkit.quant.packed_fp32`) reads its packed
+    copy instead of its weight: counted once."""
     embedding = model.get_input_embeddings()
     head = model.get_output_embeddings()
     weight = getattr(embedding, "weight", None)
     tied = weight is not None and head is not None and getattr(head, "weight", None) is weight
-    total = weight_bytes(model)
+    total = weight_bytes(model) - packed_bytes(model)
     if not tied:
         held = sum(tensor_bytes(t) for t in list(embedding.parameters()) + list(embedding.buffers()))
         rows = getattr(embedding, "num_embeddings", None) or weight.shape[0]

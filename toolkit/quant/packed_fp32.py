@@ -1,0 +1,129 @@
+"""Dense fp32 linears on the CPU run oneDNN's GEMM on weights prepacked once, not MKL's sgemm.
+
+PyTorch computes an fp32 ``nn.Linear`` on the CPU with MKL's ``sgemm``, which re-reads the plain row-major weight at
+every call and picks its small-row code paths by CPU vendor. On the 2-core AVX2 AMD EPYC (2026-12-07, the embedded
+model's 211 linears, compiled forward after a 256-token context) a 1 / 2 / 3 / 4 / 5-token forward took 49.6 / 84.2
+/ 109.6 / 87.7 / 84.7 ms: a 2-token verify cost 1.7 decode steps, which prices speculation out. oneDNN (PyTorch's
+``mkldnn`` backend — the kernels inductor's weight prepacking calls under ``freezing``) runs the same products on a
+copy of the weight reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``): 47.1 / 49.3
+/ 52.8 / 57.2 / 64.7 ms, a 4-token verify 1.21 steps. The sums are the same products in another order (results
+differ from MKL's by fp32 rounding, as between any two GEMM kernels).
+
+:class:`PackedFp32Linear` keeps its ``weight`` parameter as it is (state dict, tied weights, bytes per step: all
+unchanged) and holds the packed copy beside it, so fp32 weights take twice their bytes in memory
+(:func:`packed_bytes`; :func:`toolkit.models.sizes.weight_bytes` counts them). Its forward calls the op through
+:func:`packed_fp32_linear`, a custom op, so ``torch.compile`` (no ``freezing`` needed) keeps the packed weight as an
+input of an opaque call; inputs of other dtypes or devices, or that need gradients, take ``nn.Linear``'s own forward.
+:func:`use_packed_fp32` swaps the class of a loaded model's plain fp32 CPU linears (:func:`toolkit.models.load_model`
+does so) where :func:`wanted` says so: by default on x86 CPUs not made by Intel (MKL's slow paths are vendor-chosen);
+``TOOLKIT_FP32_KERNEL=onednn`` packs on any CPU, ``mkl`` never. The verify cost curve of such a model is cached under its own key (:func:`toolkit.engine.cost.cost_key`);
+``bench/packed_fp32.py`` measures recipes both ways.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from toolkit.cpu import cpu_vendor
+from toolkit.errors import ConfigError
+
+#: the path line's and the cost key's name of this kernel
+KERNEL = "oneDNN prepacked fp32 GEMM"
+
+
+@torch.library.custom_op("toolkit::packed_fp32_linear", mutates_args=())
+def packed_fp32_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + bias`` through oneDNN with ``packed`` = ``torch.ops.mkldnn._reorder_linear_weight(W)``. ``x``
+    ``(..., in_features)`` fp32 on the CPU -> ``(..., out_features)``."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+@packed_fp32_linear.register_fake
+def _(x, packed, bias):
+    return x.new_empty((*x.shape[:-1], packed.size(0)))
+
+
+#: ``$TOOLKIT_FP32_KERNEL``'s values: ``auto`` (oneDNN where MKL runs off its Intel code paths), ``onednn``, ``mkl``
+FP32_KERNELS = ("auto", "onednn", "mkl")
+
+
+def wanted() -> bool:
+    """Whether :func:`use_packed_fp32` packs on this machine: this PyTorch has oneDNN enabled, and
+    ``$TOOLKIT_FP32_KERNEL`` says ``onednn``, or ``auto`` (the default) on an x86 CPU not made by Intel, where MKL's
+    small-row paths are the slow ones measured above (on Intel CPUs MKL's fp32 verify forwards measured flat: a
+    2-core Xeon's ``short-exact`` verified 25.8 ms a round against a 24.4 ms step, so there the packed copy's bytes
+    would buy nothing known). Raises :class:`~toolkit.errors.ConfigError` for another value."""
+    choice = os.environ.get("TOOLKIT_FP32_KERNEL", "auto").strip().lower() or "auto"
+    if choice not in FP32_KERNELS:
+        raise ConfigError("TOOLKIT_FP32_KERNEL", f"unknown kernel {choice!r}", FP32_KERNELS)
+    if choice == "mkl" or not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    return choice == "onednn" or cpu_vendor() not in ("GenuineIntel", "")
+
+
+class PackedFp32Linear(torch.nn.Linear):
+    """``nn.Linear`` whose fp32 CPU forwards run oneDNN's GEMM on :attr:`packed`, a copy of ``weight`` reordered
+    once into oneDNN's blocked layout (see the module docstring). Input ``(..., in_features)`` ->
+    ``(..., out_features)``. The copy is made by :meth:`pack` and refreshed in eager calls after ``weight`` changed
+    in place (its version counter moved); a compiled graph reads the copy as it is."""
+
+    packed: torch.Tensor
+    _packed_version: int
+
+    def pack(self) -> None:
+        """(Re)make :attr:`packed` from ``weight`` (fp32, CPU)."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self._packed_version = _version(self.weight)
+
+    def __getstate__(self) -> dict:  # copies and pickles hold the weight; oneDNN's opaque copy has no storage
+        state = dict(super().__getstate__())
+        state.pop("packed", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.pack()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
+                or weight.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            return super().forward(x)
+        if not torch.compiler.is_compiling() and _version(weight) != self._packed_version:
+            self.pack()
+        return packed_fp32_linear(x, self.packed, self.bias)
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """``tensor``'s in-place version counter; -1 for an inference tensor (it has none, and cannot change)."""
+    return -1 if tensor.is_inference() else tensor._version
+
+
+def use_packed_fp32(model: torch.nn.Module) -> int:
+    """Make every plain fp32 ``nn.Linear`` of ``model`` on the CPU a :class:`PackedFp32Linear` where :func:`wanted`
+    says so (quantized weights — tensor subclasses, other layer classes — are left alone). Returns how many layers
+    changed. Raises :class:`~toolkit.errors.ConfigError` for a bad ``$TOOLKIT_FP32_KERNEL``."""
+    if not wanted():
+        return 0
+    changed = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (type(module) is torch.nn.Linear and type(weight.data) is torch.Tensor and weight.dtype == torch.float32
+                and weight.device.type == "cpu"):
+            module.__class__ = PackedFp32Linear
+            module.pack()
+            changed += 1
+    return changed
+
+
+def packed_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the packed copies :class:`PackedFp32Linear` layers of ``model`` hold beside their weights."""
+    return sum(torch.ops.mkldnn._nbytes(m.packed) for m in model.modules() if isinstance(m, PackedFp32Linear))
+
+
+def uses_packed_fp32(model: torch.nn.Module) -> bool:
+    """Whether any layer of ``model`` is a :class:`PackedFp32Linear` (what the path line and the verify cost curve's
+    cache key say)."""
+    return any(isinstance(m, PackedFp32Linear) for m in model.modules())
