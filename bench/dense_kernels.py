@@ -48,7 +48,7 @@ from toolkit.measure.harness import Prompt, environment, measure  # noqa: E402
 from toolkit.measure.prompts import load_suite  # noqa: E402
 from toolkit.quant import fp32_products  # noqa: E402
 from toolkit.quant.int4_linear import native_bf16  # noqa: E402
-from toolkit.recipe import Recipe  # noqa: E402
+from toolkit.recipe import Recipe, SpeculationSpec  # noqa: E402
 from toolkit.resources import resolve  # noqa: E402
 from toolkit.speculative_lm import build  # noqa: E402
 
@@ -106,8 +106,15 @@ def one_recipe(name: str, kernel: Kernel, args) -> dict:
     for form in lms.values():
         form.warm_up(max(i.input_ids.shape[1] for i in items) + args.max_new_tokens)
     eos = sorted(lm.eos_token_ids(gen))
-    measured = measure({f: ours_runner(lms[f], eos) for f in forms_}, items, gen, repeats=args.repeats, warmup=1,
-                       rotate=True, desc=name, before_repetition=lambda rep: [m.forget() for m in lms.values()])
+    runners = {f: ours_runner(lms[f], eos) for f in forms_}
+    if args.ar_step:  # each form's plain AR on the same target object, interleaved with the rest: its decode step
+        ar = recipe.replace(draft=None, spec=SpeculationSpec(drafter="none"))
+        for f in forms_:
+            twin = build(ar, target=lms[f].target, tokenizer=lms[f].tokenizer)
+            twin.warm_up(max(i.input_ids.shape[1] for i in items) + args.max_new_tokens)
+            runners[f"{f}_ar"] = ours_runner(twin, eos)
+    measured = measure(runners, items, gen, repeats=args.repeats, warmup=1, rotate=True, desc=name,
+                       before_repetition=lambda rep: [m.forget() for m in lms.values()])
     fresh = fresh_curves(lms, forms_, args.curve_repeats)
     forms = {}
     for f in forms_:
@@ -115,11 +122,15 @@ def one_recipe(name: str, kernel: Kernel, args) -> dict:
         curve = [round(x, 1) for x in lms[f].verify_cost_for(16).step_ms[:16]]
         draft_ms, verify_ms = (statistics.median(getattr(s, k) / s.rounds for s in calls)
                                for k in ("draft_ms", "target_ms"))
+        step_ms = fresh[f][0]  # a one-token step: the AR twin's median step where measured, else the fresh curve's
+        if args.ar_step:
+            step_ms = statistics.median(c.stats.target_ms / c.stats.rounds for i in range(len(items))
+                                        for c in measured.per_prompt(f"{f}_ar", i))
         forms[f] = {"tok_s": measured.speed(f)["throughput"]["median"], "tau": measured.tau(f),
                     "ttft_ms": statistics.median(s.ttft_ms for s in calls),
                     "width": statistics.median(s.verify_tokens / s.rounds for s in calls),
                     "draft_ms_per_round": round(draft_ms, 1), "verify_ms_per_round": round(verify_ms, 1),
-                    "round_in_steps": round((draft_ms + verify_ms) / fresh[f][0], 2),
+                    "step_ms": round(step_ms, 1), "round_in_steps": round((draft_ms + verify_ms) / step_ms, 2),
                     "curve_ms": curve, "fresh_curve_ms": fresh[f], "path": lms[f].engine_note}
     prompt_s = prompt_forwards(lms, forms_, args.prompt_lengths)
     same, margins = [], []
@@ -172,19 +183,23 @@ def markdown(report: dict) -> str:
              f"CPU: {cpu_line(report['cpu'])}; torch {report['environment'].get('torch', '?')}. Two builds of the same "
              f"weights in one process, interleaved, median of {report['repeats']} repetitions, "
              f"{report['max_new_tokens']} new tokens, tok/s including the prompt; prompts: bench/prompts/unseen.yaml"
-             + (f"; K = {report['num_draft_tokens']} for every recipe." if report.get("num_draft_tokens") else "."),
-             "", "| recipe | form | verify ms, widths 1 / 2 / 4 / 8 / 16 | draft + verify ms a round (steps) | TTFT ms "
-             "| width/round | τ | tok/s | ratio | same text (largest top-2 margin where they part) |", "|---" * 10 + "|"]
+             + (f"; K = {report['num_draft_tokens']} for every recipe" if report.get("num_draft_tokens") else "")
+             + ("; step ms = each form's plain AR on the same target, interleaved (median target ms a token)."
+                if report.get("ar_step") else "; step ms = the re-measured curve's width 1."),
+             "", "| recipe | form | verify ms, widths 1 / 2 / 4 / 8 / 16 | draft + verify ms a round (÷ step ms) "
+             "| TTFT ms | width/round | τ | tok/s | ratio | same text (largest top-2 margin where they part) |",
+             "|---" * 10 + "|"]
     for r in report["recipes"]:
         for f in kernel.forms:
             x, c = r["forms"][f], r["forms"][f]["curve_ms"]
             ratio = f"**{r['ratio']:.2f}x**" if f == first else "1.00x"
             lines.append(f"| {r['recipe']} | {f.replace('_', ' ')} | {c[0]} / {c[1]} / {c[3]} / {c[7]} / {c[15]} | "
-                         f"{x['draft_ms_per_round']} + {x['verify_ms_per_round']} ({x['round_in_steps']:.2f}) | "
+                         f"{x['draft_ms_per_round']} + {x['verify_ms_per_round']} "
+                         f"(÷ {x['step_ms']} = {x['round_in_steps']:.2f}) | "
                          f"{x['ttft_ms']:.0f} | {x['width']:.1f} | {x['tau']:.2f} | {x['tok_s']:.1f} | {ratio} | "
                          f"{sum(r['same_text'])}/{len(r['same_text'])}{parted(r)} |")
     lines += ["", "Each form's verify cost curve measured again after the timed calls, the forms alternating, median "
-              "(ms, widths 1-8; a round's cost in steps above divides by width 1 here):", "",
+              "(ms, widths 1-8; without --ar-step a round's step above is width 1 here):", "",
               "| recipe | form | 1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 |", "|---" * 10 + "|"]
     lines += [f"| {r['recipe']} | {f.replace('_', ' ')} | " + " | ".join(map(str, r["forms"][f]["fresh_curve_ms"]))
               + " |" for r in report["recipes"] for f in kernel.forms]
@@ -203,6 +218,8 @@ def main() -> None:
     parser.add_argument("--kernel", choices=sorted(KERNELS), required=True)
     parser.add_argument("--recipes", nargs="+", help="default: the kernel's recipes")
     parser.add_argument("--num-draft-tokens", type=int, help="override every recipe's spec.num_draft_tokens (K)")
+    parser.add_argument("--ar-step", action="store_true",
+                        help="also time each form's plain AR on the same target, interleaved: a round in its steps")
     parser.add_argument("--curve-repeats", type=int, default=3,
                         help="re-measure each form's verify cost curve this often after the timed calls")
     parser.add_argument("--num-prompts", type=int, default=4)
@@ -219,7 +236,8 @@ def main() -> None:
     if why_not:
         sys.exit(why_not)
     report = {"kernel": args.kernel, "cpu": cpu_isa(), "environment": environment(), "repeats": args.repeats,
-              "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens, "recipes": []}
+              "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens, "ar_step": args.ar_step,
+              "recipes": []}
     for name in args.recipes or kernel.recipes:
         report["recipes"].append(one_recipe(name, kernel, args))
     out = args.out or ROOT / "bench/reports" / args.kernel

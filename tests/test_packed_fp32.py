@@ -12,7 +12,7 @@ import io
 import pytest
 import torch
 from conftest import tiny_llama
-from test_generator import word_tokenizer
+from test_models import local_model_dir  # noqa: F401 (the fixture: a tiny Llama as an HF directory)
 
 from toolkit.engine.cost import cost_key
 from toolkit.engine.forward import forward_for
@@ -30,15 +30,6 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 def onednn(monkeypatch):
     """Pack on this machine whatever its CPU."""
     monkeypatch.setenv("TOOLKIT_FP32_KERNEL", "onednn")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A tiny Llama + word-level tokenizer saved as an HF model directory."""
-    path = tmp_path_factory.mktemp("tiny-packed")
-    tiny_llama(seed=0).save_pretrained(path)
-    word_tokenizer().save_pretrained(path)
-    return path
 
 
 def _pair(bias: bool) -> tuple[torch.nn.Linear, torch.nn.Linear]:
@@ -61,6 +52,8 @@ def test_packed_products_equal_nn_linear_up_to_rounding_eager_and_compiled(bias)
             assert got.shape == want.shape
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     x = torch.randn(3, 96, requires_grad=True)  # gradients: nn.Linear's own forward
+    assert torch.equal(layer(x), plain(x))
+    x = torch.randn(1, packed_fp32.PACKED_MAX_ROWS + 1, 96)  # a long prompt: MKL's sgemm, nn.Linear's own forward
     assert torch.equal(layer(x), plain(x))
 
 
@@ -121,11 +114,12 @@ def test_the_path_line_and_the_cost_key_say_so(onednn):
         assert packed_fp32.KERNEL not in forward_for(chosen, plain, plan(chosen))[1]
 
 
-def test_a_compiled_speculative_recipe_on_packed_weights_equals_ar_with_drafts_accepted(onednn, tiny_dir):
+def test_a_compiled_speculative_recipe_on_packed_weights_equals_ar_with_drafts_accepted(onednn, local_model_dir):
     import toolkit
 
-    recipe = Recipe.from_dict({"name": "fp32", "target": {"source": str(tiny_dir), "device": "cpu"}, "draft": None,
-                               "compile": "on", "spec": {"drafter": "lookup", "num_draft_tokens": 4}})
+    target = {"source": str(local_model_dir), "device": "cpu"}
+    recipe = Recipe.from_dict({"name": "fp32", "target": target, "draft": None, "compile": "on",
+                               "spec": {"drafter": "lookup", "num_draft_tokens": 4}})
     lm = toolkit.build(recipe)
     assert packed_fp32.uses_packed_fp32(lm.target)
     ar = toolkit.build(recipe.replace(spec=SpeculationSpec(drafter="none")))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from toolkit.quant.int4_linear import native_bf16, prompt_gemm
+from toolkit.quant.plain_linears import plain_cpu_linears
 
 #: input rows from which a bf16 linear multiplies in fp32 where the CPU has no BF16 instructions (the 2-core AVX2
 #: EPYC: 8-token verify forwards cost alike both ways, 153 vs 151 ms; 16 tokens 316 vs 179)
@@ -51,14 +52,10 @@ def use_fp32_products(model: torch.nn.Module) -> int:
     other layer classes — are left alone). Returns how many layers changed."""
     if native_bf16():
         return 0
-    changed = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (type(module) is torch.nn.Linear and type(weight.data) is torch.Tensor and weight.dtype == torch.bfloat16
-                and weight.device.type == "cpu"):
-            module.__class__ = Fp32ProductLinear
-            changed += 1
-    return changed
+    layers = plain_cpu_linears(model, torch.bfloat16)
+    for module in layers:
+        module.__class__ = Fp32ProductLinear
+    return len(layers)
 
 
 def uses_fp32_products(model: torch.nn.Module) -> bool:

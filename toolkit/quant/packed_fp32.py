@@ -13,11 +13,13 @@ differ from MKL's by fp32 rounding, as between any two GEMM kernels).
 unchanged) and holds the packed copy beside it, so fp32 weights take twice their bytes in memory
 (:func:`packed_bytes`; :func:`toolkit.models.sizes.weight_bytes` counts them). Its forward calls the op through
 :func:`packed_fp32_linear`, a custom op, so ``torch.compile`` (no ``freezing`` needed) keeps the packed weight as an
-input of an opaque call; inputs of other dtypes or devices, or that need gradients, take ``nn.Linear``'s own forward.
+input of an opaque call; inputs of other dtypes or devices, that need gradients, or of more than
+:data:`PACKED_MAX_ROWS` rows (long prompts, where MKL is the faster) take ``nn.Linear``'s own forward.
 :func:`use_packed_fp32` swaps the class of a loaded model's plain fp32 CPU linears (:func:`toolkit.models.load_model`
 does so) where :func:`wanted` says so: by default on x86 CPUs not made by Intel (MKL's slow paths are vendor-chosen);
-``TOOLKIT_FP32_KERNEL=onednn`` packs on any CPU, ``mkl`` never. The verify cost curve of such a model is cached under its own key (:func:`toolkit.engine.cost.cost_key`);
-``bench/packed_fp32.py`` measures recipes both ways.
+``TOOLKIT_FP32_KERNEL=onednn`` packs on any CPU, ``mkl`` never. The verify cost curve of such a model is cached
+under its own key (:func:`toolkit.engine.cost.cost_key`); ``bench/dense_kernels.py --kernel packed-fp32`` measures
+recipes both ways.
 """
 
 from __future__ import annotations
@@ -28,9 +30,14 @@ import torch
 
 from toolkit.cpu import cpu_vendor
 from toolkit.errors import ConfigError
+from toolkit.quant.plain_linears import plain_cpu_linears
 
 #: the path line's and the cost key's name of this kernel
 KERNEL = "oneDNN prepacked fp32 GEMM"
+#: input rows up to which a forward runs the packed copy; more (long prompts) run MKL, faster there: on the AVX2 EPYC
+#: the model's linears alone took 626 vs 680 ms at 256 rows (oneDNN ahead at every narrower width, 1.9x at 8 rows),
+#: while a whole 1,000-token prompt forward took 2.30 s on oneDNN against MKL's 2.06-2.12
+PACKED_MAX_ROWS = 256
 
 
 @torch.library.custom_op("toolkit::packed_fp32_linear", mutates_args=())
@@ -66,7 +73,8 @@ def wanted() -> bool:
 class PackedFp32Linear(torch.nn.Linear):
     """``nn.Linear`` whose fp32 CPU forwards run oneDNN's GEMM on :attr:`packed`, a copy of ``weight`` reordered
     once into oneDNN's blocked layout (see the module docstring). Input ``(..., in_features)`` ->
-    ``(..., out_features)``. The copy is made by :meth:`pack` and refreshed in eager calls after ``weight`` changed
+    ``(..., out_features)``; forwards of more than :data:`PACKED_MAX_ROWS` rows (prompts) run ``nn.Linear``'s own.
+    The copy is made by :meth:`pack` and refreshed in eager calls after ``weight`` changed
     in place (its version counter moved); a compiled graph reads the copy as it is."""
 
     packed: torch.Tensor
@@ -89,7 +97,8 @@ class PackedFp32Linear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
-                or weight.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+                or weight.device.type != "cpu" or x.numel() > PACKED_MAX_ROWS * self.in_features
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
             return super().forward(x)
         if not torch.compiler.is_compiling() and _version(weight) != self._packed_version:
             self.pack()
@@ -107,15 +116,11 @@ def use_packed_fp32(model: torch.nn.Module) -> int:
     changed. Raises :class:`~toolkit.errors.ConfigError` for a bad ``$TOOLKIT_FP32_KERNEL``."""
     if not wanted():
         return 0
-    changed = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (type(module) is torch.nn.Linear and type(weight.data) is torch.Tensor and weight.dtype == torch.float32
-                and weight.device.type == "cpu"):
-            module.__class__ = PackedFp32Linear
-            module.pack()
-            changed += 1
-    return changed
+    layers = plain_cpu_linears(model, torch.float32)
+    for module in layers:
+        module.__class__ = PackedFp32Linear
+        module.pack()
+    return len(layers)
 
 
 def packed_bytes(model: torch.nn.Module) -> int:
