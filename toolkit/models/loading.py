@@ -14,8 +14,7 @@ from toolkit.models.embedded import resolve_source
 from toolkit.models.llamacpp import LLAMACPP
 from toolkit.models.prequantized import checkpoint_quantization, load_prequantized
 from toolkit.models.spec import NATIVE, ModelSpec, is_gguf_source
-from toolkit.quant import AUTO, NONE, choose_backend, fallback_after, weight_backend
-from toolkit.quant import packed_fp32
+from toolkit.quant import AUTO, NONE, choose_backend, fallback_after, packed_fp32, weight_backend
 from toolkit.quant.fp32_products import FP32_PRODUCT_ROWS, use_fp32_products, uses_fp32_products
 
 #: ``model.toolkit_backend`` of a native GGUF model
@@ -129,8 +128,9 @@ def weights_note(model) -> str:
 
 def kernels_note(model) -> str:
     """What the path line says about kernels :func:`load_model` chose for dense layers: ``"; fp32 linears on oneDNN
-    prepacked weights (+N MiB)"`` (:mod:`toolkit.quant.packed_fp32`), ``"; bf16 forwards of 8+ rows multiply in fp32
-    ..."`` (:mod:`toolkit.quant.fp32_products`, :data:`~toolkit.quant.fp32_products.FP32_PRODUCT_ROWS`), or ``""``."""
+    prepacked fp32 GEMM (+N MiB)"`` (:mod:`toolkit.quant.packed_fp32`, the packed copies' bytes), ``"; bf16 forwards
+    of 8+ rows multiply in fp32 ..."`` (:mod:`toolkit.quant.fp32_products`,
+    :data:`~toolkit.quant.fp32_products.FP32_PRODUCT_ROWS`), or ``""``."""
     note = ""
     if packed_fp32.uses_packed_fp32(model):
         note += f"; fp32 linears on {packed_fp32.KERNEL} (+{packed_fp32.packed_bytes(model) / 2**20:.0f} MiB)"

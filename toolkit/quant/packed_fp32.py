@@ -6,8 +6,9 @@ model's 211 linears, compiled forward after a 256-token context) a 1 / 2 / 3 / 4
 / 109.6 / 87.7 / 84.7 ms: a 2-token verify cost 1.7 decode steps, which prices speculation out. oneDNN (PyTorch's
 ``mkldnn`` backend — the kernels inductor's weight prepacking calls under ``freezing``) runs the same products on a
 copy of the weight reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``): 47.1 / 49.3
-/ 52.8 / 57.2 / 64.7 ms, a 4-token verify 1.21 steps. The sums are the same products in another order (results
-differ from MKL's by fp32 rounding, as between any two GEMM kernels).
+/ 52.8 / 57.2 / 64.7 ms, a 4-token verify 1.21 steps (recipes both ways: ``bench/reports/packed-fp32-avx2/``). The
+sums are the same products in another order (results differ from MKL's by fp32 rounding, as between any two GEMM
+kernels).
 
 :class:`PackedFp32Linear` keeps its ``weight`` parameter as it is (state dict, tied weights, bytes per step: all
 unchanged) and holds the packed copy beside it, so fp32 weights take twice their bytes in memory
@@ -74,8 +75,8 @@ class PackedFp32Linear(torch.nn.Linear):
     """``nn.Linear`` whose fp32 CPU forwards run oneDNN's GEMM on :attr:`packed`, a copy of ``weight`` reordered
     once into oneDNN's blocked layout (see the module docstring). Input ``(..., in_features)`` ->
     ``(..., out_features)``; forwards of more than :data:`PACKED_MAX_ROWS` rows (prompts) run ``nn.Linear``'s own.
-    The copy is made by :meth:`pack` and refreshed in eager calls after ``weight`` changed
-    in place (its version counter moved); a compiled graph reads the copy as it is."""
+    The copy is made by :meth:`pack` and refreshed in eager calls after ``weight`` changed in place (its version
+    counter moved); a compiled graph reads the copy as it is."""
 
     packed: torch.Tensor
     _packed_version: int
