@@ -15,7 +15,8 @@ Protocol (:func:`toolkit.measure.harness.measure`): both builds warmed up (graph
 curve read or measured: the planner of each plans on its own curve), one warm-up call per form, then ``--repeats``
 repetitions, the two forms interleaved per prompt with the order rotated, the drafter's memory cleared before each
 repetition; tok/s = new tokens / wall time of the call, prompt included. Per recipe: each form's verify cost curve
-(ms, widths 1-16), draft and verify ms per round and a round's cost in one-token steps (the curve's width 1), tok/s
+(ms, widths 1-16), draft and verify ms per round and a round's cost in one-token steps (``--ar-step``: each form's
+plain AR on the same target, timed among the rest; else the re-measured curve's width 1), tok/s
 and TTFT (medians), the paired ratio, τ, verify width per round, whether the greedy texts are equal (the two kernels
 sum in another order, so texts may part at near-ties: where they part, the default kernel's top-2 margin there,
 :func:`eval.fidelity.first_divergence`); and the target's forward over prompts of ``--prompt-lengths`` tokens both
@@ -27,10 +28,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import statistics
 import os
+import statistics
 import sys
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from unittest import mock
 
@@ -59,10 +62,10 @@ class Kernel:
     is built, the recipes it concerns and the report's title."""
 
     forms: tuple[str, str]
-    patches: tuple  # per form: a callable giving the context manager it is built under
+    patches: tuple[Callable[[], AbstractContextManager], ...]  # per form: the context it is built under
     recipes: tuple[str, ...]
     title: str
-    applies: object  # () -> str | None: why the comparison is empty on this machine, or None
+    applies: Callable[[], str | None]  # why the comparison is empty on this machine, or None
 
 
 KERNELS = {
@@ -98,26 +101,27 @@ def one_recipe(name: str, kernel: Kernel, args) -> dict:
     if args.num_draft_tokens:
         recipe = recipe.replace(spec=dataclasses.replace(recipe.spec, num_draft_tokens=args.num_draft_tokens))
     gen = dataclasses.replace(recipe.generation, max_new_tokens=args.max_new_tokens)
-    forms_ = kernel.forms
+    names = kernel.forms
     lms = builds(recipe, kernel)
-    lm = lms[forms_[0]]
+    lm = lms[names[0]]
     prompts = load_suite(str(ROOT / "bench/prompts/unseen.yaml"))[: args.num_prompts]
     items = [Prompt(p.id, p.kind, lm.encode(p.prompt, f"prompts.{p.id}")) for p in prompts]
+    span = max(i.input_ids.shape[1] for i in items) + args.max_new_tokens
     for form in lms.values():
-        form.warm_up(max(i.input_ids.shape[1] for i in items) + args.max_new_tokens)
+        form.warm_up(span)
     eos = sorted(lm.eos_token_ids(gen))
-    runners = {f: ours_runner(lms[f], eos) for f in forms_}
+    runners = {f: ours_runner(lms[f], eos) for f in names}
     if args.ar_step:  # each form's plain AR on the same target object, interleaved with the rest: its decode step
         ar = recipe.replace(draft=None, spec=SpeculationSpec(drafter="none"))
-        for f in forms_:
+        for f in names:
             twin = build(ar, target=lms[f].target, tokenizer=lms[f].tokenizer)
-            twin.warm_up(max(i.input_ids.shape[1] for i in items) + args.max_new_tokens)
+            twin.warm_up(span)
             runners[f"{f}_ar"] = ours_runner(twin, eos)
     measured = measure(runners, items, gen, repeats=args.repeats, warmup=1, rotate=True, desc=name,
                        before_repetition=lambda rep: [m.forget() for m in lms.values()])
-    fresh = fresh_curves(lms, forms_, args.curve_repeats)
+    fresh = fresh_curves(lms, names, args.curve_repeats)
     forms = {}
-    for f in forms_:
+    for f in names:
         calls = [c.stats for i in range(len(items)) for c in measured.per_prompt(f, i)]
         curve = [round(x, 1) for x in lms[f].verify_cost_for(16).step_ms[:16]]
         draft_ms, verify_ms = (statistics.median(getattr(s, k) / s.rounds for s in calls)
@@ -132,15 +136,15 @@ def one_recipe(name: str, kernel: Kernel, args) -> dict:
                     "draft_ms_per_round": round(draft_ms, 1), "verify_ms_per_round": round(verify_ms, 1),
                     "step_ms": round(step_ms, 1), "round_in_steps": round((draft_ms + verify_ms) / step_ms, 2),
                     "curve_ms": curve, "fresh_curve_ms": fresh[f], "path": lms[f].engine_note}
-    prompt_s = prompt_forwards(lms, forms_, args.prompt_lengths)
+    prompt_s = prompt_forwards(lms, names, args.prompt_lengths)
     same, margins = [], []
     for i, item in enumerate(items):  # where the texts part: the default kernel's top-2 margin there (near-tie?)
-        ours, theirs = (measured.per_prompt(f, i)[-1].token_ids for f in forms_)
+        ours, theirs = (measured.per_prompt(f, i)[-1].token_ids for f in names)
         same.append(ours == theirs)
-        divergence = first_divergence(lms[forms_[1]].target, item.input_ids, theirs, ours)
+        divergence = first_divergence(lms[names[1]].target, item.input_ids, theirs, ours)
         margins.append(divergence["margin"] if divergence else None)
     return {"recipe": name, "weights": recipe.target.precision, "forms": forms, "same_text": same,
-            "ratio": measured.paired_ratio(*forms_), "prompt_forward_s": prompt_s, "divergence_margins": margins}
+            "ratio": measured.paired_ratio(*names), "prompt_forward_s": prompt_s, "divergence_margins": margins}
 
 
 def fresh_curves(lms: dict, forms: tuple[str, str], repeats: int, widths: int = 8) -> dict:
