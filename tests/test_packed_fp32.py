@@ -63,7 +63,9 @@ def test_copies_pickles_and_in_place_changes_keep_the_packed_copy_right():
     for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):  # the test's own object, in memory
         assert type(other) is PackedFp32Linear and other.packed is not layer.packed
         torch.testing.assert_close(other(x), plain(x), atol=1e-5, rtol=1e-5)
-    assert layer.state_dict().keys() == plain.state_dict().keys()
+    assert layer.state_dict().keys() == plain.state_dict().keys()  # the copy: no state dict entry, no parameter
+    assert [n for n, _ in layer.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert isinstance(layer.packed, torch.nn.Parameter) and not layer.packed.requires_grad  # guards: frozen
     layer.weight.mul_(2)  # an in-place change: the next eager call re-packs
     torch.testing.assert_close(layer(x), x @ (2 * plain.weight).T + plain.bias, atol=1e-5, rtol=1e-5)
 
