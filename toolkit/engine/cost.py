@@ -131,7 +131,7 @@ def cost_key(model) -> str:
     if fp32_products.uses_fp32_products(model):  # bf16 layers widened to fp32: another curve
         parts.append(f"fp32-products from {fp32_products.FP32_PRODUCT_ROWS} rows")
     if packed_fp32.uses_packed_fp32(model):  # fp32 layers on oneDNN instead of MKL: another curve
-        parts.append(packed_fp32.KERNEL)
+        parts.append(f"{packed_fp32.KERNEL} r{packed_fp32.REVISION}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -38,6 +38,9 @@ from toolkit.quant.plain_linears import plain_cpu_linears
 
 #: the path line's and the cost key's name of this kernel
 KERNEL = "oneDNN prepacked fp32 GEMM"
+#: what the cost key adds to the kernel's name: moved when a change of the op moves its costs, so verify cost
+#: curves cached before it are measured again (2: the op's call overhead cut, 2026-12-07)
+REVISION = 2
 #: input rows up to which a forward runs the packed copy; more (long prompts) run MKL, faster there: on the AVX2 EPYC
 #: the model's linears alone took 626 vs 680 ms at 256 rows (oneDNN ahead at every narrower width, 1.9x at 8 rows),
 #: while a whole 1,000-token prompt forward took 2.30 s on oneDNN against MKL's 2.06-2.12
