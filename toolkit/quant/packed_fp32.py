@@ -17,8 +17,9 @@ unchanged) and holds the packed copy beside it, so fp32 weights take twice their
 compiled graph (no ``freezing`` needed) keeps the packed weight as an input of an opaque call; the copy is a frozen
 ``nn.Parameter`` held as a plain attribute, which dynamo's guard shortcut does not re-check at every call. Both
 measured on the AVX2 EPYC (one process, interleaved, 30 pairs, against ``torch.library.custom_op`` on a plain tensor):
-a compiled 1-token forward 39.0 -> 37.6 ms, a 4-token one 48.8 -> 46.0 ms. Inputs of other dtypes or devices, that need gradients, or of more than
-:data:`PACKED_MAX_ROWS` rows (long prompts, where MKL is the faster) take ``nn.Linear``'s own forward.
+a compiled 1-token forward 39.0 -> 37.6 ms, a 4-token one 48.8 -> 46.0 ms. Inputs of other dtypes or devices, that
+need gradients, or of more than :data:`PACKED_MAX_ROWS` rows (long prompts, where MKL is the faster) take
+``nn.Linear``'s own forward.
 :func:`use_packed_fp32` swaps the class of a loaded model's plain fp32 CPU linears (:func:`toolkit.models.load_model`
 does so) where :func:`wanted` says so: by default on x86 CPUs not made by Intel (MKL's slow paths are vendor-chosen);
 ``TOOLKIT_FP32_KERNEL=onednn`` packs on any CPU, ``mkl`` never. The verify cost curve of such a model is cached
