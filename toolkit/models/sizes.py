@@ -45,6 +45,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
     weights at their packed size plus their scales / zero points (see :func:`tensor_bytes`). A model whose weights
     live outside torch (a llama.cpp target) states them as ``toolkit_weight_bytes`` (the GGUF file's bytes). fp32
     linears prepacked for oneDNN (:mod:`toolkit.quant.packed_fp32`) count twice: the weight and its packed copy."""
+    return _held_bytes(model) + packed_bytes(model)
+
+
+def _held_bytes(model: torch.nn.Module) -> int:
+    """:func:`weight_bytes` without the packed copies: what a step reads, each weight once."""
     if getattr(model, "toolkit_weight_bytes", None) is not None:
         return int(model.toolkit_weight_bytes)
     seen: set[int] = set()
@@ -54,7 +59,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
             continue
         seen.add(id(tensor))
         total += tensor_bytes(tensor)
-    return total + packed_bytes(model)
+    return total
 
 
 def bytes_read_per_token(model: torch.nn.Module) -> int:
@@ -69,7 +74,7 @@ def bytes_read_per_token(model: torch.nn.Module) -> int:
     head = model.get_output_embeddings()
     weight = getattr(embedding, "weight", None)
     tied = weight is not None and head is not None and getattr(head, "weight", None) is weight
-    total = weight_bytes(model) - packed_bytes(model)
+    total = _held_bytes(model)
     if not tied:
         held = sum(tensor_bytes(t) for t in list(embedding.parameters()) + list(embedding.buffers()))
         rows = getattr(embedding, "num_embeddings", None) or weight.shape[0]
