@@ -40,7 +40,7 @@ from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from toolkit.measure.harness import spread  # noqa: E402
 from toolkit.measure.prompts import load_suite  # noqa: E402
 
-SETTINGS = {"f16 KV": ("f16", "f16"), "q8_0 KV (flash attention)": ("q8_0", "q8_0")}
+SETTINGS = {"f16 KV": ("f16", "f16"), "q8_0 KV": ("q8_0", "q8_0")}  # both with flash attention (cache_kwargs)
 
 
 def prefilled(forward, cache, prompt: list[int]) -> torch.Tensor:

@@ -200,7 +200,7 @@ def generator():
 
 def _llama_ar(target, ids: list[int], n: int, kv: str = "f16") -> list[int]:
     """llama.cpp's own greedy decoding (``Llama.generate``, temperature 0: argmax, one token per step) on a context
-    of its own over the same file (a ``kv`` cache: ``f16``, or ``q8_0`` keys and values with flash attention)."""
+    of its own over the same file (a ``kv`` cache: ``f16``, or ``q8_0`` keys and values; flash attention as ours)."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(target.gguf_path), n_ctx=1024, n_threads=target.threads,
@@ -234,15 +234,18 @@ def test_greedy_output_equals_llama_cpps_own_greedy_ar_with_drafts_accepted(gene
 
 @NEEDS_LLAMACPP
 @pytest.mark.slow
-def test_on_a_q8_0_cache_verify_width_changes_no_logit_so_greedy_equals_llama_cpp_ar_at_length(generator):
-    """On llama.cpp's f16 cache a batched verify's attention differs from the one-token path (up to ~1.4 in a logit
-    at a few hundred tokens, bench/reports/llamacpp-width); on a q8_0 cache with flash attention it is bit-identical
-    on this Q4_1 file, so speculative greedy output equals llama.cpp's greedy AR past 200 tokens too."""
-    q8 = toolkit.build(_recipe(kv={"policy": "ggml_types", "type_k": "q8_0", "type_v": "q8_0"}),
-                       target=generator.target, tokenizer=generator.tokenizer)
+@pytest.mark.parametrize("kv", ["f16", "q8_0"])
+def test_verify_width_changes_no_logit_so_greedy_equals_llama_cpp_ar_at_length(generator, kv):
+    """With flash attention (every context, ``cache_kwargs``) a batched verify's logits equal one-token steps' bit for
+    bit on this Q4_1 file, on the default f16 cache and on a q8_0 one (without it the f16 cache's batched attention
+    moved a logit by up to ~1.4 at a few hundred tokens, bench/reports/llamacpp-width), so speculative greedy output
+    equals llama.cpp's greedy AR past 200 tokens too."""
+    lm = generator if kv == "f16" else toolkit.build(
+        _recipe(kv={"policy": "ggml_types", "type_k": kv, "type_v": kv}), target=generator.target,
+        tokenizer=generator.tokenizer)
     prompt = [{"role": "user", "content": "Repeat this text exactly: " + LONG_TEXT}]
-    ids = q8.encode(prompt)
-    forward, head, fed = q8.engine, ids[:, :-24], [int(t) for t in ids[0, -24:]]
+    ids = lm.encode(prompt)
+    forward, head, fed = lm.engine, ids[:, :-24], [int(t) for t in ids[0, -24:]]
 
     def scored(width: int) -> torch.Tensor:
         """Logits of the last 24 prompt tokens fed after the rest, ``width`` per forward."""
@@ -259,10 +262,10 @@ def test_on_a_q8_0_cache_verify_width_changes_no_logit_so_greedy_equals_llama_cp
 
     steps, wide = scored(1), scored(8)
     assert torch.equal(steps, wide)
-    q8.generate(prompt, max_new_tokens=64)
-    out = q8.generate(prompt, max_new_tokens=64)  # the lookup drafter remembers the first request
+    lm.generate(prompt, max_new_tokens=64)
+    out = lm.generate(prompt, max_new_tokens=64)  # the lookup drafter remembers the first request
     assert out.stats.tokens_per_round > 1.5 and ids.shape[1] + 64 > 200
-    assert out.token_ids == _llama_ar(generator.target, out.prompt_ids, 64, kv="q8_0")
+    assert out.token_ids == _llama_ar(generator.target, out.prompt_ids, 64, kv=kv)
 
 
 @NEEDS_LLAMACPP
@@ -270,7 +273,7 @@ def test_on_a_q8_0_cache_verify_width_changes_no_logit_so_greedy_equals_llama_cp
 def test_eagle_head_drafts_from_llama_cpps_embeddings_and_greedy_equals_its_ar(generator):
     """The shipped EAGLE-1 head beside the GGUF on llama.cpp: its features are llama.cpp's embeddings output, which is
     the final norm's hidden state (the file's LM head over it gives llama.cpp's own logits), and greedy output equals
-    llama.cpp's greedy AR (q8_0 cache with flash attention: verify width changes no logit) with drafts accepted. An
+    llama.cpp's greedy AR (flash attention: verify width changes no logit) with drafts accepted. An
     EAGLE-3 head (intermediate layers) is refused when it is loaded."""
     from toolkit.eagle.checkpoint import dense_weight
     from toolkit.engine.llamacpp_forward import FINAL_NORM
@@ -396,8 +399,7 @@ def test_perplexity_equals_llama_cpps_own(generator):
     ids = generator.encode(TEXT)[0].tolist()
     target = generator.target
     llm = Llama(model_path=str(target.gguf_path), n_ctx=1024, n_threads=target.threads,
-                n_threads_batch=target.threads, logits_all=True,
-                verbose=False)
+                n_threads_batch=target.threads, logits_all=True, verbose=False, **cache_kwargs())  # as ours
     llm.eval(ids)
     logp = torch.log_softmax(torch.from_numpy(llm.scores[: len(ids) - 1]).double(), dim=-1)
     nll = float(-logp.gather(1, torch.tensor(ids[1:]).view(-1, 1)).sum())

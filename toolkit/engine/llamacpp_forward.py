@@ -18,8 +18,10 @@ LlamaCppCache`.
 
 Greedy and sampling stay lossless: the target distribution is llama.cpp's logits, which the decoder's accept step
 (:mod:`toolkit.engine.accept`) treats like any target's. Batched verify (``W`` positions in one ``llama_decode``) runs
-the same ggml kernels over more rows as a one-token step; ``tests/test_llamacpp_backend.py`` checks that greedy output
-equals llama.cpp's own one-token-at-a-time greedy decoding on the same file.
+the same ggml kernels over more rows as a one-token step: with flash attention (every context here,
+:func:`toolkit.models.llamacpp.cache_kwargs`) its logits equal ``W`` one-token steps' bit for bit on Q4_0 / Q4_1 /
+Q8_0 files, so greedy output equals llama.cpp's own one-token-at-a-time greedy decoding on the same file
+(``tests/test_llamacpp_backend.py``); Q4_K's repacked batched kernels sum in another order from 4 rows on.
 
 One row: llama.cpp's sequences could hold a batch (``seq_id`` per row), but its KV cells of several sequences share
 one buffer and the decoder's per-row rollback would need a sequence each; the plan refuses ``batch_size > 1``
@@ -94,10 +96,11 @@ class LlamaCppForward:
     @property
     def cost_tag(self) -> str:
         """What the verify cost curve depends on besides the model's config (:func:`toolkit.engine.cost.
-        load_or_measure`'s key): the file, llama.cpp's version, threads and cache types."""
+        load_or_measure`'s key): the file, llama.cpp's version, threads, cache types and attention (flash
+        attention on every context since curves were first cached without it)."""
         path = self.model.gguf_path
         return (f"{LLAMACPP}|{self.llama_cpp.__version__}|{path.resolve()}|{path.stat().st_size}|"
-                f"{self.model.threads}|{self.form.type_k}|{self.form.type_v}")
+                f"{self.model.threads}|{self.form.type_k}|{self.form.type_v}|flash-attn")
 
     def width_for(self, width: int) -> int:
         return width

@@ -11,8 +11,8 @@ each block stored with one fp16 scale:
 
 Unlike KIVI (``policy: quantized``: keys per channel over groups of tokens, a full-precision residual) every token
 is quantized as it is written, per token, so rollback is exact as for the f16 cache (removing positions removes
-their blocks). Quantized values need flash attention in llama.cpp, which the target's context then enables
-(:meth:`toolkit.models.llamacpp.LlamaCppTarget.context`).
+their blocks). Quantized values need flash attention in llama.cpp, which every context of the target runs
+(:func:`toolkit.models.llamacpp.cache_kwargs`).
 
 The policy has no torch form (``torch_form = False``): on a torch target :func:`toolkit.session.plan` refuses it,
 naming ``kv.policy``.
@@ -40,7 +40,7 @@ class GgmlTypes(KVPolicy):
 
     Attributes:
         type_k: how keys are stored: ``f16``, ``q8_0`` or ``q4_0``.
-        type_v: how values are stored (the same choices; quantized values turn flash attention on).
+        type_v: how values are stored (the same choices; llama.cpp quantizes values inside flash attention).
 
     Raises:
         ConfigError: a type outside :data:`GGML_TYPES` (named), or both ``f16`` (that is ``policy: none``).

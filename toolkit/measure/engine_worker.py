@@ -80,8 +80,10 @@ class LlamaCpp:
         # n_batch (512) rows unless logits_all: a longer prompt failed with "could not broadcast input array from
         # shape (...) into shape (0,)" (llama-cpp-python 0.3.36; its issue 657 is the same overflow), so the lookup
         # engine keeps every position's logits, as its users must
+        # flash attention as llama.cpp's own CLI and server run on a CPU (-fa auto) and as the toolkit's llama.cpp
+        # target does (toolkit.models.llamacpp.cache_kwargs): llama-cpp-python's default is off
         return Llama(model_path=self.path, n_ctx=self.n_ctx, n_threads=self.threads, n_threads_batch=self.threads,
-                     draft_model=draft, logits_all=scorer or draft is not None, verbose=False)
+                     draft_model=draft, logits_all=scorer or draft is not None, flash_attn=True, verbose=False)
 
     def _fit(self, positions: int) -> None:
         """Grow the context to hold ``positions`` (rounded up to a multiple of :data:`CONTEXT_STEP`): a request
