@@ -20,8 +20,9 @@ Greedy and sampling stay lossless: the target distribution is llama.cpp's logits
 (:mod:`toolkit.engine.accept`) treats like any target's. Batched verify (``W`` positions in one ``llama_decode``) runs
 the same ggml kernels over more rows as a one-token step: with flash attention (every context here,
 :func:`toolkit.models.llamacpp.cache_kwargs`) its logits equal ``W`` one-token steps' bit for bit on Q4_0 / Q4_1 /
-Q8_0 files, so greedy output equals llama.cpp's own one-token-at-a-time greedy decoding on the same file
-(``tests/test_llamacpp_backend.py``); Q4_K's repacked batched kernels sum in another order from 4 rows on.
+Q8_0 files (a q8_0 cache at any length, the f16 cache up to 256 positions), so greedy output equals llama.cpp's own
+one-token-at-a-time greedy decoding on the same file (``tests/test_llamacpp_backend.py``); past that, and in Q4_K's
+repacked batched kernels (from 4 rows), sums run in another order and texts can part at near-ties.
 
 One row: llama.cpp's sequences could hold a batch (``seq_id`` per row), but its KV cells of several sequences share
 one buffer and the decoder's per-row rollback would need a sequence each; the plan refuses ``batch_size > 1``

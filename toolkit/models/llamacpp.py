@@ -122,10 +122,12 @@ def cache_kwargs(type_k: str = "f16", type_v: str = "f16") -> dict:
     """``llama_cpp.Llama`` keyword arguments of a KV cache storing keys as ``type_k`` and values as ``type_v``
     (``f16``, ``q8_0``, ``q4_0``): their ggml types, and flash attention on whatever the types (llama.cpp's own
     default on a CPU, ``-fa auto``; llama-cpp-python's is off). With it a verify forward of ``W`` tokens gives the
-    same logits, bit for bit, as ``W`` one-token steps on an f16 cache too (without it ggml's batched attention
-    moved a logit by up to ~1.4 and greedy texts parted from llama.cpp's own AR; ``bench/reports/llamacpp-width``),
-    and llama.cpp quantizes V only inside it. Our contexts and the llama.cpp AR baselines beside them are made with
-    it, so both run the same cache and attention. Raises :class:`ModelLoadError` without llama-cpp-python."""
+    same logits, bit for bit, as ``W`` one-token steps on a q8_0 cache at any length and on an f16 cache while it
+    holds at most 256 positions (past them ggml's one-query and batched f16 attention sum in another order; without
+    flash attention they did from the first position: up to ~1.4 in a logit, and greedy texts part from llama.cpp's
+    own AR where the top-2 margin is smaller; ``bench/reports/llamacpp-width``), and llama.cpp quantizes V only
+    inside it. Our contexts and the llama.cpp AR baselines beside them are made with it, so both run the same cache
+    and attention. Raises :class:`ModelLoadError` without llama-cpp-python."""
     llama_cpp = require()
     return {"type_k": getattr(llama_cpp, f"GGML_TYPE_{type_k.upper()}"),
             "type_v": getattr(llama_cpp, f"GGML_TYPE_{type_v.upper()}"), "flash_attn": True}
