@@ -3,13 +3,14 @@ own greedy AR does) and in verify forwards of ``W`` tokens (what the decoder's v
 llama.cpp target forward, per GGUF file and context setting.
 
     PYTHONPATH=. .venv/bin/python bench/llamacpp_width.py [--requantize Q4_0 Q4_K_M] [--gguf FILE ...]
-        [--suite short-heldout] [--num-prompts 3] [--tokens 64] [--widths 2 4 8] [--threads 2]
+        [--suite short-heldout] [--num-prompts 3] [--tokens 64] [--widths 2 4 8] [--split 256] [--threads 2]
         [--out bench/reports/llamacpp-width]
 
 Per prompt: the prompt is prefilled, 64 tokens are decoded greedily one at a time (their logits are the reference),
 the cache rolls back to the prompt and the same tokens are fed again in forwards of ``W`` tokens (teacher forcing).
 Reported per file, setting and ``W``: the largest ``|Δ logit|`` over the vocabulary at a position (median and max over
-positions), the positions whose argmax changes, and the reference's top-2 margin there; and per file and setting the
+positions, and the max at up to / past ``--split`` cached positions: ggml's f16 flash attention changes path past
+256), the positions whose argmax changes, and the reference's top-2 margin there; and per file and setting the
 verify cost curve through the same forward (:func:`toolkit.engine.cost.measure_verify_cost`, ms for 1-8 tokens after
 256 of context): what a verify of ``W`` tokens costs against a one-token step on these block types. Where the
 argmax changes, a speculative greedy decode on llama.cpp and llama.cpp's own greedy AR part ways (both are the file's
@@ -75,7 +76,8 @@ def score(forward, cache, prompt: list[int], tokens: int, widths: list[int]) -> 
         wide = torch.cat(wide)
         flips = (wide.argmax(-1) != reference.argmax(-1)).nonzero().flatten().tolist()
         out[width] = {"max_abs_diff": (wide - reference).abs().amax(-1).tolist(), "flips": flips,
-                      "flip_margins": [float(top2[i, 0] - top2[i, 1]) for i in flips]}
+                      "flip_margins": [float(top2[i, 0] - top2[i, 1]) for i in flips],
+                      "positions": [len(prompt) + 1 + i for i in range(tokens)]}  # cached when the logits come
     cache.keep_rows([])
     return out
 
@@ -103,7 +105,12 @@ def measure_file(source: str, prompts, args) -> dict:
         for w in args.widths:
             diffs = [d for p in per_prompt for d in p[w]["max_abs_diff"]]
             margins = [m for p in per_prompt for m in p[w]["flip_margins"]]
+            at = [n for p in per_prompt for n in p[w]["positions"]]
+            near = [d for d, n in zip(diffs, at) if n <= args.split]
+            far = [d for d, n in zip(diffs, at) if n > args.split]
             rows[w] = {"median_max_abs_diff": statistics.median(diffs), "max_abs_diff": max(diffs),
+                       "max_abs_diff_within_split": max(near, default=None),
+                       "max_abs_diff_past_split": max(far, default=None), "positions_past_split": len(far),
                        "flips": sum(len(p[w]["flips"]) for p in per_prompt), "positions": len(diffs),
                        "largest_flip_margin": max(margins, default=None)}
         result[name] = rows
@@ -116,17 +123,21 @@ def markdown(report: dict) -> str:
              f"CPU: {cpu_line(c)}. llama-cpp-python "
              f"{report['llama_cpp']}, {report['threads']} threads; {report['prompts']} prompts of "
              f"`{report['suite']}`, {report['tokens']} greedy tokens each, scored one per forward (llama.cpp's AR) "
-             "and in forwards of W tokens (the verify).", "",
-             "| file | KV | W | median max\\|Δ logit\\| | max\\|Δ logit\\| | argmax changed | largest top-2 margin "
-             "there |", "|---|---|---|---|---|---|---|"]
+             "and in forwards of W tokens (the verify); every llama.cpp context runs flash attention "
+             f"(`cache_kwargs`). Split: positions cached when the logits come, at most {report['split']} or more.", "",
+             "| file | KV | W | median max\\|Δ logit\\| | max\\|Δ logit\\| | max, <= split | max, > split "
+             "(positions) | argmax changed | largest top-2 margin there |", "|---|---|---|---|---|---|---|---|---|"]
     for file, settings in report["files"].items():
         for setting, rows in settings.items():
             for w, r in rows.items():
                 if w == "curve_ms":
                     continue
                 margin = "–" if r["largest_flip_margin"] is None else f"{r['largest_flip_margin']:.3f}"
+                near, far = (("–" if r.get(k) is None else f"{r[k]:.3f}")
+                             for k in ("max_abs_diff_within_split", "max_abs_diff_past_split"))
                 lines.append(f"| {file} | {setting} | {w} | {r['median_max_abs_diff']:.3f} | {r['max_abs_diff']:.3f} "
-                             f"| {r['flips']} / {r['positions']} | {margin} |")
+                             f"| {near} | {far} ({r.get('positions_past_split', 0)}) | {r['flips']} / "
+                             f"{r['positions']} | {margin} |")
     lines += ["", "Verify cost through the same forward (ms for 1-8 tokens after 256 of context; median of 5):", "",
               "| file | KV | ms, 1-8 tokens | 2 / 1 | 4 / 1 |", "|---|---|---|---|---|"]
     for file, settings in report["files"].items():
@@ -144,6 +155,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--widths", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--split", type=int, default=256,
+                        help="report the largest difference at up to / past this many cached positions")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/reports/llamacpp-width")
     args = parser.parse_args()
@@ -155,7 +168,7 @@ def main() -> None:
     files.update({p.name: str(p) for p in (*(requantized("embedded", t) for t in args.requantize), *args.gguf)})
     prompts = spread(load_suite(SUITES[args.suite]), args.num_prompts)
     report = {"cpu": cpu_isa(), "llama_cpp": llama_cpp.__version__, "threads": args.threads, "suite": args.suite,
-              "prompts": len(prompts), "tokens": args.tokens, "files": {}}
+              "prompts": len(prompts), "tokens": args.tokens, "split": args.split, "files": {}}
     for name, source in files.items():
         report["files"][name] = measure_file(source, prompts, args)
         print(f"{name}: done", flush=True)
