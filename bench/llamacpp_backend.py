@@ -30,11 +30,13 @@ such path, so a 4-token verify costs ~2.5x a 1-token step on Q4_1 and ~1.5x on Q
 runs the recipe's GGUF re-quantized to ``TYPE`` by llama.cpp's own quantizer (``llama_model_quantize``, written once
 into the toolkit's cache): a stand-in for a file of that type where no other is at hand offline.
 
-``--kv q8_0`` runs every method on a q8_0 KV cache (keys and values, flash attention: ours through ``kv.policy:
+Every context, ours and llama.cpp's, runs flash attention (``toolkit.models.llamacpp.cache_kwargs``; llama.cpp's own
+CPU default). ``--kv q8_0`` runs every method on a q8_0 KV cache (keys and values: ours through ``kv.policy:
 ggml_types``, llama.cpp's through ``type_k`` / ``type_v``). There a verify forward's logits equal one-token steps'
-bit for bit on Q4_1 / Q4_0 files (``bench/llamacpp_width.py``), so ours equals llama.cpp's greedy AR token for token;
-on the default f16 cache batched attention differs from the one-token path by up to ~1.4 in a logit at a few hundred
-tokens of context, and greedy texts part where the top-2 margin is smaller.
+bit for bit on Q4_1 / Q4_0 / Q8_0 files at any length (``bench/llamacpp_width.py``), so ours equals llama.cpp's
+greedy AR token for token; on the default f16 cache they do up to 256 cached positions, and past them batched
+attention differs from the one-token path by up to ~2 in a logit, so greedy texts can part where the top-2 margin is
+smaller.
 
 Writes ``<out>/llamacpp_backend.json`` and ``<out>/README.md`` with ``lscpu``'s model name and AVX flags.
 """
