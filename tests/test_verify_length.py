@@ -273,7 +273,7 @@ def test_draft_steps_try_a_draft_the_prior_says_never_pays_and_stop_once_it_fail
     assert ctl.draft_steps([1.0] * 4, [0] * 4, 0.0, Calibrator()) == 0  # no room left: a plain step
 
 
-# ------------------------------------------------------------------------------------------------------ outputs unchanged
+# ---------------------------------------------------------------------------------------------------- outputs unchanged
 @pytest.mark.parametrize("make", [tiny_llama, tiny_neox])
 @pytest.mark.parametrize("curve", [FLAT, STEEP, DIP], ids=["flat", "steep", "dip"])
 def test_greedy_output_is_ar_whatever_the_curve(make, curve):

@@ -111,7 +111,8 @@ def _compile_why(recipe, target, static: str | None) -> str | None:
                 "torch.compile: compiling gains nothing there")
     if static:
         return f"compile: {mode}, but the static cache does not hold {static}"
-    if bucketed(next(target.parameters()).device) and recipe.spec.tree and recipe.spec.tree_budget + 1 > CUDA_WIDTHS[-1]:
+    device = next(target.parameters()).device
+    if bucketed(device) and recipe.spec.tree and recipe.spec.tree_budget + 1 > CUDA_WIDTHS[-1]:
         return (f"compile: {mode}, but a tree of {recipe.spec.tree_budget} nodes is verified past the widest CUDA "
                 f"graph bucket, {CUDA_WIDTHS[-1]} tokens")
     return None

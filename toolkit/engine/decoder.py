@@ -258,7 +258,8 @@ class SpeculativeDecoder:
                               read=self.controller.uses_confidence)  # else a draft network's tokens stay on device
         drafted_at = time.perf_counter()
         draft_compile_ms = drafting.compile_ms - compiled  # the drafter's own graphs compiling: not drafting
-        n, width = self.controller.plan(rows, batch_weights(draft_limits, draining)) if self.drafter is not None else (0, 1)
+        n, width = (self.controller.plan(rows, batch_weights(draft_limits, draining)) if self.drafter is not None
+                    else (0, 1))
         drafted = [min(len(r.proposal), n) for r in rows]
         on_device = drafting.device_proposals
         inputs, counts = self._verify_inputs(rows, drafted, width, on_device)

@@ -13,7 +13,8 @@ the model once and times each request itself; greedy decoding, the same prompts 
 
 Where the engines' interpreter is: ``$TOOLKIT_ENGINES_PYTHON`` (``off``: none, as in the test suite), else
 ``.venv-engines/bin/python`` in the working directory or the source checkout, else this interpreter when it has
-llama-cpp-python (the ``[llamacpp]`` extra, ``make llamacpp``: the llama.cpp rows only). :func:`available` says which engines it can import (none when it is absent).
+llama-cpp-python (the ``[llamacpp]`` extra, ``make llamacpp``: the llama.cpp rows only). :func:`available` says which
+engines it can import (none when it is absent).
 """
 
 from __future__ import annotations

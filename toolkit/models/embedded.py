@@ -123,7 +123,8 @@ def manifest_problem(directory: Path) -> str | None:
             return f"{path} is missing"
         stat = path.stat()
         if stat.st_size != expected["bytes"]:
-            return f"{path} has {stat.st_size} bytes, the conversion wrote {expected['bytes']} (truncated or overwritten)"
+            return (f"{path} has {stat.st_size} bytes, the conversion wrote {expected['bytes']} "
+                    "(truncated or overwritten)")
         if stat.st_mtime_ns != expected.get("mtime_ns") and sha256_file(path) != expected["sha256"]:
             return f"{path} was modified after conversion (its SHA-256 differs from the recorded one)"
     for path in sorted(directory.glob("*.safetensors")):
