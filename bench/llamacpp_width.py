@@ -124,7 +124,8 @@ def markdown(report: dict) -> str:
              f"{report['llama_cpp']}, {report['threads']} threads; {report['prompts']} prompts of "
              f"`{report['suite']}`, {report['tokens']} greedy tokens each, scored one per forward (llama.cpp's AR) "
              "and in forwards of W tokens (the verify); every llama.cpp context runs flash attention "
-             f"(`cache_kwargs`). Split: positions cached when the logits come, at most {report['split']} or more.", "",
+             f"(`cache_kwargs`). Split: the positions cached when a token's logits come, up to {report['split']} or past it.",
+             "",
              "| file | KV | W | median max\\|Δ logit\\| | max\\|Δ logit\\| | max, <= split | max, > split "
              "(positions) | argmax changed | largest top-2 margin there |", "|---|---|---|---|---|---|---|---|---|"]
     for file, settings in report["files"].items():

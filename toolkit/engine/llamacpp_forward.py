@@ -42,7 +42,7 @@ import torch
 from toolkit.errors import ConfigError
 from toolkit.kv.llamacpp_cache import LlamaCppCache, LlamaCppForm, bytes_per_token, llamacpp_form
 from toolkit.kv.static import CAPACITY_STEP
-from toolkit.models.llamacpp import LLAMACPP, N_BATCH
+from toolkit.models.llamacpp import FLASH_ATTN, LLAMACPP, N_BATCH
 from toolkit.threads import warn_passive_wait
 
 #: the hidden states llama.cpp hands out (``hidden_states[-1]`` in HF's indexing: the final norm's output, what an
@@ -97,11 +97,11 @@ class LlamaCppForward:
     @property
     def cost_tag(self) -> str:
         """What the verify cost curve depends on besides the model's config (:func:`toolkit.engine.cost.
-        load_or_measure`'s key): the file, llama.cpp's version, threads, cache types and attention (flash
-        attention on every context since curves were first cached without it)."""
+        load_or_measure`'s key): the file, llama.cpp's version, threads, cache types and whether flash attention runs
+        (:data:`~toolkit.models.llamacpp.FLASH_ATTN`; curves were first cached without it)."""
         path = self.model.gguf_path
         return (f"{LLAMACPP}|{self.llama_cpp.__version__}|{path.resolve()}|{path.stat().st_size}|"
-                f"{self.model.threads}|{self.form.type_k}|{self.form.type_v}|flash-attn")
+                f"{self.model.threads}|{self.form.type_k}|{self.form.type_v}" + ("|flash-attn" if FLASH_ATTN else ""))
 
     def width_for(self, width: int) -> int:
         return width

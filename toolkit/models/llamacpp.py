@@ -52,6 +52,8 @@ N_CTX_MAX = 8192
 VERIFY_HEADROOM = 64
 #: tokens per ``llama_decode`` of a prompt (and the widest verify forward)
 N_BATCH = 512
+#: whether llama.cpp contexts run flash attention (:func:`cache_kwargs`; the verify cost curve's key names it)
+FLASH_ATTN = True
 #: what a metadata-only copy holds (``convert_gguf``'s log line)
 META_LAYOUT = "config, generation config and tokenizer only (no weights)"
 
@@ -130,7 +132,7 @@ def cache_kwargs(type_k: str = "f16", type_v: str = "f16") -> dict:
     and attention. Raises :class:`ModelLoadError` without llama-cpp-python."""
     llama_cpp = require()
     return {"type_k": getattr(llama_cpp, f"GGML_TYPE_{type_k.upper()}"),
-            "type_v": getattr(llama_cpp, f"GGML_TYPE_{type_v.upper()}"), "flash_attn": True}
+            "type_v": getattr(llama_cpp, f"GGML_TYPE_{type_v.upper()}"), "flash_attn": FLASH_ATTN}
 
 
 def is_llamacpp(model) -> bool:
