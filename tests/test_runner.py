@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -104,3 +105,21 @@ def test_cli_reports_unknown_suite(tmp_path):
     bad.write_text("name: bad\nspec: {drafter: ngram}\ndraft: null\nprompts: nonexistent\n")
     result = CliRunner().invoke(app, ["run", str(bad)])
     assert result.exit_code == 2 and "prompts" in result.output and "short" in result.output
+
+
+def test_plain_text_gives_a_base_model_the_suites_prompts(tokenizer):
+    from toolkit.errors import ConfigError
+    from toolkit.measure.prompts import plain_text
+    from toolkit.requests import encode
+
+    prompts = {p.id: p.prompt for p in load_suite("short")}
+    messages = prompts["instruct-explain"]
+    assert plain_text(messages) == "".join(m["content"] + "\n\n" for m in messages) and "user" not in plain_text(
+        messages)
+    assert plain_text(prompts["code-textwrap"]) is prompts["code-textwrap"]  # plain text already
+    base = copy.deepcopy(tokenizer)
+    base.chat_template = None  # a base model's tokenizer
+    with pytest.raises(ConfigError, match="prompts.instruct-explain.*no chat template"):
+        encode(base, "base.gguf", messages, "prompts.instruct-explain")
+    ids = encode(base, "base.gguf", plain_text(messages), "prompts.instruct-explain")
+    assert ids[0].tolist() == base(plain_text(messages)).input_ids

@@ -125,6 +125,15 @@ def _prompt(entry: dict, field: str, kind: str, pid: str) -> Prompt:
     return Prompt(pid, kind, text)
 
 
+def plain_text(prompt: str | list[dict]) -> str:
+    """``prompt`` as plain text for a base model (a tokenizer without a chat template): a string as it is; chat
+    messages' contents, each followed by a blank line, so the model continues after the last one (the roles are
+    dropped: a base model was never trained on them)."""
+    if isinstance(prompt, str):
+        return prompt
+    return "".join(message["content"] + "\n\n" for message in prompt)
+
+
 def load_suite(name_or_path: str) -> list[Prompt]:
     """Prompts of a shipped suite (``short``, ``long``, ``memory``: ``recipes/prompts/``), of a suite YAML file, or
     of a JSONL file of prompts (:func:`load_prompt_file`; ids ``prompt-N``, in file order).
