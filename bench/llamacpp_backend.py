@@ -20,7 +20,8 @@ Methods, each on the same prompt token ids (the recipe's chat template), greedy,
 * ``ours_eagle`` (with ``--eagle``) — the same target on llama.cpp with the shipped EAGLE-1 head drafting from
   llama.cpp's embeddings output (bf16 head on torch, up to ``--eagle-k`` tokens, the recipe's verify-length rule).
 
-Protocol (:func:`toolkit.measure.harness.measure`): one warm-up call per method, then ``--repeats`` repetitions,
+Protocol (:func:`toolkit.measure.harness.measure`): ours' ``warm_up`` (the widest verify once: llama.cpp's first
+forward with more output rows than before costs ~2x), one warm-up call per method, then ``--repeats`` repetitions,
 methods interleaved per prompt with the order rotated between repetitions, the drafter's memory cleared before each
 repetition; tok/s = new tokens / wall time of the call, prompt included (TTFT counted); medians over repetitions.
 Greedy identity: ours' tokens against llama.cpp AR's, per prompt.
@@ -290,6 +291,9 @@ def main() -> None:
                 "draft": {"source": "embedded", "precision": "bf16"}}
         eagle = build(Recipe.from_dict(data), target=ours.target, tokenizer=ours.tokenizer)
         runners["ours_eagle"] = ours_runner(eagle, sorted(eos))
+    for lm in (ours, eagle):  # the widest verify once (llama.cpp grows its logits buffer) and the cost curve
+        if lm is not None:
+            lm.warm_up(1024 + args.max_new_tokens)
     import llama_cpp
 
     report = {"cpu": cpu_isa(), "environment": environment(), "llama_cpp": llama_cpp.__version__,

@@ -247,6 +247,7 @@ def runners_for(generator, methods: list[str], eos_ids: list[int], reference=Non
             from toolkit.speculative_lm import build
 
             on_llamacpp = build(llamacpp_variant(generator.recipe), pool=SHARED_POOL)
+            on_llamacpp.warm_up(static_cache_len or 4096)  # the widest verify once: llama.cpp grows its logits
             out[method] = ours_runner(on_llamacpp, eos_ids, trajectory)
             out[method].generator = on_llamacpp
         else:

@@ -222,6 +222,20 @@ def test_build_loads_llama_cpp_so_the_first_request_does_not():
 
 
 @NEEDS_LLAMACPP
+def test_warm_up_runs_the_widest_verify_so_no_timed_call_grows_llama_cpps_logits(generator, monkeypatch):
+    from toolkit.engine.llamacpp_forward import LlamaCppForward
+
+    widths = []
+    call = LlamaCppForward.__call__
+    monkeypatch.setattr(LlamaCppForward, "__call__", lambda self, cache, ids, hidden=(): (
+        widths.append(ids.shape[1]), call(self, cache, ids, hidden))[1])
+    assert generator.warm_up(64) > 0
+    # first the widest verify the plan allows (then, where this machine's curve is not cached yet, its measurement)
+    assert widths[0] == generator.plan.verify_room > 2
+    assert generator.generate(PROMPT, max_new_tokens=8).token_ids  # the scratch sequence left the context usable
+
+
+@NEEDS_LLAMACPP
 @pytest.mark.slow
 def test_greedy_output_equals_llama_cpps_own_greedy_ar_with_drafts_accepted(generator):
     first = generator.generate(PROMPT, max_new_tokens=40)

@@ -69,6 +69,9 @@ class LlamaCppForward:
     """
 
     compiled = False
+    #: llama.cpp grows its logits buffer on the first decode with more output rows than any before it, and that
+    #: decode costs ~2x: :meth:`~toolkit.SpeculativeLM.warm_up` runs the widest verify once (:meth:`warm_up`)
+    grows_outputs = True
     buckets = False
     static_span = False
     tuned = False
@@ -200,9 +203,12 @@ class LlamaCppForward:
             raise ValueError(f"hidden: this llama.cpp forward hands out {self.features or 'no hidden states'} "
                              f"(its context was made for them), not {hidden}")
 
-    def warm_up(self, cache_factory, widths: tuple[int, ...] = (1, 2), rows: tuple[int, ...] = (1,)) -> float:
+    def warm_up(self, cache_factory, widths: tuple[int, ...] = (1, 2), rows: tuple[int, ...] = (1,),
+                features: tuple[int, ...] = ()) -> float:
         """One prefill and a forward of each width on a scratch cache (llama.cpp compiles nothing; this touches the
-        mapped weights and the compute buffers); returns the seconds it took."""
+        mapped weights and grows the logits buffer to the widest forward's rows: :attr:`grows_outputs`); returns the
+        seconds it took. ``rows`` and ``features`` are the compiled forwards' arguments (one row here; a forward made
+        for an EAGLE head's features hands them out from every decode)."""
         began = time.perf_counter()
         cache = cache_factory(1)
         prefilled, kwargs = cache.begin_row(8)
