@@ -202,13 +202,9 @@ class SpeculativeLM:
     def warm_up(self, tokens: int, batch_size: int = 1) -> float:
         """Compile the engine's graphs for requests of up to ``tokens`` positions (prompt + new tokens) and batches
         of ``batch_size`` rows before the first request (nothing on the eager path); returns the seconds it took
-        (seconds from inductor's on-disk cache, minutes cold) and reads or measures the verify cost curve. A llama.cpp
-        target runs one forward of the widest verify instead: llama.cpp grows its logits buffer on the first forward
-        with more output rows than before, and that forward costs ~2x (+116 ms at 16 rows of Gemma 3's 262,144-token
-        vocabulary on a 2-core AVX2 EPYC), which would otherwise land in a timed call.
-
-        Without it, the first call of a compiled recipe compiles (logged on the ``toolkit.engine`` logger) and
-        reports that time as ``stats.compile_ms``, outside its other times.
+        (seconds from inductor's on-disk cache, minutes cold) and reads or measures the verify cost curve. Without it,
+        the first call of a compiled recipe compiles (logged on the ``toolkit.engine`` logger) and reports that time
+        as ``stats.compile_ms``, outside its other times. A llama.cpp target runs its widest verify (grows_outputs).
 
         Raises:
             ConfigError: ``tokens`` or ``batch_size`` not a positive integer (named).
@@ -219,20 +215,15 @@ class SpeculativeLM:
         check_int("tokens", tokens, low=1)
         check_int("batch_size", batch_size, low=1)
         engine, draft, spec = self.engine, self.draft_engine, self.recipe.spec
-        nets = [(f, p, h) for f, p, h in ((engine, self.target_policy, self._features()),
-                                          (draft, self.draft_policy, ()))
-                if f is not None and (f.compiled or getattr(f, "grows_outputs", False))]
+        nets = [(f, p, h) for f, p, h in ((engine, self.target_policy, self._features()), (draft, self.draft_policy,
+                ())) if f is not None and (f.compiled or getattr(f, "grows_outputs", False))]
         if not nets:
             return 0.0
         widest = engine.width_for(max(self.plan.verify_room, spec.tree_budget + 1 if spec.tree else 0))
-        capacity = capacity_for(tokens + widest)
-        rows = (1,) if batch_size == 1 else (1, batch_size)
-        seconds = 0.0
+        capacity, rows, seconds = capacity_for(tokens + widest), (1,) if batch_size == 1 else (1, batch_size), 0.0
         for forward, policy, features in nets:  # the target's graphs, and the draft network's on its own cache
-            if not forward.compiled:  # llama.cpp: one forward of the widest verify grows its output buffer now
-                widths = (widest,)
-            else:
-                widths = tuple(w for w in forward.widths if w <= widest) if forward.buckets else (1, 2)
+            widths = ((widest,) if not forward.compiled else  # llama.cpp: the widest verify grows its logits buffer
+                      tuple(w for w in forward.widths if w <= widest) if forward.buckets else (1, 2))
             seconds += forward.warm_up(lambda r, f=forward, p=policy: f.cache_for(p, r, capacity, widest),
                                        widths, rows, features)
         if reads_cost(spec):
@@ -348,8 +339,9 @@ class SpeculativeLM:
         a finished row's place goes to the next prompt); results in input order. ``batch_size`` ``None``: the
         recipe's (:attr:`toolkit.recipe.Recipe.rows_per_forward`).
 
-        Batched decoding (the one decoder, :mod:`toolkit.engine.decoder`, over ``batch_size`` rows) needs :attr:`batchable`; any other recipe runs the
-        prompts one at a time (logged). Raises ConfigError for a bad ``batch_size`` or generation argument.
+        Batched decoding (the one decoder, :mod:`toolkit.engine.decoder`, over ``batch_size`` rows) needs
+        :attr:`batchable`; any other recipe runs the prompts one at a time (logged). Raises ConfigError for a bad
+        ``batch_size`` or generation argument.
         """
         from toolkit.checks import check_int
         from toolkit.recipe import BATCH_SIZE_MAX
