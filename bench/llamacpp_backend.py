@@ -153,12 +153,13 @@ def perplexity_pair(ours) -> dict:
     """Perplexity of :data:`PPL_SOURCE`'s first :data:`~toolkit.models.llamacpp.N_BATCH` tokens on the target's file
     two ways: through our evaluator (:func:`eval.metrics.perplexity_sliding_window`, one window: llama.cpp's logits
     at every position, f16 cache) and through llama.cpp's own ``Llama.eval`` with ``logits_all`` (its scores,
-    log-softmaxed here in float64): the same token ids, context size, batch, cache and threads."""
+    through the evaluator's :func:`~eval.metrics.nll_sum`): the same token ids, context size, batch, cache and
+    threads."""
     import math
 
     from llama_cpp import Llama
 
-    from eval.metrics import perplexity_sliding_window
+    from eval.metrics import nll_sum, perplexity_sliding_window
     from toolkit.measure.prompts import read_passage
     from toolkit.models.llamacpp import N_BATCH, cache_kwargs
 
@@ -168,8 +169,7 @@ def perplexity_pair(ours) -> dict:
                 n_threads=target.threads, n_threads_batch=target.threads, logits_all=True, verbose=False,
                 **cache_kwargs())
     llm.eval(ids)
-    logp = torch.log_softmax(torch.from_numpy(llm.scores[: len(ids) - 1]).double(), dim=-1)
-    nll = float(-logp.gather(1, torch.tensor(ids[1:]).view(-1, 1)).sum())
+    nll = nll_sum(torch.from_numpy(llm.scores[: len(ids) - 1]), torch.tensor(ids[1:]))
     llm.close()
     whole = perplexity_sliding_window(target, ids, window=len(ids), stride=len(ids))
     return {"tokens": len(ids), "ours": whole["value"], "llama_cpp": math.exp(nll / (len(ids) - 1)),

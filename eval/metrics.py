@@ -19,7 +19,7 @@ from toolkit.models.llamacpp import is_llamacpp
 
 
 # ------------------------------------------------------------------------------------------------------ perplexity
-def _nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> float:
+def nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> float:
     """Sum of -log p(target) over rows of ``logits`` ``(n, vocab)`` (computed in float64)."""
     logp = torch.log_softmax(logits.double(), dim=-1)
     return float(-logp.gather(1, targets.view(-1, 1)).sum())
@@ -69,7 +69,7 @@ def perplexity_through_cache(model, ids: list[int], policy=None, chunk: int = 5,
         for start in starts:
             logits = _chunk_logits(model, forward, cache, seq[:, start:start + chunk], first=start == 0)
             targets = seq[0, start + 1:start + chunk + 1]
-            nll += _nll_sum(logits[0, : targets.shape[0]], targets)
+            nll += nll_sum(logits[0, : targets.shape[0]], targets)
             count += targets.shape[0]
             peak_kv = max(peak_kv, cache.needed_bytes())
     return {
@@ -130,7 +130,7 @@ def perplexity_sliding_window(model, ids: list[int], window: int = 1024, stride:
         first = max(scored_until, begin + 1)
         if first < end:
             targets = seq[0, first:end]
-            nll += _nll_sum(logits[first - begin - 1:end - begin - 1], targets)
+            nll += nll_sum(logits[first - begin - 1:end - begin - 1], targets)
             count += targets.shape[0]
             scored_until = end
         if end == n:
@@ -159,7 +159,7 @@ def _through_llamacpp(model, ids: list[int], policy, chunk: int) -> dict:
         cache.accept(None, [tokens.shape[1]])
         cache.commit()
         targets = seq[0, start + 1:start + tokens.shape[1] + 1]
-        nll += _nll_sum(logits[: targets.shape[0]], targets)
+        nll += nll_sum(logits[: targets.shape[0]], targets)
         count += targets.shape[0]
         peak_kv = max(peak_kv, cache.kv_bytes())
     cache.keep_rows([])

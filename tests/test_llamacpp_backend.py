@@ -410,15 +410,14 @@ def test_rollback_is_exact(generator):
 def test_perplexity_equals_llama_cpps_own(generator):
     from llama_cpp import Llama
 
-    from eval.metrics import perplexity_sliding_window, perplexity_through_cache
+    from eval.metrics import nll_sum, perplexity_sliding_window, perplexity_through_cache
 
     ids = generator.encode(TEXT)[0].tolist()
     target = generator.target
     llm = Llama(model_path=str(target.gguf_path), n_ctx=1024, n_threads=target.threads,
                 n_threads_batch=target.threads, logits_all=True, verbose=False, **cache_kwargs())  # as ours
     llm.eval(ids)
-    logp = torch.log_softmax(torch.from_numpy(llm.scores[: len(ids) - 1]).double(), dim=-1)
-    nll = float(-logp.gather(1, torch.tensor(ids[1:]).view(-1, 1)).sum())
+    nll = nll_sum(torch.from_numpy(llm.scores[: len(ids) - 1]), torch.tensor(ids[1:]))  # llama.cpp's own logits
     whole = perplexity_sliding_window(target, ids, window=len(ids), stride=len(ids))
     assert whole["nll_sum"] == nll and whole["tokens"] == len(ids) - 1
     chunked = perplexity_through_cache(target, ids, None, chunk=9)  # 9-token forwards: other batch shapes
